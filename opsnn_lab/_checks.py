@@ -1,0 +1,84 @@
+"""Argument validation shared by every public entry point.
+
+Errors name the argument and the allowed range, so a user reading a traceback
+in a notebook knows what to change without opening the source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def check_type(name: str, value, types, *, allow_none: bool = False):
+    if value is None and allow_none:
+        return value
+    if not isinstance(value, types):
+        want = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+        raise TypeError(f"{name} must be {want}, got {type(value).__name__}")
+    return value
+
+
+def check_tensor(
+    name: str,
+    value,
+    *,
+    dtypes: Iterable[torch.dtype] | None = None,
+    min_dim: int | None = None,
+    dim: int | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if value.dtype not in dtypes:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{name} must have dtype in ({allowed}), got {str(value.dtype).replace('torch.', '')}")
+    if dim is not None and value.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(value.shape)}")
+    if min_dim is not None and value.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(value.shape)}")
+    if device is not None and value.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device}, got {value.device}")
+    return value
+
+
+def check_positive(name: str, value, *, allow_zero: bool = False, integer: bool = False):
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {type(value).__name__}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def check_range(name: str, value, low, high, *, low_inclusive=True, high_inclusive=True):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    lo_ok = value >= low if low_inclusive else value > low
+    hi_ok = value <= high if high_inclusive else value < high
+    if not (lo_ok and hi_ok):
+        lb = "[" if low_inclusive else "("
+        hb = "]" if high_inclusive else ")"
+        raise ValueError(f"{name} must be in {lb}{low}, {high}{hb}, got {value}")
+    return value
+
+
+def check_choice(name: str, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {sorted(map(str, choices))}, got {value!r}")
+    return value
+
+
+def same_device(**tensors: torch.Tensor) -> None:
+    """Raise ValueError naming the first tensor whose device differs from the first one's."""
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    if not items:
+        return
+    ref_name, ref = items[0]
+    for k, v in items[1:]:
+        if v.device != ref.device:
+            raise ValueError(f"{k} is on {v.device} but {ref_name} is on {ref.device}; move them to one device")

@@ -1,0 +1,1 @@
+"""opsnn_lab.consistency (see DESIGN.md)."""

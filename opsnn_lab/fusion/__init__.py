@@ -1,0 +1,1 @@
+"""opsnn_lab.fusion (see DESIGN.md)."""

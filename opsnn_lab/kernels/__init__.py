@@ -1,0 +1,1 @@
+"""opsnn_lab.kernels (see DESIGN.md)."""

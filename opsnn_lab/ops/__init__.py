@@ -1,0 +1,1 @@
+"""opsnn_lab.ops (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""opsnn_lab.precision (see DESIGN.md)."""

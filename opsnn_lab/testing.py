@@ -1,0 +1,98 @@
+"""Test helpers shared by opsnn_lab's own tests and usable in yours.
+
+* ``seeded(shape, seed=...)`` -- inputs that depend only on the seed.
+* ``TOLERANCES`` -- the per-dtype ``(atol, rtol)`` table every numerical test uses.
+* ``assert_close_dtype`` -- compare with the dtype's tolerance.
+* ``assert_within_eager_error`` -- the low-precision criterion: the fused result's error
+  against an fp64 reference is at most ``factor`` x eager PyTorch's error in the same dtype.
+* ``run_fwd_bwd`` -- forward + backward with a fixed upstream gradient, returns output and grads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = [
+    "TOLERANCES",
+    "DTYPES",
+    "seeded",
+    "tolerance",
+    "assert_close_dtype",
+    "assert_within_eager_error",
+    "run_fwd_bwd",
+    "non_contiguous",
+]
+
+# (atol, rtol) per dtype. fp32: 1e-5 relative is what the fused ops promise against eager.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
+DTYPES = list(TOLERANCES)
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    return TOLERANCES[dtype]
+
+
+def seeded(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu",
+           scale: float = 1.0, requires_grad: bool = False) -> torch.Tensor:
+    """A normal tensor that depends only on ``seed`` (drawn in fp32 on CPU, then moved)."""
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values as ``t`` in a non-contiguous layout (every other column of a wider buffer)."""
+    wide = torch.empty(*t.shape[:-1], t.shape[-1] * 2, dtype=t.dtype, device=t.device)
+    view = wide[..., ::2]
+    view.copy_(t.detach())
+    assert not view.is_contiguous() or t.shape[-1] <= 1
+    return view.requires_grad_(t.requires_grad)
+
+
+def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None,
+                       msg: str = "") -> None:
+    atol, rtol = TOLERANCES[dtype or expected.dtype]
+    torch.testing.assert_close(actual, expected.to(actual.dtype), atol=atol, rtol=rtol, msg=msg or None)
+
+
+def _max_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return (a.double() - ref.double()).abs().max().item()
+
+
+def assert_within_eager_error(fused: torch.Tensor, eager: torch.Tensor, ref64: torch.Tensor,
+                              factor: float = 2.0, floor: float | None = None, name: str = "output") -> None:
+    """Low-precision criterion: ``|fused - ref64| <= factor * |eager - ref64| + floor`` (max norms).
+
+    ``floor`` defaults to one ulp of the dtype at the reference's magnitude, so a case where eager
+    happens to be exact does not demand exactness from the fused op.
+    """
+    fused_err, eager_err = _max_err(fused, ref64), _max_err(eager, ref64)
+    if floor is None:
+        eps = torch.finfo(fused.dtype).eps
+        floor = eps * (ref64.abs().max().item() if ref64.numel() else 0.0)
+    assert fused_err <= factor * eager_err + floor, (
+        f"{name}: fused error {fused_err:.3e} > {factor} x eager error {eager_err:.3e} (+ floor {floor:.1e})")
+
+
+def run_fwd_bwd(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor] = (),
+                grad_seed: int = 123) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Run ``fn(*inputs)``, backpropagate a seeded upstream gradient, return (output, grads).
+
+    Grads are returned for every input that requires grad, then every param, in order.
+    """
+    out = fn(*inputs)
+    grad_out = seeded(*out.shape, seed=grad_seed, dtype=out.dtype, device=out.device)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + list(params)
+    for t in leaves:
+        t.grad = None
+    out.backward(grad_out)
+    return out.detach(), [None if t.grad is None else t.grad.detach().clone() for t in leaves]

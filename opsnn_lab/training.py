@@ -1,0 +1,135 @@
+"""The training loop every notebook and benchmark shares.
+
+``train(model, task, steps)`` runs ``steps`` optimizer steps on a task that has
+``batch(step)`` and ``loss(model, batch)`` (see ``opsnn_lab.models``), shows a tqdm
+bar, and records per-step loss and per-parameter gradient amax. Features plug in
+through callbacks (``on_step_start``, ``on_after_backward``, ``on_step_end``) so
+fusion, scaling and consistency extend this loop instead of writing a second one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from opsnn_lab._checks import check_positive, check_type
+
+__all__ = ["TrainResult", "Callback", "train"]
+
+
+class Callback:
+    """Base class for training-loop hooks; override what you need."""
+
+    def on_train_start(self, model: nn.Module, optimizer) -> None: ...
+    def on_step_start(self, step: int, batch: dict) -> None: ...
+    def on_after_backward(self, step: int, model: nn.Module, loss: torch.Tensor) -> None: ...
+    def on_step_end(self, step: int, model: nn.Module, loss: float) -> None: ...
+    def on_train_end(self, result: TrainResult) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    grad_amax: dict[str, list[float]] = field(default_factory=dict)
+    seconds: float = 0.0
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1] if self.losses else math.nan
+
+    def smoothed(self, window: int = 10) -> list[float]:
+        """Running mean of the loss over ``window`` steps (for plots and comparisons)."""
+        out, acc = [], 0.0
+        for i, v in enumerate(self.losses):
+            acc += v
+            if i >= window:
+                acc -= self.losses[i - window]
+            out.append(acc / min(i + 1, window))
+        return out
+
+    def to_dict(self) -> dict:
+        return {"losses": self.losses, "grad_amax": self.grad_amax, "seconds": self.seconds,
+                "extras": {k: v for k, v in self.extras.items() if _jsonable(v)}}
+
+    def _repr_html_(self) -> str:
+        return (f"<b>TrainResult</b>: {self.steps} steps in {self.seconds:.2f} s, "
+                f"loss {self.losses[0] if self.losses else math.nan:.4f} → {self.final_loss:.4f}")
+
+
+def _jsonable(v) -> bool:
+    return isinstance(v, (int, float, str, bool, list, dict, type(None)))
+
+
+def train(
+    model: nn.Module,
+    task,
+    steps: int = 100,
+    *,
+    lr: float = 1e-3,
+    optimizer: torch.optim.Optimizer | Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    callbacks: Sequence[Callback] = (),
+    record_grad_amax: bool = True,
+    progress: bool | None = None,
+    start_step: int = 0,
+    desc: str = "train",
+) -> TrainResult:
+    """Train ``model`` on ``task`` for ``steps`` steps and return the recorded history.
+
+    ``optimizer`` is an optimizer instance, a factory taking the parameters, or None for
+    AdamW(lr). ``progress=None`` shows a bar when the run is long enough to want one.
+    """
+    check_type("model", model, nn.Module)
+    if not (hasattr(task, "batch") and hasattr(task, "loss")):
+        raise TypeError("task must provide batch(step) and loss(model, batch), e.g. opsnn_lab.models.MaskedTokenTask")
+    check_positive("steps", steps, allow_zero=True, integer=True)
+    check_positive("lr", lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(params, lr=lr)
+    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(params)
+    names = {p: n for n, p in model.named_parameters()}
+    result = TrainResult(grad_amax={names[p]: [] for p in params} if record_grad_amax else {})
+    model.train()
+    for cb in callbacks:
+        cb.on_train_start(model, optimizer)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(range(start_step, start_step + steps), desc=desc, leave=False,
+               disable=(not progress) if progress is not None else steps < 20, mininterval=0.5)
+    t0 = time.perf_counter()
+    for step in bar:
+        batch = task.batch(step)
+        for cb in callbacks:
+            cb.on_step_start(step, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss = task.loss(model, batch)
+        loss.backward()
+        for cb in callbacks:
+            cb.on_after_backward(step, model, loss)
+        if record_grad_amax:
+            amaxes = torch.stack([p.grad.detach().abs().max() if p.grad is not None and p.grad.numel()
+                                  else torch.zeros((), device=p.device) for p in params]).float().tolist()
+            for p, a in zip(params, amaxes):
+                result.grad_amax[names[p]].append(a)
+        optimizer.step()
+        value = float(loss.detach())
+        result.losses.append(value)
+        for cb in callbacks:
+            cb.on_step_end(step, model, value)
+        bar.set_postfix(loss=f"{value:.4f}", refresh=False)
+    result.seconds = time.perf_counter() - t0
+    for cb in callbacks:
+        cb.on_train_end(result)
+    return result
