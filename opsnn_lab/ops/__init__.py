@@ -1,1 +1,18 @@
-"""opsnn_lab.ops (see DESIGN.md)."""
+"""Fused training ops: one autograd Function + one drop-in nn.Module per chain.
+
+Every module has ``from_modules(...)`` that shares the original parameters, so a
+model's ``state_dict`` keys and values are unchanged by fusion.
+"""
+
+from opsnn_lab._lazy import lazy_exports
+
+_EXPORTS = {
+    "FusedLinearGELUDropout": "linear_gelu_dropout",
+    "FusedLinearGELUDropoutLinear": "linear_gelu_dropout",
+    "FusedConvBNReLU": "conv_bn_relu",
+    "FusedQKV": "qkv",
+    "FusedAttention": "attention",
+    "Dropout": "dropout",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
