@@ -1,0 +1,322 @@
+"""Gradient-magnitude statistics: per-parameter log2|g| histograms and fp16/bf16 range fractions.
+
+``GradientStats(model)`` records, after each backward, one histogram of ``floor(log2|g|)`` per
+parameter on FIXED octave bins, plus zeros and non-finite elements counted apart. Octave bins make
+a loss scale of ``2**k`` an exact shift by ``k`` bins, so a recorded ``GradientTrace`` answers "what
+fraction would underflow / land in subnormals / overflow in fp16 or bf16 at scale s" for any
+power-of-two scale without the gradients (fractional log2 scales interpolate inside one bin).
+
+The bin of an element comes from ``torch.frexp`` (exact, no log rounding at powers of two) over the
+float32 view of all gradients concatenated, and every parameter's histogram comes out of ONE
+``torch.bincount`` over ``param_id * n_bins + bin``: about ten passes over the gradient bytes and
+a fixed number of kernel launches per step, whatever the number of parameters.
+
+Range thresholds (the value after scaling, ``|g * s|``):
+
+======  ==================  ===================  =====================================
+format  underflow           subnormal            overflow (rounds to inf)
+======  ==================  ===================  =====================================
+fp16    < 2**-24            [2**-24, 2**-14)     >= 2**16 in the histogram; exact flag:
+                                                 amax * s >= 65520 (half-way to 2**16)
+bf16    < 2**-133           [2**-133, 2**-126)   >= 2**128; flag: >= (2 - 2**-8) * 2**127
+======  ==================  ===================  =====================================
+
+"Underflow" is below the smallest subnormal: such a value flushes to zero or rounds to the smallest
+subnormal with up to 100% error. Fractions are of the nonzero finite elements (zeros are exact in
+any format and are reported as ``zero_fraction``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from opsnn_lab._checks import check_choice, check_positive, check_type
+from opsnn_lab.training import Callback
+
+__all__ = ["GradientStats", "GradientTrace", "FORMATS", "EXP_MIN", "EXP_MAX"]
+
+EXP_MIN, EXP_MAX = -149, 127  # floor(log2|x|) of the smallest float32 subnormal and of float32 max
+N_EXP = EXP_MAX - EXP_MIN + 1  # 277 octave bins
+ZERO_BIN, NONFINITE_BIN = N_EXP, N_EXP + 1
+N_BINS = N_EXP + 2
+
+
+@dataclass(frozen=True)
+class Format:
+    """A low-precision format's range in log2 terms (thresholds on the scaled magnitude)."""
+
+    name: str
+    min_subnormal_log2: int
+    min_normal_log2: int
+    overflow_log2: int
+    overflow_value: float  # smallest magnitude that rounds to inf (round to nearest even)
+
+
+FORMATS = {
+    "fp16": Format("fp16", -24, -14, 16, 65520.0),
+    "bf16": Format("bf16", -133, -126, 128, (2 - 2**-8) * 2.0**127),
+}
+KINDS = ("underflow", "subnormal", "overflow")
+
+
+def _fmt(name: str) -> Format:
+    check_choice("fmt", name, FORMATS)
+    return FORMATS[name]
+
+
+def range_fractions(counts: torch.Tensor, log2_scale, fmt: str = "fp16") -> dict[str, torch.Tensor]:
+    """Underflow/subnormal/overflow fractions from full exponent histograms ``(..., N_BINS)``.
+
+    ``log2_scale`` is a float or a tensor broadcastable to ``counts.shape[:-1]``. Fractions are of the
+    nonzero finite elements; an integer ``log2_scale`` is exact, a fractional one interpolates
+    linearly in log2 inside the one bin the threshold cuts.
+    """
+    f = _fmt(fmt)
+    exp = counts[..., :N_EXP].double()
+    cum = torch.nn.functional.pad(exp.cumsum(-1), (1, 0))  # cum[..., i] = elements in bins < i
+    total = cum[..., -1]
+    ls = torch.as_tensor(log2_scale, dtype=torch.float64, device=counts.device).expand(total.shape)
+
+    def below(log2_threshold: int) -> torch.Tensor:  # elements with log2|g| + log2_scale < threshold
+        t = log2_threshold - ls - EXP_MIN  # threshold in bin coordinates
+        i = t.floor().clamp(0, N_EXP)
+        frac = (t - i).clamp(0, 1)
+        whole = cum.gather(-1, i.long().unsqueeze(-1)).squeeze(-1)
+        part = exp.gather(-1, i.long().clamp(max=N_EXP - 1).unsqueeze(-1)).squeeze(-1)
+        return whole + torch.where(i < N_EXP, frac * part, torch.zeros_like(part))
+
+    under, normal = below(f.min_subnormal_log2), below(f.min_normal_log2)
+    over = total - below(f.overflow_log2)
+    denom = total.clamp(min=1)
+    return {"underflow": under / denom, "subnormal": (normal - under) / denom, "overflow": over / denom}
+
+
+@dataclass
+class GradientTrace:
+    """Gradient statistics of a run, one row per recorded step (numpy arrays; save/load as npz).
+
+    ``counts[s]`` is the whole model's exponent histogram (``N_BINS``: octaves ``EXP_MIN..EXP_MAX``,
+    then zeros, then non-finite); ``param_hist[s, p]`` is parameter p's histogram on the display bins
+    ``bins`` (``[< lo, lo..hi-1, >= hi]``); ``amax`` is the unscaled max |g| (inf/nan on a non-finite
+    step); ``scale`` the loss scale in effect when the step was recorded.
+    """
+
+    names: list[str]
+    bins: tuple[int, int]
+    step: np.ndarray
+    scale: np.ndarray
+    counts: np.ndarray
+    amax: np.ndarray
+    param_hist: np.ndarray
+    param_amax: np.ndarray
+    param_zeros: np.ndarray
+    param_nonfinite: np.ndarray
+    param_numel: np.ndarray
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    @property
+    def edges(self) -> np.ndarray:
+        """Display-bin edges in log2 units: ``lo, lo+1, ..., hi``."""
+        return np.arange(self.bins[0], self.bins[1] + 1)
+
+    @property
+    def nonfinite(self) -> np.ndarray:
+        """(S,) bool: the step had an Inf/NaN gradient element (overflows at any scale)."""
+        return self.counts[:, NONFINITE_BIN] > 0
+
+    @property
+    def zero_fraction(self) -> np.ndarray:
+        return self.counts[:, ZERO_BIN] / np.maximum(self.counts.sum(1), 1)
+
+    def _scales(self, scale) -> np.ndarray:
+        s = self.scale if scale is None else np.broadcast_to(np.asarray(scale, dtype=np.float64), self.step.shape)
+        if np.any(~(s > 0)) or np.any(~np.isfinite(s)):
+            raise ValueError("scale must be positive and finite")
+        return s
+
+    def overflow(self, scale=None, fmt: str = "fp16") -> np.ndarray:
+        """(S,) bool: would the step's gradients hold an Inf after ``g * scale`` is cast to ``fmt``.
+
+        ``scale`` is a number or one per step; None means the scale recorded with each step.
+        """
+        s = self._scales(scale)
+        with np.errstate(invalid="ignore", over="ignore"):
+            return self.nonfinite | ~(self.amax * s < _fmt(fmt).overflow_value)
+
+    def fractions(self, scale=None, fmt: str = "fp16") -> dict[str, np.ndarray]:
+        """Per-step underflow/subnormal/overflow fractions of the whole model at ``scale``."""
+        counts = self._cache.setdefault("counts_t", torch.from_numpy(self.counts))
+        out = range_fractions(counts, torch.from_numpy(np.log2(self._scales(scale))), fmt)
+        return {k: v.numpy() for k, v in out.items()}
+
+    def underflow_fraction(self, scale=None, fmt: str = "fp16") -> np.ndarray:
+        """(S,) fraction of nonzero gradient elements below ``fmt``'s smallest subnormal at ``scale``."""
+        return self.fractions(scale, fmt)["underflow"]
+
+    def layer_fractions(self, index: int, scale=None, fmt: str = "fp16") -> dict[str, np.ndarray]:
+        """(P,) per-parameter fractions at row ``index`` (display bins; tails count as out of range).
+
+        A threshold that falls outside the display bins counts the whole tail bin on its side, so
+        choose ``bins`` wide enough for the scales you look at (the default covers fp16 up to 2**24).
+        """
+        s = float(self.scale[index] if scale is None else scale)
+        check_positive("scale", s)
+        lo, hi = self.bins
+        full = np.zeros((len(self.names), N_BINS), dtype=np.int64)
+        hist = self.param_hist[index]
+        full[:, lo - EXP_MIN:hi - EXP_MIN] = hist[:, 1:-1]
+        full[:, 0] += hist[:, 0]  # everything below lo sits in the lowest octave
+        full[:, N_EXP - 1] += hist[:, -1]
+        full[:, NONFINITE_BIN] = self.param_nonfinite[index]
+        out = range_fractions(torch.from_numpy(full), math.log2(s), fmt)
+        return {k: v.numpy() for k, v in out.items()}
+
+    def events(self) -> dict[str, np.ndarray]:
+        """What a scaler replay needs per step: unscaled ``amax`` and the ``nonfinite`` flag."""
+        return {"amax": self.amax.copy(), "nonfinite": self.nonfinite.copy()}
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        if path.suffix != ".npz":
+            raise ValueError(f"path must end in .npz, got {str(path)!r}")
+        arrays = {k: getattr(self, k) for k in _ARRAYS}
+        np.savez_compressed(path, names=np.array(self.names, dtype=str), bins=np.array(self.bins), **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> GradientTrace:
+        with np.load(Path(path), allow_pickle=False) as z:
+            missing = {"names", "bins", *_ARRAYS} - set(z.files)
+            if missing:
+                raise ValueError(f"path {str(path)!r} is not a GradientTrace file (missing {sorted(missing)})")
+            return cls(names=[str(n) for n in z["names"]], bins=tuple(int(b) for b in z["bins"]),
+                       **{k: z[k] for k in _ARRAYS})
+
+    def _repr_html_(self) -> str:
+        over = int(self.overflow().sum()) if len(self) else 0
+        under = float(self.underflow_fraction().mean()) if len(self) else math.nan
+        return (f"<b>GradientTrace</b>: {len(self)} steps, {len(self.names)} parameters, "
+                f"{over} fp16-overflow steps at the recorded scale, mean fp16 underflow {under:.2%}")
+
+
+_ARRAYS = ("step", "scale", "counts", "amax", "param_hist", "param_amax", "param_zeros",
+           "param_nonfinite", "param_numel")
+
+
+class GradientStats(Callback):
+    """Per-parameter log2|g| histograms and fp16/bf16 range fractions, cheap enough for every step.
+
+    Call ``record(step)`` after backward, or pass the object as a callback to ``ol.train``.
+    ``scale`` is the loss scale to evaluate fractions at: a number, an object with a ``.scale``
+    attribute (a ``DynamicScaler``), or a callable; it is read at each record. Gradients are taken
+    as they are in ``.grad``, i.e. UNSCALED (multiply back yourself if your grads carry the scale).
+    ``bins=(lo, hi)`` are the octave edges kept per parameter for display; the whole-model
+    histogram always spans every float32 exponent.
+    """
+
+    def __init__(self, model: nn.Module, bins: tuple[int, int] = (-40, 20), scale=1.0, every: int = 1):
+        check_type("model", model, nn.Module)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("model has no parameters that require grad")
+        if (not isinstance(bins, (tuple, list)) or len(bins) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) for b in bins)
+                or not EXP_MIN <= bins[0] < bins[1] <= EXP_MAX + 1):
+            raise ValueError(f"bins must be two ints (lo, hi) with {EXP_MIN} <= lo < hi <= {EXP_MAX + 1}, got {bins!r}")
+        check_positive("every", every, integer=True)
+        self._scale_of(scale)  # validate now, not at the first step
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.bins = (int(bins[0]), int(bins[1]))
+        self.scale = scale
+        self.every = every
+        self._rows: list[tuple] = []
+        self._layout_key = None
+
+    @staticmethod
+    def _scale_of(scale) -> float:
+        value = scale.scale if hasattr(scale, "scale") else scale() if callable(scale) else scale
+        if isinstance(value, torch.Tensor):
+            value = float(value)
+        check_positive("scale", value)
+        if not math.isfinite(value):
+            raise ValueError(f"scale must be finite, got {value}")
+        return float(value)
+
+    def _layout(self, present: tuple[bool, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parameter index of every element of the concatenated gradients, and its bincount offset."""
+        if self._layout_key != (present, device):
+            sizes = torch.tensor([p.numel() if ok else 0 for p, ok in zip(self.params, present)], device=device)
+            pidx = torch.repeat_interleave(torch.arange(len(self.params), device=device), sizes)
+            # frexp's exponent e gives floor(log2|g|) = e - 1, i.e. bin e - 1 - EXP_MIN
+            self._cached = (pidx, (pidx * N_BINS + (-1 - EXP_MIN)).int())
+            self._layout_key = (present, device)
+        return self._cached
+
+    def record(self, step: int, scale: float | None = None) -> None:
+        """Histogram the current ``.grad`` of every parameter (a missing grad counts as no elements)."""
+        check_positive("step", step, allow_zero=True, integer=True)
+        s = self._scale_of(self.scale if scale is None else scale)
+        grads = [p.grad for p in self.params]
+        present = tuple(g is not None for g in grads)
+        live = [g.detach().reshape(-1) for g in grads if g is not None]
+        device = live[0].device if live else torch.device("cpu")
+        P = len(self.params)
+        flat = torch.cat([g.float() for g in live]) if live else torch.zeros(0, device=device)
+        pidx, offset = self._layout(present, device)
+        pamax = torch.zeros(P, device=device).scatter_reduce_(0, pidx, flat.abs(), "amax")  # NaN/Inf propagate
+        exp = torch.frexp(flat).exponent  # int32; 0 for zeros and non-finite values
+        exp.masked_fill_(flat == 0, ZERO_BIN + 1 + EXP_MIN)
+        # isfinite is a full pass; on CPU take it only when some amax says a non-finite value is there
+        if flat.is_cuda or not bool(torch.isfinite(pamax).all()):
+            exp.masked_fill_(~torch.isfinite(flat), NONFINITE_BIN + 1 + EXP_MIN)
+        full = torch.bincount(exp.add_(offset), minlength=P * N_BINS).view(P, N_BINS)
+        lo, hi = self.bins[0] - EXP_MIN, self.bins[1] - EXP_MIN
+        hist = torch.cat([full[:, :lo].sum(1, keepdim=True), full[:, lo:hi],
+                          full[:, hi:N_EXP].sum(1, keepdim=True)], dim=1).int()
+        self._rows.append((step, s, full.sum(0), pamax.max(), hist, pamax, full[:, ZERO_BIN],
+                           full[:, NONFINITE_BIN]))
+
+    # --- Callback protocol: ol.train(model, task, steps, callbacks=[stats]) records every step
+    def on_after_backward(self, step: int, model: nn.Module, loss: torch.Tensor) -> None:
+        if step % self.every == 0:
+            self.record(step)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def reset(self) -> None:
+        self._rows.clear()
+
+    def trace(self) -> GradientTrace:
+        """The recorded steps as a ``GradientTrace`` (one host copy of everything recorded)."""
+        P, lo, hi = len(self.params), *self.bins
+        if not self._rows:
+            empty = lambda *shape, dt=np.int64: np.zeros(shape, dtype=dt)
+            return GradientTrace(list(self.names), self.bins, empty(0), empty(0, dt=np.float64), empty(0, N_BINS),
+                                 empty(0, dt=np.float64), empty(0, P, hi - lo + 2, dt=np.int32),
+                                 empty(0, P, dt=np.float32), empty(0, P), empty(0, P),
+                                 np.array([p.numel() for p in self.params]))
+        cols = list(zip(*self._rows))
+        stack = lambda i: torch.stack([t.cpu() for t in cols[i]]).numpy()
+        return GradientTrace(
+            names=list(self.names), bins=self.bins, step=np.array(cols[0], dtype=np.int64),
+            scale=np.array(cols[1], dtype=np.float64), counts=stack(2).astype(np.int64),
+            amax=stack(3).astype(np.float64), param_hist=stack(4), param_amax=stack(5).astype(np.float32),
+            param_zeros=stack(6), param_nonfinite=stack(7), param_numel=np.array([p.numel() for p in self.params]))
+
+    def save(self, path: str | Path) -> Path:
+        return self.trace().save(path)
+
+    def _repr_html_(self) -> str:
+        return f"<b>GradientStats</b>: {len(self.params)} parameters, {len(self)} steps recorded, bins {self.bins}"
+
