@@ -6,11 +6,12 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from opsnn_lab._checks import check_positive
+from opsnn_lab.widgets._base import StaticFigureMixin
 
 __all__ = ["StepExplorer"]
 
 
-class StepExplorer(W.VBox):
+class StepExplorer(StaticFigureMixin, W.VBox):
     """Loss (raw and smoothed) of a ``TrainResult``; the slider picks how many steps to show.
 
     ``explorer.steps.value = 10`` in Python does what dragging the slider does.
