@@ -1,0 +1,294 @@
+"""Conv2d -> BatchNorm2d -> ReLU (-> MaxPool2d) as one autograd Function that saves only the conv input,
+the conv output and per-channel statistics (with a pool: uint8 within-window indices instead of int64)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from opsnn_lab._checks import check_tensor, check_type
+from opsnn_lab.kernels.bn_relu import PoolSpec, bn_relu_backward, bn_relu_forward
+
+__all__ = ["FusedConvBNReLU", "ConvBNReLUFunction"]
+
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class _Config:
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+    eps: float
+    training: bool
+    momentum: float  # effective factor of this step (F.batch_norm's ``momentum`` argument)
+    pool: PoolSpec | None
+
+    def conv_args(self):
+        return list(self.stride), list(self.padding), list(self.dilation)
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def _conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
+    """Numeric symmetric padding of ``conv`` (``'valid'``/odd-kernel ``'same'`` converted), None if asymmetric."""
+    if conv.padding == "valid":
+        return (0, 0)
+    if conv.padding == "same":
+        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+        return None if any(t % 2 for t in total) else (total[0] // 2, total[1] // 2)
+    return _pair(conv.padding)
+
+
+def _wrong_type(conv, bn, relu, maxpool) -> str:
+    for name, value, kind in (("conv", conv, nn.Conv2d), ("bn", bn, nn.BatchNorm2d), ("relu", relu, nn.ReLU)):
+        if type(value) is not kind:
+            return f"{name} must be {kind.__name__}, got {type(value).__name__}"
+    if maxpool is not None and type(maxpool) is not nn.MaxPool2d:
+        return f"maxpool must be MaxPool2d or None, got {type(maxpool).__name__}"
+    return ""
+
+
+def _why_not(conv, bn, relu, maxpool) -> str:
+    """'' when the chain is supported, else the reason, naming the argument."""
+    wrong = _wrong_type(conv, bn, relu, maxpool)
+    if wrong:
+        return wrong
+    if conv.padding_mode != "zeros":
+        return f"conv.padding_mode={conv.padding_mode!r} is not supported (only 'zeros')"
+    if _conv_padding(conv) is None:
+        return "conv.padding='same' with an even dilated kernel pads asymmetrically; not supported"
+    if not bn.affine:
+        return "bn.affine=False is not supported (BatchNorm2d without weight and bias)"
+    if not bn.track_running_stats:
+        return "bn.track_running_stats=False is not supported (BatchNorm2d without running statistics)"
+    if bn.num_features != conv.out_channels:
+        return f"bn.num_features={bn.num_features} does not match conv.out_channels={conv.out_channels}"
+    if maxpool is not None:
+        if _pair(maxpool.dilation) != (1, 1):
+            return f"maxpool.dilation={maxpool.dilation} is not supported (only 1)"
+        if maxpool.ceil_mode:
+            return "maxpool.ceil_mode=True is not supported"
+        if maxpool.return_indices:
+            return "maxpool.return_indices=True is not supported"
+        kh, kw = _pair(maxpool.kernel_size)
+        if kh * kw > 255:
+            return f"maxpool.kernel_size={maxpool.kernel_size} has more than 255 cells (uint8 window index)"
+        ph, pw = _pair(maxpool.padding)
+        if 2 * ph > kh or 2 * pw > kw:
+            return f"maxpool.padding={maxpool.padding} must be at most half of kernel_size={maxpool.kernel_size}"
+    return ""
+
+
+def _pool_spec(maxpool: nn.MaxPool2d | None) -> PoolSpec | None:
+    if maxpool is None:
+        return None
+    stride = maxpool.stride if maxpool.stride not in (None, ()) else maxpool.kernel_size
+    return PoolSpec(_pair(maxpool.kernel_size), _pair(stride), _pair(maxpool.padding))
+
+
+def _zeros_like_or_none(t, needed):
+    return torch.zeros_like(t) if needed and t is not None else None
+
+
+class ConvBNReLUFunction(torch.autograd.Function):
+    """Training: batch statistics + running-stat update; eval: BatchNorm folded into the conv.
+
+    Saved for backward: training -> x, conv output y, mean, invstd [C] (+ uint8 pool index);
+    eval -> x, conv output (no pool) or uint8 pool index (pool), the folding factors [C].
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, bn_weight, bn_bias, running_mean, running_var, cfg: _Config):
+        ctx.cfg, ctx.has_bias = cfg, bias is not None
+        if cfg.training:
+            y = F.conv2d(x, weight, bias, *cfg.conv_args(), cfg.groups)
+            ctx.empty = y.numel() == 0
+            if ctx.empty:  # as nn.BatchNorm2d: empty output, running statistics untouched
+                ctx.save_for_backward(x, weight)
+                return _empty_output(y, cfg.pool)
+            out, mean, invstd, idx = bn_relu_forward(y, bn_weight, bn_bias, running_mean, running_var,
+                                                     training=True, momentum=cfg.momentum, eps=cfg.eps,
+                                                     pool=cfg.pool)
+            ctx.save_for_backward(x, weight, bn_weight, bn_bias, y, mean, invstd, idx)
+            return out
+        mean = running_mean.detach().clone()
+        invstd = torch.rsqrt(running_var.float() + cfg.eps)
+        fold = bn_weight.float() * invstd
+        w_f = (weight.float() * fold.view(-1, 1, 1, 1)).to(weight.dtype)
+        b0 = mean.float().neg() if bias is None else bias.float() - mean.float()
+        a = F.conv2d(x, w_f, (b0 * fold + bn_bias.float()).to(x.dtype), *cfg.conv_args(), cfg.groups)
+        ctx.empty = a.numel() == 0
+        if ctx.empty:
+            ctx.save_for_backward(x, weight)
+            return _empty_output(a, cfg.pool)
+        out, _, _, idx = bn_relu_forward(a, None, None, None, None, training=False, momentum=0.0,
+                                         eps=cfg.eps, pool=cfg.pool)
+        ctx.in_shape = tuple(a.shape)
+        ctx.save_for_backward(x, weight, bn_weight, None if cfg.pool else a, b0, invstd, idx)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.empty:
+            return _empty_grads(ctx, *ctx.saved_tensors)
+        if ctx.cfg.training:
+            return _backward_train(ctx, grad_out)
+        return _backward_eval(ctx, grad_out)
+
+
+def _empty_output(y: torch.Tensor, pool: PoolSpec | None) -> torch.Tensor:
+    if pool is None:
+        return y.new_empty(y.shape)
+    return y.new_empty(*y.shape[:2], *pool.out_size(*y.shape[-2:]))
+
+
+def _empty_grads(ctx, x, weight):
+    """Gradients of an empty batch: zeros for every parameter, as eager autograd gives."""
+    need = ctx.needs_input_grad
+    c = weight.shape[0]
+    zeros = lambda ok: weight.new_zeros(c) if ok else None
+    return (_zeros_like_or_none(x, need[0]), _zeros_like_or_none(weight, need[1]),
+            zeros(need[2] and ctx.has_bias), zeros(need[3]), zeros(need[4]), None, None, None)
+
+
+def _conv_backward(ctx, grad_y, x, weight, need_w):
+    cfg, need = ctx.cfg, ctx.needs_input_grad
+    bias_sizes = [weight.shape[0]]
+    return torch.ops.aten.convolution_backward(grad_y, x, weight, bias_sizes, *cfg.conv_args(), False, [0, 0],
+                                               cfg.groups, [need[0], need_w, need[2] and ctx.has_bias])
+
+
+def _backward_train(ctx, grad_out):
+    x, weight, bn_weight, bn_bias, y, mean, invstd, idx = ctx.saved_tensors
+    cfg, need = ctx.cfg, ctx.needs_input_grad
+    grad_y, grad_gamma, grad_beta = bn_relu_backward(
+        grad_out, y, bn_weight, bn_bias, mean, invstd, idx, training=True, eps=cfg.eps, pool=cfg.pool,
+        output_mask=(True, need[3], need[4]))
+    dx, dw, db = _conv_backward(ctx, grad_y, x, weight, need[1])
+    return dx, dw, db, grad_gamma, grad_beta, None, None, None
+
+
+def _backward_eval(ctx, grad_out):
+    """Gradients through the folded conv: w_f = w * s, b_f = (b - mean) * s + beta, s = gamma * invstd."""
+    x, weight, bn_weight, a, b0, invstd, idx = ctx.saved_tensors
+    cfg, need = ctx.cfg, ctx.needs_input_grad
+    fold = bn_weight.float() * invstd
+    w_f = (weight.float() * fold.view(-1, 1, 1, 1)).to(weight.dtype)
+    grad_a, _, _ = bn_relu_backward(grad_out, a, None, None, None, None, idx, training=False, eps=cfg.eps,
+                                    pool=cfg.pool, in_shape=ctx.in_shape, output_mask=(True, False, False))
+    need_wf = need[1] or need[3]
+    bias_sizes = [weight.shape[0]]
+    dx, dw_f, db_f = torch.ops.aten.convolution_backward(grad_a, x, w_f, bias_sizes, *cfg.conv_args(), False,
+                                                         [0, 0], cfg.groups, [need[0], need_wf, True])
+    db_f = db_f.float()
+    dw = (dw_f.float() * fold.view(-1, 1, 1, 1)).to(weight.dtype) if need[1] else None
+    db = (db_f * fold).to(weight.dtype) if need[2] and ctx.has_bias else None
+    dgamma = None
+    if need[3]:
+        dfold = (dw_f.float() * weight.float()).sum((1, 2, 3)) + db_f * b0
+        dgamma = (dfold * invstd).to(bn_weight.dtype)
+    dbeta = db_f.to(bn_weight.dtype) if need[4] else None
+    return dx, dw, db, dgamma, dbeta, None, None, None
+
+
+class FusedConvBNReLU(nn.Module):
+    """Drop-in for ``nn.Sequential(conv, bn, relu[, maxpool])`` that keeps a fraction of the activations.
+
+    Parameter/buffer contract (what a graph rewrite needs to know):
+
+    * The module reads every tensor from the ORIGINAL modules at call time: ``conv.weight``,
+      ``conv.bias`` (or None), ``bn.weight``, ``bn.bias``, ``bn.running_mean``, ``bn.running_var``,
+      ``bn.num_batches_tracked``. Nothing is copied, so ``.to()``, optimizers and ``load_state_dict`` on
+      the originals act on the fused module too, and training updates the originals' running stats.
+    * ``register_modules=True`` (default): the originals are submodules ``conv``, ``bn``, ``relu`` and
+      ``maxpool`` (absent when None), so this module's own ``state_dict`` keys are ``conv.weight``,
+      ``conv.bias``, ``bn.weight``, ``bn.bias``, ``bn.running_mean``, ``bn.running_var``,
+      ``bn.num_batches_tracked``: placing it where ``conv``/``bn`` were inside a ``Sequential`` named
+      ``conv``/``bn`` keeps keys identical.
+    * ``register_modules=False``: the originals are held outside the module tree (``self.conv`` etc. are
+      plain attributes) and this module has NO parameters, buffers or state_dict keys. Use it when the
+      originals stay at their own paths in the model (unused by the rewritten graph): the model's
+      ``state_dict`` keys and values are then exactly the unfused model's.
+    * ``self.training`` (this module's flag) selects batch statistics (train) or the folded BN (eval).
+      In train mode ``bn.num_batches_tracked`` is incremented and the running stats are updated exactly
+      as ``nn.BatchNorm2d`` does (``momentum=None``: cumulative average).
+
+    Empty batch: behaves as eager (empty output, running stats unchanged, ``num_batches_tracked`` + 1,
+    zero parameter gradients). One value per channel in training raises ValueError, as eager does.
+    ``relu.inplace`` is irrelevant: the ReLU output is never exposed before pooling.
+    """
+
+    def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Module, maxpool: nn.MaxPool2d | None = None,
+                 *, register_modules: bool = True):
+        super().__init__()
+        check_type("register_modules", register_modules, bool)
+        wrong = _wrong_type(conv, bn, relu, maxpool)
+        if wrong:
+            raise TypeError(wrong)
+        reason = _why_not(conv, bn, relu, maxpool)
+        if reason:
+            raise ValueError(reason)
+        self.register_modules = register_modules
+        setter = nn.Module.__setattr__ if register_modules else object.__setattr__
+        for name, mod in (("conv", conv), ("bn", bn), ("relu", relu), ("maxpool", maxpool)):
+            setter(self, name, mod)
+        self.pool = _pool_spec(maxpool)
+        self.train(conv.training)
+
+    @classmethod
+    def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Module,
+                     maxpool: nn.MaxPool2d | None = None, *, register_modules: bool = True) -> FusedConvBNReLU:
+        """Fuse existing modules, sharing their Parameter and buffer objects (see the class docstring)."""
+        return cls(conv, bn, relu, maxpool, register_modules=register_modules)
+
+    @classmethod
+    def supports(cls, conv, bn, relu, maxpool=None) -> tuple[bool, str]:
+        """``(True, '')`` when the chain can be fused, else ``(False, reason)`` naming the argument."""
+        reason = _why_not(conv, bn, relu, maxpool)
+        return (not reason, reason)
+
+    def _config(self) -> _Config:
+        conv, bn = self.conv, self.bn
+        factor = 0.0
+        if self.training:
+            bn.num_batches_tracked.add_(1)
+            factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+        return _Config(_pair(conv.stride), _conv_padding(conv), _pair(conv.dilation), conv.groups, bn.eps,
+                       self.training, factor, self.pool)
+
+    def _check_input(self, x) -> None:
+        check_tensor("input", x, dtypes=_FLOATS, dim=4)
+        w = self.conv.weight
+        if x.shape[1] != self.conv.in_channels:
+            raise ValueError(f"input must have {self.conv.in_channels} channels (dim 1), got shape {tuple(x.shape)}")
+        if x.dtype != w.dtype:
+            raise TypeError(f"input dtype {x.dtype} does not match conv.weight dtype {w.dtype}")
+        if x.device != w.device:
+            raise ValueError(f"input is on {x.device} but conv.weight is on {w.device}")
+        if self.training and x.numel() and x.shape[0] * self._conv_plane(x) == 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input of shape "
+                             f"{tuple(x.shape)} (one conv output value per channel)")
+
+    def _conv_plane(self, x) -> int:
+        (ph, pw), (kh, kw) = _conv_padding(self.conv), self.conv.kernel_size
+        (sh, sw), (dh, dw) = _pair(self.conv.stride), _pair(self.conv.dilation)
+        oh = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+        ow = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        return oh * ow
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        conv, bn = self.conv, self.bn
+        return ConvBNReLUFunction.apply(x, conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean,
+                                        bn.running_var, self._config())
+
+    def extra_repr(self) -> str:
+        pool = "" if self.pool is None else f", pool={self.pool}"
+        return f"register_modules={self.register_modules}{pool}"
