@@ -59,7 +59,7 @@ def saved_tensors_report(fn: Callable[[], object], exclude: tuple[torch.Tensor, 
     param_storages: set = set()
 
     def pack(t: torch.Tensor):
-        if isinstance(t, torch.nn.Parameter):
+        if isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter):
             param_storages.add(_storage_key(t))
             return t
         key = _storage_key(t)
