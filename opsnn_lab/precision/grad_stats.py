@@ -77,11 +77,17 @@ def range_fractions(counts: torch.Tensor, log2_scale, fmt: str = "fp16") -> dict
     nonzero finite elements; an integer ``log2_scale`` is exact, a fractional one interpolates
     linearly in log2 inside the one bin the threshold cuts.
     """
-    f = _fmt(fmt)
+    return _fractions(*_cumulative(counts), log2_scale, _fmt(fmt))
+
+
+def _cumulative(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exp = counts[..., :N_EXP].double()
-    cum = torch.nn.functional.pad(exp.cumsum(-1), (1, 0))  # cum[..., i] = elements in bins < i
+    return exp, torch.nn.functional.pad(exp.cumsum(-1), (1, 0))  # cum[..., i] = elements in bins < i
+
+
+def _fractions(exp: torch.Tensor, cum: torch.Tensor, log2_scale, f: Format) -> dict[str, torch.Tensor]:
     total = cum[..., -1]
-    ls = torch.as_tensor(log2_scale, dtype=torch.float64, device=counts.device).expand(total.shape)
+    ls = torch.as_tensor(log2_scale, dtype=torch.float64, device=exp.device).expand(total.shape)
 
     def below(log2_threshold: int) -> torch.Tensor:  # elements with log2|g| + log2_scale < threshold
         t = log2_threshold - ls - EXP_MIN  # threshold in bin coordinates
@@ -154,8 +160,10 @@ class GradientTrace:
 
     def fractions(self, scale=None, fmt: str = "fp16") -> dict[str, np.ndarray]:
         """Per-step underflow/subnormal/overflow fractions of the whole model at ``scale``."""
-        counts = self._cache.setdefault("counts_t", torch.from_numpy(self.counts))
-        out = range_fractions(counts, torch.from_numpy(np.log2(self._scales(scale))), fmt)
+        f = _fmt(fmt)
+        if "cum" not in self._cache:  # the cumulative histogram is reused by every replayed scale
+            self._cache["cum"] = _cumulative(torch.from_numpy(self.counts))
+        out = _fractions(*self._cache["cum"], torch.from_numpy(np.log2(self._scales(scale))), f)
         return {k: v.numpy() for k, v in out.items()}
 
     def underflow_fraction(self, scale=None, fmt: str = "fp16") -> np.ndarray:
@@ -180,9 +188,42 @@ class GradientTrace:
         out = range_fractions(torch.from_numpy(full), math.log2(s), fmt)
         return {k: v.numpy() for k, v in out.items()}
 
-    def events(self) -> dict[str, np.ndarray]:
-        """What a scaler replay needs per step: unscaled ``amax`` and the ``nonfinite`` flag."""
-        return {"amax": self.amax.copy(), "nonfinite": self.nonfinite.copy()}
+    def max_safe_scale(self, fmt: str = "fp16") -> np.ndarray:
+        """(S,) the largest scale at which the step's gradients do not overflow ``fmt`` (0 if non-finite)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = _fmt(fmt).overflow_value / self.amax
+        return np.where(self.nonfinite | ~np.isfinite(out), np.where(self.nonfinite, 0.0, np.inf), out)
+
+    def events(self) -> list[float]:
+        """Per-step unscaled amax (NaN on a non-finite step): ``DynamicScaler(...).replay(trace.events())``."""
+        return np.where(self.nonfinite, np.nan, self.amax).tolist()
+
+    @classmethod
+    def from_amax(cls, amax, counts=None, scale=1.0, name: str = "model") -> GradientTrace:
+        """A whole-model trace from a per-step amax sequence (e.g. ``TrainResult.grad_amax`` maxed over
+        parameters), with optional exponent histograms ``counts`` ``(S, N_BINS)``; without them each step
+        holds one element at its amax. NaN/Inf amax marks a non-finite step."""
+        amax = np.asarray(amax, dtype=np.float64).reshape(-1)
+        S = len(amax)
+        if counts is None:
+            counts = np.zeros((S, N_BINS), dtype=np.int64)
+            finite = np.isfinite(amax) & (amax > 0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                b = np.floor(np.log2(np.where(finite, amax, 1.0))).astype(np.int64) - EXP_MIN
+            counts[np.arange(S), np.where(finite, np.clip(b, 0, N_EXP - 1), np.where(amax == 0, ZERO_BIN,
+                                                                                         NONFINITE_BIN))] = 1
+        counts = np.asarray(counts, dtype=np.int64)
+        if counts.shape != (S, N_BINS):
+            raise ValueError(f"counts must have shape ({S}, {N_BINS}), got {counts.shape}")
+        counts[~np.isfinite(amax), NONFINITE_BIN] = np.maximum(counts[~np.isfinite(amax), NONFINITE_BIN], 1)
+        scale = np.broadcast_to(np.asarray(scale, dtype=np.float64), (S,)).copy()
+        lo, hi = -40, 20
+        hist = np.concatenate([counts[:, :lo - EXP_MIN].sum(1, keepdims=True), counts[:, lo - EXP_MIN:hi - EXP_MIN],
+                               counts[:, hi - EXP_MIN:N_EXP].sum(1, keepdims=True)], axis=1)
+        return cls(names=[name], bins=(lo, hi), step=np.arange(S), scale=scale, counts=counts, amax=amax,
+                   param_hist=hist[:, None, :].astype(np.int32), param_amax=amax[:, None].astype(np.float32),
+                   param_zeros=counts[:, None, ZERO_BIN], param_nonfinite=counts[:, None, NONFINITE_BIN],
+                   param_numel=np.array([int(counts[0].sum()) if S else 0]))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -231,3 +231,24 @@ def test_bad_arguments_name_the_argument():
         stats.trace().fractions(1.0, "fp8")
     with pytest.raises(ValueError, match="scale"):
         stats.trace().overflow(-1.0)
+
+
+def test_events_and_from_amax_feed_the_scaler_replay():
+    from opsnn_lab.precision import DynamicScaler
+
+    a = log_uniform(37 * 29, -20, -2, seed=7)
+    stats = GradientStats(with_grads(a, torch.ones(513) * 2.0**-3))
+    stats.record(0)
+    stats.params[0].grad[0, 0] = math.inf
+    stats.record(1)
+    tr = stats.trace()
+    events = tr.events()
+    assert events[0] == pytest.approx(a.abs().max().item()) and math.isnan(events[1])
+    assert DynamicScaler(init_scale=2.0**16).replay(events)["overflow"] == [False, True]
+    assert tr.max_safe_scale()[0] == pytest.approx(65520.0 / events[0]) and tr.max_safe_scale()[1] == 0.0
+    # a trace rebuilt from the amax sequence replays identically and puts one element at each amax
+    back = GradientTrace.from_amax(tr.amax)
+    assert back.events()[0] == events[0] and back.nonfinite.tolist() == [False, True]
+    assert back.counts[0, int(np.floor(np.log2(events[0]))) - EXP_MIN] == 1
+    with pytest.raises(ValueError, match="counts"):
+        GradientTrace.from_amax([1.0, 2.0], counts=np.zeros((3, N_BINS)))
