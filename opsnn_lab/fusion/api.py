@@ -1,0 +1,17 @@
+"""``fuse(model, example_inputs)``: analyse and apply in one call."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from opsnn_lab.fusion.analysis import analyze
+from opsnn_lab.fusion.plan import FusionPlan
+from opsnn_lab.fusion.rewrite import apply
+
+__all__ = ["fuse"]
+
+
+def fuse(model: nn.Module, example_inputs, patterns=None) -> tuple[nn.Module, FusionPlan]:
+    """``(fused_model, plan)``; ``model`` is left untouched."""
+    plan = analyze(model, example_inputs, patterns)
+    return apply(model, plan), plan

@@ -1,0 +1,118 @@
+"""One small dataflow graph that both the run-time tracer and the fx tracer produce.
+
+Patterns match on this graph, so a pattern is written once and finds ``nn.GELU()``, ``F.gelu`` and a
+wrapper module around ``F.gelu`` alike: every node carries a canonical ``op`` name ("linear", "gelu",
+"matmul", ...) whatever form the call took in the model's code.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["Node", "Graph", "Ref", "canonical_function", "canonical_module", "is_leaf_module", "arg"]
+
+# Module classes -> canonical op names; functions are named by their __name__ (see canonical_function).
+_MODULE_OPS = {
+    nn.Conv2d: "conv2d", nn.BatchNorm2d: "batch_norm", nn.Linear: "linear", nn.ReLU: "relu", nn.ReLU6: "relu6",
+    nn.LeakyReLU: "leaky_relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
+    nn.Hardtanh: "hardtanh", nn.ELU: "elu", nn.Mish: "mish", nn.Dropout: "dropout", nn.MaxPool2d: "max_pool2d",
+    nn.Softmax: "softmax", nn.LayerNorm: "layer_norm", nn.Embedding: "embedding",
+}
+_ALIASES = {
+    "truediv": "div", "rmul": "mul", "radd": "add", "iadd": "add", "imul": "mul", "rtruediv": "rdiv",
+    "bmm": "matmul", "rmatmul": "matmul", "max_pool2d_with_indices": "max_pool2d", "relu_": "relu",
+    "gelu_": "gelu", "dropout_": "dropout", "native_dropout": "dropout",
+}
+ACTIVATIONS = frozenset({"relu", "relu6", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "hardtanh", "elu",
+                         "mish", "hardswish", "selu", "softplus"})
+
+
+def canonical_function(fn) -> str:
+    """``F.gelu``, ``torch.relu``, ``Tensor.__mul__``, ``operator.mul``, ``"softmax"`` -> one lower-case name."""
+    name = fn if isinstance(fn, str) else getattr(fn, "__name__", None) or type(fn).__name__
+    if fn is operator.getitem:
+        return "getitem"
+    name = name.strip("_")
+    return _ALIASES.get(name, name)
+
+
+def canonical_module(module: nn.Module) -> str:
+    for cls in type(module).__mro__:
+        if cls in _MODULE_OPS:
+            return _MODULE_OPS[cls]
+    return type(module).__name__.lower()
+
+
+def is_leaf_module(module: nn.Module) -> bool:
+    """fx's rule: built-in torch.nn modules are called as a unit; user modules are looked into."""
+    mod = type(module).__module__
+    return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(
+        module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor argument: the name of the node that produced it."""
+
+    name: str
+
+
+@dataclass
+class Node:
+    name: str
+    kind: str  # "input" | "module" | "function" | "output"
+    op: str  # canonical op name
+    inputs: list[str] = field(default_factory=list)  # producer names of tensor arguments, in argument order
+    args: tuple = ()  # positional arguments, tensors as Ref
+    kwargs: dict = field(default_factory=dict)
+    module: str | None = None  # qualified name of the module that ran (module nodes)
+    scope: str = ""  # qualified name of the user module whose forward issued the call
+    obj: nn.Module | None = None  # the module object (module nodes)
+    shape: tuple | None = None  # first tensor output (run-time graphs only)
+    dtype: torch.dtype | None = None
+    nbytes: int = 0
+    ref: object = None  # the fx.Node (fx graphs only)
+
+    @property
+    def label(self) -> str:
+        return self.module or f"{self.scope + '.' if self.scope else ''}{self.op}"
+
+
+class Graph:
+    """Nodes in execution order plus their users."""
+
+    def __init__(self, nodes: list[Node]):
+        self.nodes = nodes
+        self.by_name = {n.name: n for n in nodes}
+        self.users: dict[str, list[Node]] = {n.name: [] for n in nodes}
+        for n in nodes:
+            for i in dict.fromkeys(n.inputs):
+                if i in self.users:
+                    self.users[i].append(n)
+
+    def __getitem__(self, name: str) -> Node:
+        return self.by_name[name]
+
+    def producer(self, node: Node, index: int = 0) -> Node | None:
+        """The node producing ``node``'s ``index``-th tensor argument."""
+        return self.by_name.get(node.inputs[index]) if index < len(node.inputs) else None
+
+    def only_user(self, node: Node) -> Node | None:
+        users = self.users.get(node.name, [])
+        return users[0] if len(users) == 1 else None
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+def arg(node: Node, index: int, name: str, default=None):
+    """A call argument by position or keyword (``F.softmax(x, -1)`` and ``x.softmax(dim=-1)`` alike)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if index < len(node.args):
+        return node.args[index]
+    return default

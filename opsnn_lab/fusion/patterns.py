@@ -1,0 +1,352 @@
+"""The pattern table: one pure function per fusable chain, over the dataflow graph of graph.py.
+
+Each function returns every *candidate* it sees, fused or not, with a reason a user can act on. Adding a
+pattern is one function plus one ``Pattern`` row naming the op that replaces it (rewrite.py builds it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, arg
+
+__all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "pattern_of"]
+
+
+@dataclass
+class Match:
+    pattern: str  # variant name, e.g. "conv_bn_relu_maxpool"
+    nodes: list[Node]  # the chain, in execution order
+    ok: bool
+    reason: str
+    viable: bool = False  # passed its own checks (may still be switched off or overlap a fused match)
+    inputs: list[str] = field(default_factory=list)  # producers of the fused op's tensor inputs
+    outputs: list[Node] = field(default_factory=list)  # nodes whose results the fused op returns
+    params: dict = field(default_factory=dict)  # what the op is built from (modules, scale, p, ...)
+
+    @property
+    def modules(self) -> list[str]:
+        mods = [n.module for n in self.nodes if n.module]
+        return [self.nodes[0].scope, *mods] if self.pattern == "attention" else mods
+
+    @property
+    def key(self) -> tuple:
+        return (self.pattern, tuple(self.modules))
+
+
+def op_class(name: str):
+    """``opsnn_lab.ops.<name>``, or raise with the reason it is unavailable."""
+    return getattr(importlib.import_module("opsnn_lab.ops"), name)
+
+
+def _op_support(name: str, *modules) -> str:
+    """'' if ``ops.<name>`` exists and accepts these modules, else why not."""
+    try:
+        cls = op_class(name)
+    except (ImportError, AttributeError) as exc:
+        return f"opsnn_lab.ops.{name} is not available ({type(exc).__name__}: {exc})"
+    supports = getattr(cls, "supports", None)
+    if supports is None:
+        return ""
+    ok, why = supports(*modules)
+    return "" if ok else why
+
+
+def _others(g: Graph, node: Node, keep: Node | None) -> list[str]:
+    return [u.label for u in g.users.get(node.name, []) if u is not keep]
+
+
+def _consumer_reason(g: Graph, node: Node, nxt: Node) -> str:
+    others = _others(g, node, nxt)
+    return f"the output of `{node.label}` is also read by {', '.join(f'`{o}`' for o in others)}" if others else ""
+
+
+def _act_name(n: Node) -> str:
+    if n.op == "gelu":
+        approx = n.obj.approximate if n.obj is not None else arg(n, 1, "approximate", "none")
+        return "GELU" if approx == "none" else f"GELU(approximate={approx!r})"
+    return {"relu": "ReLU", "relu6": "ReLU6", "leaky_relu": "LeakyReLU", "silu": "SiLU"}.get(n.op, n.op)
+
+
+def _common_checks(g: Graph, nodes: list[Node]) -> str:
+    counts = {}
+    for n in g.nodes:
+        if n.module:
+            counts[n.module] = counts.get(n.module, 0) + 1
+    for n in nodes:
+        if n.module and counts.get(n.module, 0) > 1 and n.op in ("linear", "conv2d", "batch_norm"):
+            return f"`{n.module}` runs {counts[n.module]} times per forward (a shared module); fuse one call site"
+    dtypes = {}
+    for n in nodes:
+        if n.dtype is not None:
+            dtypes.setdefault(str(n.dtype).replace("torch.", ""), n.label)
+        if n.obj is not None:
+            for p in n.obj.parameters(recurse=False):
+                dtypes.setdefault(str(p.dtype).replace("torch.", ""), n.label)
+    if len(dtypes) > 1:
+        return "mixed dtypes: " + ", ".join(f"`{who}` in {dt}" for dt, who in dtypes.items())
+    return ""
+
+
+def _is_module(n: Node | None, op: str) -> bool:
+    return n is not None and n.kind == "module" and n.op == op
+
+
+# --------------------------------------------------------------------------- Conv2d -> BN -> ReLU [-> MaxPool2d]
+def find_conv_bn_relu(g: Graph) -> list[Match]:
+    out = []
+    for conv in g.nodes:
+        bn = next((u for u in g.users.get(conv.name, []) if _is_module(u, "batch_norm")), None)
+        if not _is_module(conv, "conv2d") or bn is None:
+            continue
+        m = Match("conv_bn_relu", [conv, bn], False, "", inputs=conv.inputs[:1], outputs=[bn])
+        users = g.users.get(bn.name, [])
+        act = users[0] if len(users) == 1 else None
+        m.reason = _consumer_reason(g, conv, bn)
+        if not m.reason and act is None:
+            m.reason = (f"the output of `{bn.label}` goes to {', '.join(f'`{u.label}`' for u in users)}"
+                        if users else f"`{bn.label}` output is unused")
+        elif not m.reason and act.op not in ACTIVATIONS:
+            m.reason = f"`{bn.label}` feeds `{act.label}` ({act.op}), not a ReLU; FusedConvBNReLU needs BN -> ReLU"
+        elif not m.reason and act.op != "relu":
+            m.reason = f"activation `{act.label}` is {_act_name(act)}; FusedConvBNReLU fuses ReLU only"
+        if m.reason:
+            out.append(m)
+            continue
+        m.nodes.append(act)
+        m.outputs = [act]
+        pool = g.only_user(act)
+        relu_mod = act.obj if act.obj is not None else nn.ReLU()
+        if _is_module(pool, "max_pool2d") and not _op_support("FusedConvBNReLU", conv.obj, bn.obj, relu_mod, pool.obj):
+            m.pattern, m.nodes, m.outputs = "conv_bn_relu_maxpool", [*m.nodes, pool], [pool]
+        m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod, "maxpool": pool.obj if len(m.nodes) == 4 else None}
+        why = _op_support("FusedConvBNReLU", conv.obj, bn.obj, relu_mod, m.params["maxpool"])
+        m.reason = why or _common_checks(g, m.nodes)
+        m.ok = not m.reason
+        out.append(m)
+    return out
+
+
+# --------------------------------------------------------------------------- Linear -> GELU [-> Dropout] [-> Linear]
+def find_linear_gelu_dropout(g: Graph) -> list[Match]:
+    out = []
+    for lin in g.nodes:
+        act = next((u for u in g.users.get(lin.name, []) if u.op in ACTIVATIONS), None)
+        if not _is_module(lin, "linear") or act is None:
+            continue
+        m = Match("linear_gelu_dropout", [lin, act], False, "", inputs=lin.inputs[:1], outputs=[act])
+        approx = act.obj.approximate if act.obj is not None else arg(act, 1, "approximate", "none")
+        m.reason = _consumer_reason(g, lin, act)
+        if not m.reason and act.op != "gelu":
+            m.reason = f"activation `{act.label}` is {_act_name(act)}; FusedLinearGELUDropout fuses GELU only"
+        elif not m.reason and approx != "none" and not _supports_approximate(approx):
+            m.reason = f"activation `{act.label}` is {_act_name(act)}; FusedLinearGELUDropout computes exact GELU"
+        if m.reason:
+            out.append(m)
+            continue
+        tail, drop = act, None
+        nxt = g.only_user(act)
+        if nxt is not None and nxt.op == "dropout":
+            drop, tail = nxt, nxt
+            m.nodes.append(drop)
+        fc2 = g.only_user(tail)
+        if _is_module(fc2, "linear"):
+            m.pattern = "linear_gelu_dropout_linear"
+            m.nodes.append(fc2)
+        m.outputs = [m.nodes[-1]]
+        m.params = {"linear": lin.obj, "gelu": act.obj if act.obj is not None else nn.GELU(approximate=approx),
+                    "dropout": _dropout_module(drop), "linear2": fc2.obj if m.pattern.endswith("_linear") else None}
+        name = "FusedLinearGELUDropoutLinear" if m.params["linear2"] is not None else "FusedLinearGELUDropout"
+        m.reason = _op_support(name) or _common_checks(g, m.nodes)
+        m.ok = not m.reason
+        out.append(m)
+    return out
+
+
+def _supports_approximate(approx: str) -> bool:
+    try:
+        return approx in getattr(op_class("FusedLinearGELUDropout"), "SUPPORTED_APPROXIMATE", ("none",))
+    except (ImportError, AttributeError):
+        return False
+
+
+def _dropout_module(n: Node | None):
+    if n is None:
+        return None
+    if n.obj is not None:
+        return n.obj
+    return nn.Dropout(float(arg(n, 1, "p", 0.5)))
+
+
+# --------------------------------------------------------------------------- sibling Linear layers (QKV)
+_QKV_NAMES = (r"(q|query|q_proj|to_q|wq)", r"(k|key|k_proj|to_k|wk)", r"(v|value|v_proj|to_v|wv)")
+
+
+def find_qkv(g: Graph) -> list[Match]:
+    out, seen = [], set()
+    for x in g.nodes:
+        sibs = [u for u in g.users.get(x.name, []) if _is_module(u, "linear") and u.inputs[:1] == [x.name]]
+        if len(sibs) != 3:
+            continue
+        seen.update(s.name for s in sibs)
+        m = Match("qkv", sibs, False, "", inputs=[x.name], outputs=list(sibs),
+                  params={"q": sibs[0].obj, "k": sibs[1].obj, "v": sibs[2].obj})
+        biases = {s.obj.bias is not None for s in sibs}
+        m.reason = _op_support("FusedQKV") or _common_checks(g, sibs) or (
+            "some siblings have a bias and some do not" if len(biases) > 1 else "")
+        m.ok = not m.reason
+        out.append(m)
+    # Named q/k/v triples that do not share an input: say why they are not fused.
+    by_scope: dict[str, list[Node]] = {}
+    for n in g.nodes:
+        if _is_module(n, "linear") and n.name not in seen:
+            by_scope.setdefault(n.module.rpartition(".")[0], []).append(n)
+    for lins in by_scope.values():
+        trio = [next((n for n in lins if re.fullmatch(p, n.module.rpartition(".")[2])), None) for p in _QKV_NAMES]
+        if all(trio):
+            reads = ", ".join(f"`{n.module}` reads `{g[n.inputs[0]].label if n.inputs else '?'}`" for n in trio)
+            out.append(Match("qkv", trio, False, f"the q/k/v projections read different tensors: {reads}"))
+    return out
+
+
+# --------------------------------------------------------------------------- softmax(q @ k^T * scale + mask) -> dropout -> @ v
+def find_attention(g: Graph) -> list[Match]:
+    out = []
+    for sm in g.nodes:
+        if sm.op != "softmax":
+            continue
+        m = _attention_at(g, sm)
+        if m is not None:
+            out.append(m)
+    return out
+
+
+def _attention_at(g: Graph, sm: Node) -> Match | None:
+    chain, mask, scale = [sm], None, 1.0
+    x = g.producer(sm)
+    if x is not None and x.op == "add" and len(x.inputs) == 2:
+        a, b = (g[i] for i in x.inputs)
+        s, mk = (a, b) if a.op in ("mul", "div", "matmul") else (b, a)
+        chain.insert(0, x)
+        mask, x = mk, s
+    if x is not None and x.op in ("mul", "div") and len(x.inputs) == 1:
+        c = next((a for a in x.args if isinstance(a, (int, float))), None)
+        if c is None:
+            return None
+        scale = float(c) if x.op == "mul" else 1.0 / float(c)
+        chain.insert(0, x)
+        x = g.producer(x)
+    if x is None or x.op != "matmul" or len(x.inputs) != 2:
+        return None
+    chain.insert(0, x)
+    q, kt = g[x.inputs[0]], g[x.inputs[1]]
+    m = Match("attention", chain, False, "", outputs=[])
+    dim = sm.obj.dim if sm.obj is not None else arg(sm, 1, "dim", None)
+    if dim not in (-1, None if sm.shape is None else len(sm.shape) - 1):
+        m.reason = f"softmax over dim {dim}, not the last one"
+        return m
+    if kt.op != "transpose" or sorted(a for a in kt.args[1:3] if isinstance(a, int)) not in ([-2, -1], [2, 3]):
+        m.reason = f"the key operand of `{x.label}` is `{kt.op}`, not a transpose of the last two dims"
+        return m
+    for a, b in zip(chain, chain[1:]):
+        if reason := _consumer_reason(g, a, b):
+            m.reason = reason
+            return m
+    tail, drop = sm, None
+    nxt = g.only_user(sm)
+    if nxt is not None and nxt.op == "dropout":
+        drop, tail = nxt, nxt
+        chain.append(drop)
+    pv = g.only_user(tail)
+    if pv is None or pv.op != "matmul" or pv.inputs[:1] != [tail.name]:
+        users = ", ".join(f"`{u.label}`" for u in g.users.get(tail.name, []))
+        m.reason = f"the attention probabilities go to {users or 'nothing'}, not straight into `@ v`"
+        return m
+    chain.append(pv)
+    p = _dropout_module(drop).p if drop is not None else 0.0
+    m.inputs = [q.name, kt.inputs[0], pv.inputs[1]] + ([mask.name] if mask is not None else [])
+    m.outputs, m.params = [pv], {"scale": scale, "dropout_p": p}
+    m.reason = _op_support("FusedAttention") or _common_checks(g, chain)
+    m.ok = not m.reason
+    return m
+
+
+# --------------------------------------------------------------------------- the ops that replace them
+def build_conv_bn_relu(m: Match) -> nn.Module:
+    p = m.params
+    return op_class("FusedConvBNReLU").from_modules(p["conv"], p["bn"], p["relu"], maxpool=p["maxpool"])
+
+
+def build_linear_gelu_dropout(m: Match) -> nn.Module:
+    p = m.params
+    if p["linear2"] is not None:
+        return op_class("FusedLinearGELUDropoutLinear").from_modules(p["linear"], p["gelu"], p["dropout"], p["linear2"])
+    return op_class("FusedLinearGELUDropout").from_modules(p["linear"], p["gelu"], p["dropout"])
+
+
+def build_qkv(m: Match) -> nn.Module:
+    return op_class("FusedQKV").from_modules(m.params["q"], m.params["k"], m.params["v"])
+
+
+def build_attention(m: Match) -> nn.Module:
+    return op_class("FusedAttention")(scale=m.params["scale"], dropout_p=m.params["dropout_p"])
+
+
+@dataclass(frozen=True)
+class Pattern:
+    family: str  # the name users toggle; variants start with it
+    find: object  # Graph -> list[Match]
+    build: object  # Match -> the fused nn.Module (shares the matched modules' parameters)
+    op: str  # opsnn_lab.ops class the rewrite builds
+    chain: str  # what it matches, for tables and the widget legend
+
+
+PATTERNS: tuple[Pattern, ...] = (
+    Pattern("conv_bn_relu", find_conv_bn_relu, build_conv_bn_relu, "FusedConvBNReLU",
+            "Conv2d -> BatchNorm2d -> ReLU [-> MaxPool2d]"),
+    Pattern("linear_gelu_dropout", find_linear_gelu_dropout, build_linear_gelu_dropout, "FusedLinearGELUDropout",
+            "Linear -> GELU [-> Dropout] [-> Linear]"),
+    Pattern("attention", find_attention, build_attention, "FusedAttention",
+            "softmax(q @ k^T * scale + mask) -> dropout -> @ v"),
+    Pattern("qkv", find_qkv, build_qkv, "FusedQKV", "three sibling Linear layers reading one tensor"),
+)
+FAMILIES = tuple(p.family for p in PATTERNS)
+
+
+def pattern_of(name: str) -> Pattern:
+    """The table row of a family or variant name ("conv_bn_relu_maxpool" -> the conv_bn_relu row)."""
+    return max((p for p in PATTERNS if name.startswith(p.family)), key=lambda p: len(p.family))
+
+
+def find_all(g: Graph, enabled=None) -> list[Match]:
+    """Every candidate of every pattern; overlapping candidates after a fused one are rejected, with why."""
+    taken: dict[str, Match] = {}
+    out = []
+    for pat in PATTERNS:
+        for m in pat.find(g):
+            m.viable = m.ok
+            clash = next((taken[n.name] for n in m.nodes if n.name in taken), None)
+            if m.ok and clash is not None:
+                m.ok, m.reason = False, f"overlaps the fused {clash.pattern} on {', '.join(clash.modules)}"
+            if m.ok and enabled is not None and pat.family not in enabled and m.pattern not in enabled:
+                m.ok, m.reason = False, f"pattern {m.pattern!r} is switched off"
+            if m.ok:
+                taken.update({n.name: m for n in m.nodes})
+                m.reason = f"fused: {' -> '.join(_short(n) for n in m.nodes)} into {_op_for(pat, m)}"
+            out.append(m)
+    return out
+
+
+def _op_for(pat: Pattern, m: Match) -> str:
+    return "FusedLinearGELUDropoutLinear" if m.pattern == "linear_gelu_dropout_linear" else pat.op
+
+
+def _short(n: Node) -> str:
+    return f"{n.module} ({type(n.obj).__name__})" if n.module else (n.op if n.kind == "function" else n.label)
+
+
+

@@ -1,0 +1,185 @@
+"""Where torch.fx can rewrite: the whole model if it traces, else the largest submodules that do.
+
+``symbolic_trace`` stops at data-dependent control flow, loops over tensor sizes, and isinstance checks
+on its proxies. Two things widen what traces here: (1) a plain helper function that stops the tracer
+(argument checks, for instance) is retried as an opaque call (``autowrap_functions``), so it still runs on
+real tensors in the rewritten model; (2) non-tensor arguments seen on the example call (``mask=None``,
+flags) are specialised, and the rewritten forward guards on them at run time (fallback: original code).
+When a module still fails, its children are tried; the reason is kept for the plan.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+import types
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+from torch import nn
+
+from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module, is_leaf_module
+
+__all__ = ["Region", "find_regions", "trace_region", "fx_graph", "concrete_args"]
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+@dataclass
+class Region:
+    path: str
+    route: str  # "fx" | "untraceable"
+    reason: str = ""  # why torch.fx failed here ('' for fx regions)
+    concrete: dict = field(default_factory=dict)  # specialised non-tensor arguments
+    wrapped: list[str] = field(default_factory=list)  # helper functions kept opaque
+    graph: Graph | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "route": self.route, "reason": self.reason, "concrete": self.concrete,
+                "wrapped": self.wrapped}
+
+
+def concrete_args(module: nn.Module, call) -> dict:
+    """Non-tensor arguments of the observed call (defaults included), keyed by parameter name."""
+    args, kwargs = call
+    sig = inspect.signature(type(module).forward)
+    try:
+        bound = sig.bind(module, *args, **kwargs)
+    except TypeError:
+        return {}
+    bound.apply_defaults()
+    out = {}
+    for name, value in list(bound.arguments.items())[1:]:
+        kind = sig.parameters[name].kind
+        if kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and \
+                isinstance(value, _SCALARS):
+            out[name] = value
+    return out
+
+
+def _blocker(exc: BaseException, module: nn.Module):
+    """The plain function called from ``forward`` that raised, if any (a candidate for autowrap)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    fwd_file = inspect.getsourcefile(type(module).forward)
+    for outer, inner in zip(frames, frames[1:]):
+        if outer.name == "forward" and outer.filename == fwd_file:
+            fn = type(module).forward.__globals__.get(inner.name)
+            if isinstance(fn, types.FunctionType):
+                return fn
+    return None
+
+
+def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) -> tuple[fx.GraphModule, list]:
+    """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer."""
+    flags = {m: m.training for m in module.modules()}
+    module.train(training)
+    wrapped = list(wrapped)
+    try:
+        for _ in range(4):
+            tracer = fx.Tracer(autowrap_functions=tuple(wrapped))
+            try:
+                graph = tracer.trace(module, concrete_args=dict(concrete) or None)
+                return fx.GraphModule(tracer.root, graph, type(module).__name__), wrapped
+            except Exception as exc:  # noqa: BLE001 - any tracer failure sends us one level down
+                fn = _blocker(exc, module)
+                if fn is None or fn in wrapped:
+                    raise
+                wrapped.append(fn)
+        raise RuntimeError("too many helper functions stop the tracer")
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def _reason(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {msg[:160]}"
+
+
+def find_regions(model: nn.Module, calls: dict) -> list[Region]:
+    """Largest traceable modules, top-down; an untraceable module is recorded with why, then its children."""
+    regions: list[Region] = []
+
+    def visit(path: str, module: nn.Module) -> None:
+        if is_leaf_module(module):
+            return
+        if path in calls:
+            concrete = concrete_args(module, calls[path][0])
+            try:
+                gm, wrapped = trace_region(module, concrete, True)
+                regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped], fx_graph(gm, path)))
+                return
+            except Exception as exc:  # noqa: BLE001
+                regions.append(Region(path, "untraceable", _reason(exc), concrete))
+        for name, child in module.named_children():
+            visit(f"{path}.{name}" if path else name, child)
+
+    visit("", model)
+    return regions
+
+
+# --------------------------------------------------------------------------- fx graph -> dataflow graph
+_META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "T", "mT"}
+_META_METHODS = {"size", "dim", "numel", "type", "stride", "is_contiguous", "get_device"}
+
+
+def _is_meta(n: fx.Node, meta: set) -> bool:
+    if n.op == "call_function" and n.target is getattr:
+        return n.args[1] in _META_ATTRS - {"T", "mT"}
+    if n.op == "call_method" and n.target in _META_METHODS:
+        return True
+    if n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator", "builtins"):
+        deps = [a for a in n.all_input_nodes]
+        return bool(deps) and all(a.name in meta for a in deps)
+    if n.op == "call_function" and getattr(n.target, "__name__", "") == "_assert_is_none":
+        return True
+    return False
+
+
+def _scope(n: fx.Node, prefix: str, module_node: bool) -> str:
+    stack = list((n.meta.get("nn_module_stack") or {}).values())
+    if module_node:
+        stack = stack[:-1]
+    inner = stack[-1][0] if stack else ""
+    return ".".join(p for p in (prefix, inner) if p)
+
+
+def fx_graph(gm: fx.GraphModule, prefix: str) -> Graph:
+    """The dataflow graph of an fx GraphModule, names qualified from the model's root."""
+    nodes, meta = [], set()
+
+    def ref(a):
+        return fx.node.map_arg(a, lambda x: Ref(x.name) if x.name not in meta else None)
+
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method") and _is_meta(n, meta):
+            meta.add(n.name)
+            continue
+        ins = [a.name for a in n.all_input_nodes if a.name not in meta]
+        if n.op in ("placeholder", "get_attr"):
+            node = Node(n.name, "input", "input" if n.op == "placeholder" else "param")
+        elif n.op == "call_module":
+            mod = gm.get_submodule(n.target)
+            qual = f"{prefix}.{n.target}" if prefix else n.target
+            node = Node(n.name, "module", canonical_module(mod), ins, ref(n.args), ref(dict(n.kwargs)), module=qual,
+                        scope=_scope(n, prefix, True), obj=mod)
+        elif n.op == "output":
+            node = Node(n.name, "output", "output", [x.name for x in _tensor_nodes(n.args[0]) if x.name not in meta])
+        else:
+            node = Node(n.name, "function", canonical_function(n.target), ins, ref(n.args), ref(dict(n.kwargs)),
+                        scope=_scope(n, prefix, False))
+        node.ref = n
+        nodes.append(node)
+    return Graph(nodes)
+
+
+def _tensor_nodes(value) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(value, out.append) if not _is_dataclass_like(value) else [
+        fx.node.map_arg(v, out.append) for v in vars(value).values()]
+    return out
+
+
+def _is_dataclass_like(value) -> bool:
+    return hasattr(value, "__dataclass_fields__")
+

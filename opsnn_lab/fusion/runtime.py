@@ -1,0 +1,189 @@
+"""Run-time dataflow trace: which tensor every call consumed and produced, in any model that runs.
+
+One forward under a ``TorchFunctionMode`` (functional calls and tensor methods) plus global module hooks
+(built-in ``torch.nn`` modules recorded as one node; user modules looked into, as fx does). No tracer
+has to accept the code: data-dependent control flow, item assignment, ``**kwargs`` forwards and dataclass
+outputs all just run. A ``saved_tensors_hooks`` pair attributes every tensor saved for backward to the
+node that saved it; the cost model reads that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module, is_leaf_module
+
+__all__ = ["RuntimeTrace", "trace_runtime", "flatten_tensors"]
+
+
+@dataclass
+class RuntimeTrace:
+    graph: Graph
+    saved: list[tuple[str, object, int]]  # (node name, storage key, bytes) for every saved activation
+    calls: dict[str, list[tuple[tuple, dict]]]  # module path -> (args, kwargs) of each call
+    output: object = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # node name -> first output tensor
+
+    def storage_of(self, name: str):
+        t = self.tensors.get(name)
+        return None if t is None else _storage_key(t)
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        s = t.untyped_storage()
+        return (s.data_ptr(), t.device.type, t.device.index) if s.data_ptr() else ("id", id(s))
+    except (RuntimeError, NotImplementedError):
+        return ("id", id(t))
+
+
+def flatten_tensors(value, out=None) -> list[torch.Tensor]:
+    """Tensors inside tuples, lists, dicts, dataclasses and plain objects (a model's output, any style)."""
+    out = [] if out is None else out
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            flatten_tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            flatten_tensors(v, out)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            flatten_tensors(getattr(value, f.name), out)
+    return out
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.paths = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            self.paths.setdefault(id(m), name)
+        self.nodes: list[Node] = []
+        self.producer: dict[int, str] = {}  # id(tensor) -> node name
+        self.keep: list[torch.Tensor] = []  # keeps ids unique for the trace's lifetime
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.scope: list[str] = [""]
+        self.leaf_depth = 0
+        self.current: list[str] = ["<outside>"]
+        self.saved: list[tuple[str, object, int]] = []
+        self.calls: dict[str, list] = {}
+        self.counts: dict[str, int] = {}
+        self.param_storages = {_storage_key(p) for p in model.parameters()}
+
+    # -- tensors ----------------------------------------------------------------------------------------
+    def _refs(self, value):
+        if isinstance(value, torch.Tensor):
+            name = self.producer.get(id(value))
+            return Ref(name) if name else ("param" if isinstance(value, nn.Parameter) else "tensor")
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._refs(v) for v in value) if not hasattr(value, "_fields") else value
+        return value
+
+    def _inputs(self, args, kwargs) -> list[str]:
+        names = []
+        for t in flatten_tensors([list(args), kwargs]):
+            name = self.producer.get(id(t))
+            if name:
+                names.append(name)
+        return names
+
+    def _new(self, base: str) -> str:
+        n = self.counts.get(base, 0)
+        self.counts[base] = n + 1
+        return base if n == 0 else f"{base}#{n + 1}"
+
+    def _add(self, node: Node, output) -> None:
+        outs = flatten_tensors(output)
+        if outs:
+            t = outs[0]
+            node.shape, node.dtype = tuple(t.shape), t.dtype
+            node.nbytes = t.numel() * t.element_size()
+            self.tensors[node.name] = t
+        for t in outs:
+            self.producer[id(t)] = node.name
+            self.keep.append(t)
+        self.nodes.append(node)
+
+    def add_inputs(self, args, kwargs) -> None:
+        for i, t in enumerate(flatten_tensors([list(args), kwargs])):
+            self._add(Node(name=f"input{i}", kind="input", op="input"), t)
+
+    # -- functions --------------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.leaf_depth:
+            return func(*args, **kwargs)
+        op = canonical_function(func)
+        name = self._new(f"{self.scope[-1] + '.' if self.scope[-1] else ''}{op}")
+        self.current.append(name)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.current.pop()
+        if flatten_tensors(out):
+            node = Node(name=name, kind="function", op=op, inputs=self._inputs(args, kwargs),
+                        args=tuple(self._refs(a) for a in args), kwargs={k: self._refs(v) for k, v in kwargs.items()},
+                        scope=self.scope[-1])
+            self._add(node, out)
+        return out
+
+    # -- modules ----------------------------------------------------------------------------------------
+    def pre_hook(self, module, args, kwargs):
+        if self.leaf_depth:
+            self.leaf_depth += 1
+            return
+        path = self.paths.get(id(module))  # None: a module built inside forward, not part of the model
+        if path is not None:
+            self.calls.setdefault(path, []).append((args, kwargs))
+        if is_leaf_module(module):
+            self.leaf_depth = 1
+            where = f"{self.scope[-1]}.<{type(module).__name__}>" if path is None else (path or "<root>")
+            self.current.append(self._new(where))
+        else:
+            self.scope.append(self.scope[-1] if path is None else path)
+
+    def post_hook(self, module, args, kwargs, output):
+        if self.leaf_depth > 1:
+            self.leaf_depth -= 1
+            return
+        if self.leaf_depth == 0:
+            self.scope.pop()
+            return
+        self.leaf_depth = 0
+        name = self.current.pop()
+        node = Node(name=name, kind="module", op=canonical_module(module), inputs=self._inputs(args, kwargs),
+                    args=tuple(self._refs(a) for a in args), kwargs={k: self._refs(v) for k, v in kwargs.items()},
+                    module=self.paths.get(id(module)), scope=self.scope[-1], obj=module)
+        self._add(node, output)
+
+    def pack(self, t: torch.Tensor):
+        if not isinstance(t, nn.Parameter):
+            key = _storage_key(t)
+            if key not in self.param_storages:
+                self.saved.append((self.current[-1], key, t.untyped_storage().nbytes()))
+        return t
+
+
+def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> RuntimeTrace:
+    """Run ``model(*args, **kwargs)`` once and return its dataflow graph (the model runs as is)."""
+    kwargs = kwargs or {}
+    rec = _Recorder(model)
+    rec.add_inputs(args, kwargs)
+    pre = [m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True) for m in model.modules()]
+    post = [m.register_forward_hook(rec.post_hook, with_kwargs=True, always_call=True) for m in model.modules()]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), rec:
+            output = model(*args, **kwargs)
+    finally:
+        for h in pre + post:
+            h.remove()
+    outs = [rec.producer[id(t)] for t in flatten_tensors(output) if id(t) in rec.producer]
+    rec.nodes.append(Node(name="output", kind="output", op="output", inputs=outs))
+    return RuntimeTrace(Graph(rec.nodes), rec.saved, rec.calls, output, rec.tensors)
