@@ -43,17 +43,26 @@ def op_class(name: str):
     return getattr(importlib.import_module("opsnn_lab.ops"), name)
 
 
-def _op_support(name: str, *modules) -> str:
-    """'' if ``ops.<name>`` exists and accepts these modules, else why not."""
+def _op_support(name: str, *modules, build=None) -> str:
+    """'' if ``ops.<name>`` exists and accepts this chain, else why not (the op's own words).
+
+    Uses the op's ``supports(...)`` when it has one, else tries ``build()`` (ops validate in their
+    constructors and raise ValueError/TypeError naming the argument).
+    """
     try:
         cls = op_class(name)
     except (ImportError, AttributeError) as exc:
         return f"opsnn_lab.ops.{name} is not available ({type(exc).__name__}: {exc})"
     supports = getattr(cls, "supports", None)
-    if supports is None:
-        return ""
-    ok, why = supports(*modules)
-    return "" if ok else why
+    if supports is not None:
+        ok, why = supports(*modules)
+        return "" if ok else f"{name}: {why}"
+    if build is not None:
+        try:
+            build()
+        except (ValueError, TypeError) as exc:
+            return f"{name}: {exc}"
+    return ""
 
 
 def _others(g: Graph, node: Node, keep: Node | None) -> list[str]:
@@ -121,9 +130,11 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
         m.outputs = [act]
         pool = g.only_user(act)
         relu_mod = act.obj if act.obj is not None else nn.ReLU()
-        if _is_module(pool, "max_pool2d") and not _op_support("FusedConvBNReLU", conv.obj, bn.obj, relu_mod, pool.obj):
+        if _is_module(pool, "max_pool2d") and not _op_support("FusedConvBNReLU", conv.obj, bn.obj, relu_mod,
+                                                              pool.obj):
             m.pattern, m.nodes, m.outputs = "conv_bn_relu_maxpool", [*m.nodes, pool], [pool]
-        m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod, "maxpool": pool.obj if len(m.nodes) == 4 else None}
+        m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod,
+                    "maxpool": pool.obj if len(m.nodes) == 4 else None}
         why = _op_support("FusedConvBNReLU", conv.obj, bn.obj, relu_mod, m.params["maxpool"])
         m.reason = why or _common_checks(g, m.nodes)
         m.ok = not m.reason
@@ -143,8 +154,6 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
         m.reason = _consumer_reason(g, lin, act)
         if not m.reason and act.op != "gelu":
             m.reason = f"activation `{act.label}` is {_act_name(act)}; FusedLinearGELUDropout fuses GELU only"
-        elif not m.reason and approx != "none" and not _supports_approximate(approx):
-            m.reason = f"activation `{act.label}` is {_act_name(act)}; FusedLinearGELUDropout computes exact GELU"
         if m.reason:
             out.append(m)
             continue
@@ -161,17 +170,10 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
         m.params = {"linear": lin.obj, "gelu": act.obj if act.obj is not None else nn.GELU(approximate=approx),
                     "dropout": _dropout_module(drop), "linear2": fc2.obj if m.pattern.endswith("_linear") else None}
         name = "FusedLinearGELUDropoutLinear" if m.params["linear2"] is not None else "FusedLinearGELUDropout"
-        m.reason = _op_support(name) or _common_checks(g, m.nodes)
+        m.reason = _op_support(name, build=lambda m=m: build_linear_gelu_dropout(m)) or _common_checks(g, m.nodes)
         m.ok = not m.reason
         out.append(m)
     return out
-
-
-def _supports_approximate(approx: str) -> bool:
-    try:
-        return approx in getattr(op_class("FusedLinearGELUDropout"), "SUPPORTED_APPROXIMATE", ("none",))
-    except (ImportError, AttributeError):
-        return False
 
 
 def _dropout_module(n: Node | None):
@@ -196,7 +198,7 @@ def find_qkv(g: Graph) -> list[Match]:
         m = Match("qkv", sibs, False, "", inputs=[x.name], outputs=list(sibs),
                   params={"q": sibs[0].obj, "k": sibs[1].obj, "v": sibs[2].obj})
         biases = {s.obj.bias is not None for s in sibs}
-        m.reason = _op_support("FusedQKV") or _common_checks(g, sibs) or (
+        m.reason = _op_support("FusedQKV", build=lambda m=m: build_qkv(m)) or _common_checks(g, sibs) or (
             "some siblings have a bias and some do not" if len(biases) > 1 else "")
         m.ok = not m.reason
         out.append(m)
@@ -213,7 +215,7 @@ def find_qkv(g: Graph) -> list[Match]:
     return out
 
 
-# --------------------------------------------------------------------------- softmax(q @ k^T * scale + mask) -> dropout -> @ v
+# ------------------------------------------------------------- softmax(q @ k^T * scale + mask) -> dropout -> @ v
 def find_attention(g: Graph) -> list[Match]:
     out = []
     for sm in g.nodes:
@@ -270,7 +272,7 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     p = _dropout_module(drop).p if drop is not None else 0.0
     m.inputs = [q.name, kt.inputs[0], pv.inputs[1]] + ([mask.name] if mask is not None else [])
     m.outputs, m.params = [pv], {"scale": scale, "dropout_p": p}
-    m.reason = _op_support("FusedAttention") or _common_checks(g, chain)
+    m.reason = _op_support("FusedAttention", build=lambda: build_attention(m)) or _common_checks(g, chain)
     m.ok = not m.reason
     return m
 
@@ -278,13 +280,15 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
 # --------------------------------------------------------------------------- the ops that replace them
 def build_conv_bn_relu(m: Match) -> nn.Module:
     p = m.params
-    return op_class("FusedConvBNReLU").from_modules(p["conv"], p["bn"], p["relu"], maxpool=p["maxpool"])
+    return op_class("FusedConvBNReLU").from_modules(p["conv"], p["bn"], p["relu"], maxpool=p["maxpool"],
+                                                    register_modules=False)
 
 
 def build_linear_gelu_dropout(m: Match) -> nn.Module:
     p = m.params
     if p["linear2"] is not None:
-        return op_class("FusedLinearGELUDropoutLinear").from_modules(p["linear"], p["gelu"], p["dropout"], p["linear2"])
+        return op_class("FusedLinearGELUDropoutLinear").from_modules(p["linear"], p["gelu"], p["dropout"],
+                                                                     p["linear2"], register_second=False)
     return op_class("FusedLinearGELUDropout").from_modules(p["linear"], p["gelu"], p["dropout"])
 
 

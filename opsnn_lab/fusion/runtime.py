@@ -127,7 +127,7 @@ class _Recorder(TorchFunctionMode):
             out = func(*args, **kwargs)
         finally:
             self.current.pop()
-        if flatten_tensors(out):
+        if flatten_tensors(out) or op == "setitem":  # item assignment consumes a tensor, returns None
             node = Node(name=name, kind="function", op=op, inputs=self._inputs(args, kwargs),
                         args=tuple(self._refs(a) for a in args), kwargs={k: self._refs(v) for k, v in kwargs.items()},
                         scope=self.scope[-1])
