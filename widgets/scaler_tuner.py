@@ -20,14 +20,14 @@ __all__ = ["ScalerTuner", "as_trace"]
 _WIDE = {"description_width": "initial"}
 
 
-def as_trace(trace) -> GradientTrace:
+def as_trace(trace, name: str = "trace") -> GradientTrace:
     """A ``GradientTrace`` from a trace, a ``GradientStats`` or the path of a saved trace."""
     if isinstance(trace, GradientStats):
         return trace.trace()
     if isinstance(trace, (str, Path)):
         return GradientTrace.load(trace)
     if not isinstance(trace, GradientTrace):
-        raise TypeError(f"trace must be a GradientTrace, a GradientStats or a path to a saved trace, "
+        raise TypeError(f"{name} must be a GradientTrace, a GradientStats or a path to a saved trace, "
                         f"got {type(trace).__name__}")
     return trace
 

@@ -171,19 +171,22 @@ class GradientTrace:
         return self.fractions(scale, fmt)["underflow"]
 
     def layer_fractions(self, index: int, scale=None, fmt: str = "fp16") -> dict[str, np.ndarray]:
-        """(P,) per-parameter fractions at row ``index`` (display bins; tails count as out of range).
+        """(P,) per-parameter fractions at row ``index``, from the display bins.
 
-        A threshold that falls outside the display bins counts the whole tail bin on its side, so
-        choose ``bins`` wide enough for the scales you look at (the default covers fp16 up to 2**24).
+        Exact while the format's thresholds, shifted by log2(scale), fall inside ``bins`` (the default
+        (-48, 20) covers fp16 at every scale from 2**-4 to 2**24); elements outside the bins are
+        taken to sit in the octave just outside them.
         """
+        if not -len(self) <= index < len(self):
+            raise ValueError(f"index must be in [{-len(self)}, {len(self)}), got {index}")
         s = float(self.scale[index] if scale is None else scale)
         check_positive("scale", s)
         lo, hi = self.bins
         full = np.zeros((len(self.names), N_BINS), dtype=np.int64)
         hist = self.param_hist[index]
         full[:, lo - EXP_MIN:hi - EXP_MIN] = hist[:, 1:-1]
-        full[:, 0] += hist[:, 0]  # everything below lo sits in the lowest octave
-        full[:, N_EXP - 1] += hist[:, -1]
+        full[:, max(lo - 1 - EXP_MIN, 0)] += hist[:, 0]
+        full[:, min(hi - EXP_MIN, N_EXP - 1)] += hist[:, -1]
         full[:, NONFINITE_BIN] = self.param_nonfinite[index]
         out = range_fractions(torch.from_numpy(full), math.log2(s), fmt)
         return {k: v.numpy() for k, v in out.items()}
@@ -217,7 +220,7 @@ class GradientTrace:
             raise ValueError(f"counts must have shape ({S}, {N_BINS}), got {counts.shape}")
         counts[~np.isfinite(amax), NONFINITE_BIN] = np.maximum(counts[~np.isfinite(amax), NONFINITE_BIN], 1)
         scale = np.broadcast_to(np.asarray(scale, dtype=np.float64), (S,)).copy()
-        lo, hi = -40, 20
+        lo, hi = -48, 20
         hist = np.concatenate([counts[:, :lo - EXP_MIN].sum(1, keepdims=True), counts[:, lo - EXP_MIN:hi - EXP_MIN],
                                counts[:, hi - EXP_MIN:N_EXP].sum(1, keepdims=True)], axis=1)
         return cls(names=[name], bins=(lo, hi), step=np.arange(S), scale=scale, counts=counts, amax=amax,
@@ -264,7 +267,7 @@ class GradientStats(Callback):
     histogram always spans every float32 exponent.
     """
 
-    def __init__(self, model: nn.Module, bins: tuple[int, int] = (-40, 20), scale=1.0, every: int = 1):
+    def __init__(self, model: nn.Module, bins: tuple[int, int] = (-48, 20), scale=1.0, every: int = 1):
         check_type("model", model, nn.Module)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:

@@ -90,11 +90,11 @@ def test_fractions_at_any_power_of_two_scale_match_direct_computation(log2_scale
     assert want[0] > 0.01 and (want[2] > 0.01 or log2_scale < 16)  # the cases are not vacuous
     # the overflow flag is the real cast: does g * s hold an inf in fp16?
     assert tr.overflow(s)[0] == bool(torch.isinf((g * s).half()).any())
-    layer = tr.layer_fractions(0, scale=s)
-    if log2_scale in (0, 8, 16):  # thresholds inside the default display bins: per-layer values are exact
-        for p, gp in enumerate((a, b)):
-            assert layer["underflow"][p] == pytest.approx(direct_fractions(gp, s, FP16_UNDER, FP16_NORMAL,
-                                                                           FP16_OVER)[0], abs=1e-12)
+    layer = tr.layer_fractions(0, scale=s)  # the default display bins keep fp16 exact from 2**-4 to 2**24
+    for p, gp in enumerate((a, b)):
+        want = direct_fractions(gp, s, FP16_UNDER, FP16_NORMAL, FP16_OVER)
+        for kind, w in zip(("underflow", "subnormal", "overflow"), want):
+            assert layer[kind][p] == pytest.approx(w, abs=1e-12), (kind, p)
 
 
 def test_underflow_semantics_match_the_fp16_cast():
@@ -158,7 +158,7 @@ def test_non_contiguous_gradients():
     stats = GradientStats(model)
     stats.record(0)
     e = ref_floor_log2(model.a.grad)
-    assert stats.trace().param_hist[0, 0, 1:-1].sum() == ((e >= -40) & (e < 20)).sum()
+    assert stats.trace().param_hist[0, 0, 1:-1].sum() == ((e >= -48) & (e < 20)).sum()
 
 
 def test_callback_records_every_step_of_ol_train_and_reads_the_scaler_scale():
