@@ -285,6 +285,10 @@ class MaskedTokenTask:
         labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
         return {"input_ids": input_ids, "labels": labels}
 
+    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The model's positional inputs for ``batch`` (what fusion analysis runs the model on)."""
+        return (batch["input_ids"],)
+
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(batch["input_ids"])
         return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
@@ -326,6 +330,9 @@ class ImageTask:
         images = grating[:, None].expand(n, self.channels, -1, -1)
         images = images + self.noise * torch.randn(n, self.channels, self.image_size, self.image_size, generator=g)
         return {"images": images.contiguous(), "labels": labels}
+
+    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (batch["images"],)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return F.cross_entropy(model(batch["images"]).float(), batch["labels"])
