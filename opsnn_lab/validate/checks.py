@@ -102,7 +102,7 @@ def _compare(expected, got, path: str, check: FigureCheck, out: list):
                 _compare(e, g, f"{path}[{i}]", check, out)
     elif _as_number(expected) is not None:
         _compare_number(float(expected), got, path, check, out)
-    elif got != expected:
+    elif type(got) is not type(expected) or got != expected:  # True is not 1 here
         out.append((math.inf, f"{label} is {format_value(got)}, expected {format_value(expected)}"))
 
 

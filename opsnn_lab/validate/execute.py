@@ -77,14 +77,15 @@ def execute_notebook(notebook, output_path, parameters: dict | None = None, *, k
     notebook, output_path = Path(notebook), Path(output_path)
     source = nbformat.read(notebook, as_version=4)
     kernel = kernel_name or source.metadata.get("kernelspec", {}).get("name") or "python3"
-    language = notebook_language(source)
+    # papermill reads the language from the metadata; a notebook written by a script may have none
+    language = None if _declared_language(source) else "python"
     start = time.perf_counter()
     error = None
     try:
         with _quiet("papermill"):
             nb = papermill.execute_notebook(
                 str(notebook), str(output_path), parameters=dict(parameters or {}), kernel_name=kernel,
-                language=language,                progress_bar=False, log_output=False, cwd=str(cwd or notebook.parent),
+                language=language, progress_bar=False, log_output=False, cwd=str(cwd or notebook.parent),
                 execution_timeout=timeout)
     except papermill.PapermillExecutionError as err:
         nb = _read_partial(output_path, source)
@@ -92,16 +93,25 @@ def execute_notebook(notebook, output_path, parameters: dict | None = None, *, k
                                                      strip_ansi("\n".join(err.traceback)), err.source)
     except Exception as err:  # noqa: BLE001 - timeouts, dead or missing kernels: report, do not crash
         nb = _read_partial(output_path, source)
-        cell, count, src = _running_cell(nb)
-        error = CellError(cell, count, type(err).__name__, strip_ansi(str(err)).strip(), "", src)
+        message = strip_ansi(str(err)).strip().splitlines()
+        interrupted = _error_from_outputs(nb)  # a timeout interrupts the kernel: that cell shows an error
+        if interrupted is not None:
+            error = CellError(interrupted.cell, interrupted.execution_count, type(err).__name__,
+                              message[0] if message else "", interrupted.traceback, interrupted.source)
+        else:
+            cell, count, src = _last_started_cell(nb)
+            error = CellError(cell, count, type(err).__name__, " ".join(message), "", src)
     return Execution(notebook, nb, dict(parameters or {}), time.perf_counter() - start, error)
 
 
-def notebook_language(nb) -> str:
-    """The kernel language from the notebook's metadata; papermill needs it to inject parameters."""
+def _declared_language(nb) -> str | None:
     meta = nb.get("metadata", {})
-    language = meta.get("kernelspec", {}).get("language") or meta.get("language_info", {}).get("name")
-    return (language or "python").lower()
+    return meta.get("kernelspec", {}).get("language") or meta.get("language_info", {}).get("name")
+
+
+def notebook_language(nb) -> str:
+    """The kernel language from the notebook's metadata (Python when it says nothing)."""
+    return _declared_language(nb) or "python"
 
 
 def _read_partial(output_path: Path, source):
@@ -124,12 +134,13 @@ def _error_from_outputs(nb) -> CellError | None:
     return None
 
 
-def _running_cell(nb):
-    for cell, index in zip(nb.cells, source_cell_indices(nb)):
-        status = cell.get("metadata", {}).get("papermill", {}).get("status")
-        if status == "running" or cell.get("metadata", {}).get("papermill", {}).get("exception"):
-            return index, cell.get("execution_count"), cell.source
-    return None, None, ""
+def _last_started_cell(nb):
+    started = [(index, cell) for cell, index in zip(nb.cells, source_cell_indices(nb))
+               if cell.cell_type == "code" and cell.get("metadata", {}).get("papermill", {}).get("start_time")]
+    if not started:
+        return None, None, ""
+    index, cell = started[-1]
+    return index, cell.get("execution_count"), cell.source
 
 
 @contextmanager

@@ -61,19 +61,10 @@ def find_parameters_cell(nb, notebook: str = "<notebook>") -> ParametersCell:
     if not tagged:
         return ParametersCell(notebook, None, {})
     index = tagged[0]
-    language = notebook_language(nb)
-    if language == "python":
-        return ParametersCell(notebook, index, _python_assignments(nb.cells[index].source, notebook, index))
-    try:  # other kernels: papermill's translator knows their assignment syntax
-        from papermill.translators import papermill_translators
-
-        kernel = nb.metadata.get("kernelspec", {}).get("name")
-        params = papermill_translators.find_translator(kernel, language).inspect(nb.cells[index])
-        return ParametersCell(notebook, index, {p.name: UNKNOWN for p in params})
-    except Exception:  # noqa: BLE001 - no translator: accept any name rather than guess
+    if notebook_language(nb).lower() != "python":
+        # papermill can inject into other kernels but reads assignments only for Python: accept any name
         return ParametersCell(notebook, index, {}, inspectable=False)
-
-
+    return ParametersCell(notebook, index, _python_assignments(nb.cells[index].source, notebook, index))
 
 
 def _python_assignments(source: str, notebook: str, index: int) -> dict:

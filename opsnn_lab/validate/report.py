@@ -66,9 +66,18 @@ def _clean(text: str) -> str:
     return _XML_BAD.sub("?", text)
 
 
+def _classname(notebook: Path) -> str:
+    """``notebooks/00_quickstart.ipynb`` -> ``notebooks.00_quickstart`` (relative to the working dir)."""
+    try:
+        notebook = notebook.resolve().relative_to(Path.cwd().resolve())
+    except (ValueError, OSError):
+        notebook = Path(*notebook.parts[1:]) if notebook.is_absolute() else notebook
+    return ".".join(notebook.with_suffix("").parts) or notebook.stem
+
+
 def _suite(result: NotebookResult) -> ET.Element:
     notebook = result.plan.notebook
-    classname = ".".join(Path(notebook).with_suffix("").parts) or notebook.stem
+    classname = _classname(Path(notebook))
     suite = ET.Element("testsuite", name=str(notebook))
     failures = errors = skipped = 0
     props = ET.SubElement(suite, "properties")
