@@ -1,0 +1,262 @@
+"""Bias + GELU (erf or tanh) + counter-based dropout, forward and backward: Triton kernels and torch reference.
+
+Forward keeps only the pre-activation ``h``; backward regenerates the dropout mask from (seed, offset)
+and recomputes GELU (and, on request, the forward output that a following Linear needs for its weight
+gradient). The bias gradient is reduced in two fixed-order stages (per-program partial column sums,
+then one pass over the partials), never with atomics, so it is bitwise deterministic.
+
+Element ``(i, j)`` of an ``(M, N)`` tensor uses the dropout counter ``offset + i * N + j`` (see ``rng``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from opsnn_lab._checks import check_choice, check_range, check_tensor
+from opsnn_lab.kernels._dispatch import backend_for, calculate_settings
+from opsnn_lab.kernels.rng import dropout_mask, keep_threshold, seed_keys
+
+try:
+    import triton
+    import triton.language as tl
+
+    from opsnn_lab.kernels.rng import dropout_keep
+except ImportError:  # pragma: no cover
+    triton = None
+
+__all__ = ["gelu_dropout_fwd", "gelu_dropout_bwd", "gelu_dropout_fwd_reference", "gelu_dropout_bwd_reference"]
+
+_APPROX = ("none", "tanh")
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_TILE_N = 1024  # columns per program (the row is tiled so N is unbounded)
+_ROWS = 16  # rows per program: each program's bias partial covers 16 rows, the second stage M / 16
+
+
+def _scale(p: float) -> float:
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+
+
+# --------------------------------------------------------------------------- torch reference
+def gelu_dropout_fwd_reference(h, p, seed, offset, approximate="none", bias=None):
+    """Torch path: ``(out, h)``; with ``bias``, ``h`` is updated in place to ``h + bias`` first."""
+    if bias is not None:
+        h.add_(bias)
+    out = F.gelu(h, approximate=approximate)
+    if p > 0:
+        keep = dropout_mask(seed, offset, h.shape, p, h.device)
+        out.mul_(keep).mul_(_scale(p))
+    return out, h
+
+
+def gelu_dropout_bwd_reference(grad_out, h, p, seed, offset, approximate="none", want_bias=False, want_out=False):
+    """Torch path: ``(grad_h, grad_bias | None, out | None)`` with ``out`` the recomputed forward output."""
+    keep = dropout_mask(seed, offset, h.shape, p, h.device) if p > 0 else None
+    out = None
+    if want_out:
+        out = F.gelu(h, approximate=approximate)
+        if keep is not None:
+            out.mul_(keep).mul_(_scale(p))
+    g = grad_out if keep is None else torch.where(keep, grad_out, 0)
+    grad_h = torch.ops.aten.gelu_backward(g, h, approximate=approximate)
+    if keep is not None:
+        grad_h.mul_(_scale(p))
+    grad_bias = grad_h.sum(0) if want_bias else None
+    return grad_h, grad_bias, out
+
+
+# --------------------------------------------------------------------------- Triton kernels
+if triton is not None:
+
+    @triton.jit
+    def _gelu_and_grad(x, APPROX_TANH: tl.constexpr):
+        # erf form: 0.5 x (1 + erf(x / sqrt 2)); tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+        if APPROX_TANH:
+            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)  # tanh(u), saturates cleanly at +-1
+            cdf = 0.5 * (1.0 + t)
+            dcdf = 0.5 * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+        else:
+            cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+            dcdf = 0.3989422804014327 * tl.exp(-0.5 * x * x)
+        return x * cdf, cdf + x * dcdf
+
+    @triton.jit
+    def _gelu_dropout_fwd_kernel(
+        H,  # pointer to the (M, N) pre-activation without bias; h + bias is written back when HAS_BIAS
+        BIAS,  # pointer to the (N,) bias (unused unless HAS_BIAS)
+        OUT,  # pointer to the (M, N) output, dropout(gelu(h))
+        M,  # rows
+        N,  # columns
+        OFFSET,  # dropout counter of element (0, 0)
+        S1,  # seed word 1 (rng.seed_keys)
+        S2,  # seed word 2
+        THRESHOLD,  # keep iff u16 >= THRESHOLD (rng.keep_threshold)
+        SCALE,  # 1 / (1 - p)
+        HAS_BIAS: tl.constexpr,  # add the bias and store the pre-activation
+        DROPOUT: tl.constexpr,  # p > 0
+        APPROX_TANH: tl.constexpr,  # tanh approximation instead of erf
+        ROWS: tl.constexpr,  # rows per program
+        BLOCK_N: tl.constexpr,  # columns per program
+    ):
+        # Bytes per element: read h (s), write out (s), write h + bias (s) with bias: 2s-3s, s = dtype size.
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        if HAS_BIAS:
+            b = tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)
+        for r in range(ROWS):
+            row = tl.program_id(0).to(tl.int64) * ROWS + r
+            idx = row * N + cols
+            m = cmask & (idx < M * N)
+            x = tl.load(H + idx, mask=m, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                x = x + b
+                tl.store(H + idx, x.to(H.dtype.element_ty), mask=m)
+            y, _ = _gelu_and_grad(x, APPROX_TANH)
+            if DROPOUT:
+                keep = dropout_keep(OFFSET + idx, S1, S2, THRESHOLD)
+                y = tl.where(keep, y * SCALE, 0.0)
+            tl.store(OUT + idx, y.to(OUT.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _gelu_dropout_bwd_kernel(
+        GRAD,  # pointer to the (M, N) upstream gradient
+        H,  # pointer to the (M, N) saved pre-activation
+        GRAD_H,  # pointer to the (M, N) gradient w.r.t. h (output)
+        OUT,  # pointer to the (M, N) recomputed forward output (unused unless WANT_OUT)
+        PARTIAL,  # pointer to the (cdiv(M, ROWS), N) fp32 partial bias sums (unused unless WANT_BIAS)
+        M,  # rows
+        N,  # columns
+        OFFSET,  # dropout counter of element (0, 0)
+        S1,  # seed word 1
+        S2,  # seed word 2
+        THRESHOLD,  # keep iff u16 >= THRESHOLD
+        SCALE,  # 1 / (1 - p)
+        DROPOUT: tl.constexpr,  # p > 0
+        APPROX_TANH: tl.constexpr,  # tanh approximation
+        WANT_OUT: tl.constexpr,  # also write the recomputed forward output
+        WANT_BIAS: tl.constexpr,  # also write partial bias sums
+        ROWS: tl.constexpr,  # rows per program
+        BLOCK_N: tl.constexpr,  # columns per program
+    ):
+        # Bytes per element: read grad, h (2s), write grad_h (s), out (s) if WANT_OUT: 3s-4s;
+        # partial sums add 4 * N bytes per ROWS rows.
+        pid_m = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        acc = tl.full([BLOCK_N], 0.0, tl.float32)  # not tl.zeros: a @jit helper, see tests
+        for r in range(ROWS):
+            row = pid_m.to(tl.int64) * ROWS + r
+            idx = row * N + cols
+            m = cmask & (idx < M * N)
+            x = tl.load(H + idx, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(GRAD + idx, mask=m, other=0.0).to(tl.float32)
+            y, dy = _gelu_and_grad(x, APPROX_TANH)
+            if DROPOUT:
+                keep = dropout_keep(OFFSET + idx, S1, S2, THRESHOLD)
+                g = tl.where(keep, g * SCALE, 0.0)
+                y = tl.where(keep, y * SCALE, 0.0)
+            gh = g * dy
+            tl.store(GRAD_H + idx, gh.to(GRAD_H.dtype.element_ty), mask=m)
+            if WANT_OUT:
+                tl.store(OUT + idx, y.to(OUT.dtype.element_ty), mask=m)
+            if WANT_BIAS:
+                acc += tl.where(m, gh, 0.0)
+        if WANT_BIAS:
+            tl.store(PARTIAL + pid_m.to(tl.int64) * N + cols, acc, mask=cmask)
+
+    @triton.jit
+    def _column_sum_kernel(
+        PARTIAL,  # pointer to the (R, N) fp32 partial sums
+        OUT,  # pointer to the (N,) result, in the bias dtype
+        R,  # rows of partials
+        N,  # columns
+        BLOCK_N: tl.constexpr,  # columns per program
+    ):
+        # Second stage: fixed row order, so the bias gradient is the same bits on every run.
+        # Bytes: reads 4 * R * N, writes N * s.
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        acc = tl.full([BLOCK_N], 0.0, tl.float32)  # not tl.zeros: a @jit helper, see tests
+        for r in range(R):
+            acc += tl.load(PARTIAL + r * N + cols, mask=cmask, other=0.0)
+        tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=cmask)
+
+
+def _rng_args(p, seed, offset):
+    s1, s2 = seed_keys(seed) if p > 0 else (0, 0)
+    return offset, s1, s2, keep_threshold(p), _scale(p)
+
+
+def _grid(m, n):
+    block_n, warps = calculate_settings(min(n, _TILE_N))
+    return (triton.cdiv(m, _ROWS), triton.cdiv(n, block_n)), block_n, warps
+
+
+def _fwd_triton(h, p, seed, offset, approximate, bias):
+    m, n = h.shape
+    out = torch.empty_like(h)
+    if h.numel():
+        grid, block_n, warps = _grid(m, n)
+        _gelu_dropout_fwd_kernel[grid](
+            h, bias if bias is not None else h, out, m, n, *_rng_args(p, seed, offset),
+            HAS_BIAS=bias is not None, DROPOUT=p > 0, APPROX_TANH=approximate == "tanh",
+            ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
+    return out, h
+
+
+def _bwd_triton(grad_out, h, p, seed, offset, approximate, want_bias, want_out):
+    m, n = h.shape
+    grad_h = torch.empty_like(h)
+    out = torch.empty_like(h) if want_out else None
+    grad_bias = torch.zeros(n, dtype=h.dtype, device=h.device) if want_bias else None
+    if h.numel():
+        grid, block_n, warps = _grid(m, n)
+        partial = torch.empty(grid[0], n, dtype=torch.float32, device=h.device) if want_bias else grad_h
+        _gelu_dropout_bwd_kernel[grid](
+            grad_out, h, grad_h, out if want_out else grad_h, partial, m, n, *_rng_args(p, seed, offset),
+            DROPOUT=p > 0, APPROX_TANH=approximate == "tanh", WANT_OUT=want_out, WANT_BIAS=want_bias,
+            ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
+        if want_bias:
+            _column_sum_kernel[(grid[1],)](partial, grad_bias, grid[0], n, BLOCK_N=block_n, num_warps=warps)
+    return grad_h, grad_bias, out
+
+
+def _check(h, p, approximate, name="h"):
+    check_tensor(name, h, dtypes=_FLOATS, dim=2)
+    check_range("p", p, 0.0, 1.0)
+    check_choice("approximate", approximate, _APPROX)
+
+
+def gelu_dropout_fwd(h, p, seed, offset, approximate="none", bias=None):
+    """``out = dropout(gelu(h [+ bias]))`` and the pre-activation.
+
+    h: (M, N) float tensor (made contiguous); with ``bias`` (N,) of h's dtype, ``h`` is updated in place to
+    ``h + bias`` (the GEMM before it can then skip its bias). Returns ``(out, h)``, both (M, N) in h's dtype.
+    ``p`` in [0, 1]; ``seed``/``offset`` pick the mask (element (i, j) uses counter ``offset + i * N + j``).
+    """
+    _check(h, p, approximate)
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(h.dtype,), dim=1, device=h.device)
+        if bias.shape[0] != h.shape[1]:
+            raise ValueError(f"bias must have {h.shape[1]} elements (h's columns), got {bias.shape[0]}")
+    h = h.contiguous()
+    if backend_for(h) == "triton":
+        return _fwd_triton(h, p, seed, offset, approximate, None if bias is None else bias.contiguous())
+    return gelu_dropout_fwd_reference(h, p, seed, offset, approximate, bias)
+
+
+def gelu_dropout_bwd(grad_out, h, p, seed, offset, approximate="none", want_bias=False, want_out=False):
+    """Gradient of ``dropout(gelu(h))`` w.r.t. ``h``, regenerating the mask.
+
+    grad_out, h: (M, N) of one float dtype. Returns ``(grad_h, grad_bias, out)``: grad_h (M, N); grad_bias (N,)
+    (sum of grad_h over rows, two-stage fixed order on Triton) when ``want_bias``; ``out`` (M, N), the
+    recomputed forward output, when ``want_out``.
+    """
+    _check(h, p, approximate)
+    check_tensor("grad_out", grad_out, dtypes=(h.dtype,), dim=2, device=h.device)
+    if grad_out.shape != h.shape:
+        raise ValueError(f"grad_out must have h's shape {tuple(h.shape)}, got {tuple(grad_out.shape)}")
+    if backend_for(h) == "triton":
+        return _bwd_triton(grad_out.contiguous(), h.contiguous(), p, seed, offset, approximate, want_bias, want_out)
+    return gelu_dropout_bwd_reference(grad_out, h, p, seed, offset, approximate, want_bias, want_out)

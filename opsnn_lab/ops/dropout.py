@@ -1,0 +1,117 @@
+"""Drop-in ``nn.Dropout`` whose mask depends only on (seed, step, element): nothing saved for backward.
+
+Every fused op with dropout shares the counter-RNG contract of ``CounterRNG``:
+
+* ``module.rng_seed`` (int in [0, 2**64)) and ``module.rng_step`` (int >= 0) pick the stream.
+* Each forward in training mode draws with ``offset = rng_step * rng.MAX_NUMEL`` (element ``e`` of the
+  row-major output uses counter ``offset + e``), then increments ``rng_step`` -- whether or not ``p > 0``,
+  so step counts stay aligned across modules. Eval-mode forwards neither draw nor advance.
+* ``set_rng(seed, step=0)`` sets both (``ol.consistency.make_reproducible`` calls it with the seed of the
+  module's qualified name). ``seed=None`` at construction draws one from torch's global generator, so
+  ``torch.manual_seed`` makes a freshly built model reproducible, as with ``nn.Dropout``.
+* The seed and step are plain attributes, not state_dict entries: fusing or swapping dropout modules
+  never changes a model's state_dict keys.
+
+The backward regenerates the mask from (seed, offset) instead of keeping eager dropout's bool mask
+(1 byte per element).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from opsnn_lab._checks import check_range, check_tensor, check_type
+from opsnn_lab.kernels import rng
+
+__all__ = ["CounterRNG", "Dropout", "DropoutFunction"]
+
+
+class CounterRNG:
+    """Mixin giving a module a counter-RNG stream: ``rng_seed``, ``rng_step``, ``set_rng``, ``next_draw``."""
+
+    rng_seed: int
+    rng_step: int
+
+    def _init_rng(self, seed: int | None) -> None:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.set_rng(seed, 0)
+
+    def set_rng(self, seed: int, step: int = 0) -> None:
+        """Use stream ``seed`` from call number ``step`` on."""
+        rng.seed_keys(seed)  # validates the seed
+        check_type("step", step, int)
+        if isinstance(step, bool) or not 0 <= step < 2**31:
+            raise ValueError(f"step must be an int in [0, 2**31), got {step!r}")
+        self.rng_seed, self.rng_step = seed, step
+
+    def next_draw(self) -> tuple[int, int]:
+        """``(seed, offset)`` for this training-mode call; advances ``rng_step``."""
+        offset = self.rng_step * rng.MAX_NUMEL
+        self.rng_step += 1
+        return self.rng_seed, offset
+
+
+def _scale(p: float) -> float:
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+
+
+def apply_mask(x: torch.Tensor, p: float, seed: int, offset: int) -> torch.Tensor:
+    """``x * keep / (1 - p)`` with the counter-based keep-mask of ``x``'s shape (a new tensor)."""
+    keep = rng.dropout_mask(seed, offset, x.shape, p, x.device)
+    return torch.where(keep, x, 0).mul_(_scale(p))
+
+
+class DropoutFunction(torch.autograd.Function):
+    """Dropout that saves nothing: backward regenerates the mask from ``(seed, offset)``."""
+
+    @staticmethod
+    def forward(ctx, x, p, seed, offset):
+        ctx.rng = (p, seed, offset)
+        return apply_mask(x, p, seed, offset)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return apply_mask(grad, *ctx.rng), None, None, None
+
+
+def _check_numel(x: torch.Tensor) -> None:
+    if x.numel() > rng.MAX_NUMEL:
+        raise ValueError(f"x has {x.numel()} elements; one dropout draw supports at most 2**32")
+
+
+class Dropout(CounterRNG, nn.Module):
+    """``nn.Dropout(p)`` with a counter-based mask (see the module docstring for the seed/step contract).
+
+    Same scaling as ``nn.Dropout`` (kept elements times ``1 / (1 - p)``; ``p = 1`` gives zeros), identity in
+    eval mode or for ``p = 0``. ``p`` is quantized to multiples of 2**-16 for drawing (``rng``). Always
+    out of place; ``inplace`` is accepted for signature compatibility only.
+    """
+
+    def __init__(self, p: float = 0.5, inplace: bool = False, *, seed: int | None = None):
+        super().__init__()
+        self.p = float(check_range("p", p, 0.0, 1.0))
+        self.inplace = bool(check_type("inplace", inplace, bool))
+        self._init_rng(seed)
+
+    @classmethod
+    def from_module(cls, dropout: nn.Module, *, seed: int | None = None) -> Dropout:
+        """The counter-RNG twin of an ``nn.Dropout`` (same ``p``, same train/eval mode)."""
+        check_type("dropout", dropout, (nn.Dropout, Dropout))
+        module = cls(dropout.p, seed=seed)
+        module.train(dropout.training)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_tensor("x", x)
+        if not self.training:
+            return x
+        seed, offset = self.next_draw()
+        if self.p == 0.0:
+            return x
+        _check_numel(x)
+        return DropoutFunction.apply(x, self.p, seed, offset)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, seed={self.rng_seed}, step={self.rng_step}"
