@@ -261,13 +261,15 @@ class GradientStats(Callback):
 
     Call ``record(step)`` after backward, or pass the object as a callback to ``ol.train``.
     ``scale`` is the loss scale to evaluate fractions at: a number, an object with a ``.scale``
-    attribute (a ``DynamicScaler``), or a callable; it is read at each record. Gradients are taken
-    as they are in ``.grad``, i.e. UNSCALED (multiply back yourself if your grads carry the scale).
+    attribute (a ``DynamicScaler``), or a callable; it is read at each record. Gradients in ``.grad``
+    are taken as unscaled; ``scaled=True`` says they hold ``g * scale`` (backward of a scaled loss)
+    and divides it out first (exact for power-of-two scales), so the trace always holds true gradients.
     ``bins=(lo, hi)`` are the octave edges kept per parameter for display; the whole-model
     histogram always spans every float32 exponent.
     """
 
-    def __init__(self, model: nn.Module, bins: tuple[int, int] = (-48, 20), scale=1.0, every: int = 1):
+    def __init__(self, model: nn.Module, bins: tuple[int, int] = (-48, 20), scale=1.0, every: int = 1,
+                 scaled: bool = False):
         check_type("model", model, nn.Module)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
@@ -277,12 +279,14 @@ class GradientStats(Callback):
                 or not EXP_MIN <= bins[0] < bins[1] <= EXP_MAX + 1):
             raise ValueError(f"bins must be two ints (lo, hi) with {EXP_MIN} <= lo < hi <= {EXP_MAX + 1}, got {bins!r}")
         check_positive("every", every, integer=True)
+        check_type("scaled", scaled, bool)
         self._scale_of(scale)  # validate now, not at the first step
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.bins = (int(bins[0]), int(bins[1]))
         self.scale = scale
         self.every = every
+        self.scaled = scaled
         self._rows: list[tuple] = []
         self._layout_key = None
 
@@ -316,6 +320,8 @@ class GradientStats(Callback):
         device = live[0].device if live else torch.device("cpu")
         P = len(self.params)
         flat = torch.cat([g.float() for g in live]) if live else torch.zeros(0, device=device)
+        if self.scaled and s != 1.0:
+            flat.div_(s)  # cat made a fresh buffer: dividing in place touches no .grad
         pidx, offset = self._layout(present, device)
         pamax = torch.zeros(P, device=device).scatter_reduce_(0, pidx, flat.abs(), "amax")  # NaN/Inf propagate
         exp = torch.frexp(flat).exponent  # int32; 0 for zeros and non-finite values

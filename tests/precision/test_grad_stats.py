@@ -181,6 +181,21 @@ def test_callback_records_every_step_of_ol_train_and_reads_the_scaler_scale():
     assert every.trace().step.tolist() == [0, 2, 4] and every.trace().scale.tolist() == [8.0] * 3
 
 
+def test_scaled_gradients_are_divided_back_to_true_gradients():
+    a, b = log_uniform(37 * 29, -30, 0, seed=8), log_uniform(513, -10, 2, seed=9)
+    plain = GradientStats(with_grads(a, b))
+    plain.record(0, scale=2.0**12)
+    scaled = GradientStats(with_grads(a * 2.0**12, b * 2.0**12), scale=2.0**12, scaled=True)
+    scaled.record(0)
+    p, s = plain.trace(), scaled.trace()
+    np.testing.assert_array_equal(p.counts, s.counts)
+    np.testing.assert_array_equal(p.param_hist, s.param_hist)
+    assert p.amax[0] == s.amax[0] and s.scale[0] == 2.0**12
+    assert scaled.params[0].grad.abs().max() == (a * 2.0**12).abs().max()  # .grad left untouched
+    with pytest.raises(TypeError, match="scaled"):
+        GradientStats(Two(), scaled=1)
+
+
 def test_save_load_roundtrip(tmp_path):
     stats = GradientStats(with_grads(log_uniform(37 * 29, -30, 0), None), bins=(-30, 10))
     for step in range(3):
