@@ -134,7 +134,7 @@ class NotebookExecutionItem(pytest.Item):
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, NotebookCellFailed):
-            return f"{self.path}: {excinfo.value.error.describe()}"
+            return f"{excinfo.value.error.describe()}\n(notebook {self.path})"
         return super().repr_failure(excinfo, style)
 
     def reportinfo(self):
@@ -158,7 +158,7 @@ class FigureItem(pytest.Item):
         if isinstance(excinfo.value, FigureCheckFailed):
             o = excinfo.value.outcome
             check = self.parent.plan.checks[self.figure]
-            return (f"{self.path}: {o.message()}\n"
+            return (f"{o.message()}\n"
                     f"  expected {o.expected} | got {o.got} | tolerance {o.tolerance}  (check at {check.where})")
         return super().repr_failure(excinfo, style)
 
