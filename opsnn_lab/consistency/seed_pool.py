@@ -1,0 +1,302 @@
+"""Per-operator seed pool and ``make_reproducible``: every random op gets its own named stream.
+
+``SeedPool(seed).seed_for(name, step)`` is a 64-bit BLAKE2b hash of ``(seed, step, name)`` (UTF-8),
+never Python's per-process salted ``hash``, so it is the same in every process, on every machine,
+and a new random op elsewhere in a model takes a stream of its own instead of shifting everyone
+else's draws (which is what one global generator does).
+
+``make_reproducible(model, seed)`` (in place; returns ``model``) makes every dropout of the model draw
+a mask that depends only on ``(seed, module name, step, element offset)``:
+
+* ``nn.Dropout`` modules become ``ol.ops.Dropout`` (counter-based; same ``p``, same train/eval mode;
+  dropout has no state, so the state_dict is unchanged);
+* modules that already carry a counter RNG (``ol.ops.Dropout``, the fused Linear-GELU-Dropout ops:
+  the ``CounterRNG`` contract of :mod:`opsnn_lab.ops.dropout`) are seeded by their qualified name;
+* functional ``F.dropout`` / ``torch.dropout`` calls inside ``forward`` methods are intercepted by a
+  ``TorchFunctionMode`` installed for the duration of each training forward and keyed by the module
+  that made the call plus its call index within that module's forward:
+  ``"<module path>:dropout.<i>"`` (``"<root>"`` stands for the model itself).
+
+Step: the model carries a step counter. Every forward of the model in training mode uses the current
+step and then advances it by one; eval-mode forwards use no randomness and do not advance. Before a
+forward, every stream is reset to ``pool.seed_for(name, step)`` with call index 0, so a mask depends on
+how many training forwards came before, never on how many draws other modules made.
+``set_step(model, step)`` (or ``model.set_step(step)``) sets the step the next forward uses (to resume a
+run); ``get_step(model)`` reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from opsnn_lab._checks import check_positive, check_type
+
+__all__ = ["SeedPool", "SeedStream", "make_reproducible", "set_step", "get_step", "ROOT"]
+
+ROOT = "<root>"  # the name of the model itself in functional-dropout keys
+_MASK63 = (1 << 63) - 1
+_PERSON = b"opsnn-seedpool"  # BLAKE2b personalisation: these hashes are ours alone
+
+
+def _check_seed(name: str, seed) -> int:
+    check_type(name, seed, int)
+    if isinstance(seed, bool) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"{name} must be an int in [0, 2**64), got {seed!r}")
+    return seed
+
+
+def _check_step(step) -> int:
+    check_positive("step", step, allow_zero=True, integer=True)
+    if step >= 1 << 63:
+        raise ValueError(f"step must be < 2**63, got {step}")
+    return step
+
+
+class SeedStream:
+    """The seeds of one name, step after step: ``next(stream)`` or ``stream.at(step)``."""
+
+    def __init__(self, pool: SeedPool, name: str, step: int = 0):
+        self.pool, self.name, self.step = pool, name, _check_step(step)
+
+    def at(self, step: int) -> int:
+        return self.pool.seed_for(self.name, step)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        seed = self.at(self.step)
+        self.step += 1
+        return seed
+
+    def __repr__(self):
+        return f"SeedStream(name={self.name!r}, step={self.step})"
+
+
+class SeedPool:
+    """Stable per-name seeds derived from one base ``seed``.
+
+    >>> pool = SeedPool(0)
+    >>> pool.seed_for("encoder.layer.3.dropout") == SeedPool(0).seed_for("encoder.layer.3.dropout")
+    True
+    """
+
+    def __init__(self, seed: int = 0):
+        self.seed = _check_seed("seed", seed)
+        self._key = struct.pack("<Q", self.seed)
+
+    def seed_for(self, name: str, step: int = 0) -> int:
+        """A seed in ``[0, 2**63)`` for op ``name`` at ``step``: BLAKE2b of (seed, step, name)."""
+        check_type("name", name, str)
+        h = hashlib.blake2b(struct.pack("<Q", _check_step(step)) + name.encode("utf-8"),
+                            digest_size=8, key=self._key, person=_PERSON)
+        return int.from_bytes(h.digest(), "little") & _MASK63
+
+    def stream(self, name: str, start: int = 0) -> SeedStream:
+        """The seeds of ``name`` at steps ``start, start + 1, ...``."""
+        check_type("name", name, str)
+        return SeedStream(self, name, start)
+
+    def generator(self, name: str = "data", step: int = 0, device: str | torch.device = "cpu") -> torch.Generator:
+        """A ``torch.Generator`` seeded from ``(name, step)``: data shuffling, augmentation, init."""
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed_for(name, step))
+        return g
+
+    def shuffle(self, n: int, epoch: int = 0, name: str = "data") -> torch.Tensor:
+        """The permutation of ``range(n)`` for ``epoch`` (int64): the same in every run and process."""
+        check_positive("n", n, allow_zero=True, integer=True)
+        return torch.randperm(n, generator=self.generator(name, epoch))
+
+    def __repr__(self):
+        return f"SeedPool(seed={self.seed})"
+
+    def __eq__(self, other):
+        return isinstance(other, SeedPool) and other.seed == self.seed
+
+    def __hash__(self):
+        return hash(("SeedPool", self.seed))
+
+
+# --------------------------------------------------------------------------- make_reproducible
+_DROPOUT_FUNCS = {F.dropout, torch.dropout, torch.Tensor.dropout} if hasattr(torch.Tensor, "dropout") else {
+    F.dropout, torch.dropout}
+
+
+def _dropout_args(func, args, kwargs):
+    """``(input, p, training)`` of an ``F.dropout`` / ``torch.dropout`` call."""
+    names = ("input", "p", "training", "inplace") if func is F.dropout else ("input", "p", "train")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    x = bound.get("input")
+    p = float(bound.get("p", 0.5))
+    training = bound.get("training", bound.get("train", True))
+    return x, p, bool(training)
+
+
+class _FunctionalDropout(TorchFunctionMode):
+    """Routes functional dropout calls to the counter RNG, keyed by calling module + call index."""
+
+    def __init__(self, state: _ReproducibleState):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _DROPOUT_FUNCS:
+            return func(*args, **kwargs)
+        x, p, training = _dropout_args(func, args, kwargs)
+        if not training or not isinstance(x, torch.Tensor):
+            return func(*args, **kwargs)
+        from opsnn_lab.ops.dropout import DropoutFunction
+
+        seed = self.state.functional_seed()
+        if p == 0.0:
+            return x
+        return DropoutFunction.apply(x, p, seed, 0)
+
+
+class _ForwardScope:
+    """Per-forward bookkeeping (plain attributes, so a prepared model still deep-copies)."""
+
+    def __init__(self):
+        self.stack: list[str] | None = None
+        self.calls: dict[str, int] = {}
+        self.mode: _FunctionalDropout | None = None
+
+
+class _ReproducibleState:
+    """What ``make_reproducible`` attaches to a model: pool, step, seeded modules, hooks."""
+
+    def __init__(self, model: nn.Module, pool: SeedPool, functional: bool):
+        self.pool = pool
+        self.step = 0
+        self.functional = functional
+        self.model_ref = weakref.ref(model)
+        self.local = _ForwardScope()  # module-path stack and call counts of the running forward
+        self.handles: list = []
+
+    # -- per forward ------------------------------------------------------------------------
+    def seeded_modules(self):
+        from opsnn_lab.ops.dropout import CounterRNG
+
+        model = self.model_ref()
+        for name, module in model.named_modules():
+            if isinstance(module, CounterRNG):
+                yield name or ROOT, module
+
+    def begin_forward(self) -> None:
+        for name, module in self.seeded_modules():
+            module.set_rng(self.pool.seed_for(name, self.step), 0)
+        self.local.stack = [ROOT]
+        self.local.calls = {}
+        if self.functional:
+            self.local.mode = _FunctionalDropout(self)
+            self.local.mode.__enter__()
+
+    def end_forward(self) -> None:
+        mode = self.local.mode
+        if mode is not None:
+            self.local.mode = None
+            mode.__exit__(None, None, None)
+        self.local.stack = None
+        self.step += 1
+
+    def functional_seed(self) -> int:
+        path = self.local.stack[-1] if self.local.stack else ROOT
+        index = self.local.calls.get(path, 0)
+        self.local.calls[path] = index + 1
+        return self.pool.seed_for(f"{path}:dropout.{index}", self.step)
+
+    # -- module path tracking (for functional calls) -------------------------------------------
+    def push(self, name: str) -> None:
+        stack = self.local.stack
+        if stack is not None:
+            stack.append(name)
+
+    def pop(self) -> None:
+        stack = self.local.stack
+        if stack is not None and len(stack) > 1:
+            stack.pop()
+
+
+def _replace_dropouts(model: nn.Module) -> int:
+    from opsnn_lab.ops.dropout import Dropout
+
+    replaced = 0
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Dropout:  # Dropout1d/2d/3d drop whole channels: a different mask shape
+                setattr(module, child_name, Dropout.from_module(child, seed=0))
+                replaced += 1
+    return replaced
+
+
+def _install_hooks(model: nn.Module, state: _ReproducibleState) -> None:
+    def pre(module, args):
+        if module.training:
+            state.begin_forward()
+
+    def post(module, args, output):
+        if module.training:
+            state.end_forward()
+
+    state.handles.append(model.register_forward_pre_hook(pre))
+    state.handles.append(model.register_forward_hook(post, always_call=True))
+    if state.functional:
+        for name, module in model.named_modules():
+            if module is model:
+                continue
+            state.handles.append(module.register_forward_pre_hook(lambda m, a, n=name: state.push(n)))
+            state.handles.append(module.register_forward_hook(lambda m, a, o: state.pop(), always_call=True))
+
+
+def make_reproducible(model: nn.Module, seed: int | SeedPool = 0, *, functional: bool = True) -> nn.Module:
+    """Make every dropout of ``model`` draw masks that depend only on (seed, module name, step, offset).
+
+    In place; returns ``model``. ``seed`` is an int or a ``SeedPool``. ``functional=False`` skips the
+    interception of ``F.dropout`` calls (it costs a Python call per torch function in training
+    forwards). Calling it again re-seeds the model and resets its step to 0. See the module docstring
+    for the step semantics; ``set_step(model, n)`` resumes at step ``n``.
+    """
+    check_type("model", model, nn.Module)
+    pool = seed if isinstance(seed, SeedPool) else SeedPool(_check_seed("seed", seed))
+    check_type("functional", functional, bool)
+    old = getattr(model, "_opsnn_reproducible", None)
+    if old is not None:
+        for handle in old.handles:
+            handle.remove()
+    _replace_dropouts(model)
+    state = _ReproducibleState(model, pool, functional)
+    _install_hooks(model, state)
+    # plain attributes (not submodules, not buffers): the state_dict is unchanged
+    object.__setattr__(model, "_opsnn_reproducible", state)
+    object.__setattr__(model, "set_step", lambda step: set_step(model, step))
+    for name, module in state.seeded_modules():  # seeded already, for calls outside a model forward
+        module.set_rng(pool.seed_for(name, 0), 0)
+    return model
+
+
+def _state(model: nn.Module) -> _ReproducibleState:
+    check_type("model", model, nn.Module)
+    state = getattr(model, "_opsnn_reproducible", None)
+    if state is None:
+        raise ValueError("model was not prepared by make_reproducible(model, seed)")
+    return state
+
+
+def set_step(model: nn.Module, step: int) -> None:
+    """The step the next training forward of ``model`` uses (``make_reproducible`` starts at 0)."""
+    _state(model).step = _check_step(step)
+
+
+def get_step(model: nn.Module) -> int:
+    """The step the next training forward of ``model`` will use."""
+    return _state(model).step
