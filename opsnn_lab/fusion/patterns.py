@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, arg
+from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, Ref, arg
 
 __all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "pattern_of"]
 
@@ -82,6 +82,10 @@ def _act_name(n: Node) -> str:
 
 
 def _common_checks(g: Graph, nodes: list[Node]) -> str:
+    for n in nodes:
+        writer = next((u for u in g.users.get(n.name, []) if u.op == "setitem"), None)
+        if writer is not None:
+            return f"the output of `{n.label}` is modified in place by `{writer.label}` (item assignment)"
     counts = {}
     for n in g.nodes:
         if n.module:
@@ -150,7 +154,7 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
         if not _is_module(lin, "linear") or act is None:
             continue
         m = Match("linear_gelu_dropout", [lin, act], False, "", inputs=lin.inputs[:1], outputs=[act])
-        approx = act.obj.approximate if act.obj is not None else arg(act, 1, "approximate", "none")
+        approx = getattr(act.obj, "approximate", "none") if act.obj is not None else arg(act, 1, "approximate", "none")
         m.reason = _consumer_reason(g, lin, act)
         if not m.reason and act.op != "gelu":
             m.reason = f"activation `{act.label}` is {_act_name(act)}; FusedLinearGELUDropout fuses GELU only"
@@ -235,11 +239,12 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
         s, mk = (a, b) if a.op in ("mul", "div", "matmul") else (b, a)
         chain.insert(0, x)
         mask, x = mk, s
-    if x is not None and x.op in ("mul", "div") and len(x.inputs) == 1:
-        c = next((a for a in x.args if isinstance(a, (int, float))), None)
-        if c is None:
+    if x is not None and x.op in ("mul", "div") and len(x.inputs) == 1 and isinstance(x.args[0], Ref):
+        c = next((a for a in x.args[1:] if not isinstance(a, Ref)), None)
+        if c is not None and not isinstance(c, (int, float)):
             return None
-        scale = float(c) if x.op == "mul" else 1.0 / float(c)
+        # None: computed from shapes in the code (fx sees the formula); the run-time trace knows its value
+        scale = None if c is None else float(c) if x.op == "mul" else 1.0 / float(c)
         chain.insert(0, x)
         x = g.producer(x)
     if x is None or x.op != "matmul" or len(x.inputs) != 2:
@@ -263,8 +268,11 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     if nxt is not None and nxt.op == "dropout":
         drop, tail = nxt, nxt
         chain.append(drop)
-    pv = g.only_user(tail)
-    if pv is None or pv.op != "matmul" or pv.inputs[:1] != [tail.name]:
+    pv = next((u for u in g.users.get(tail.name, []) if u.op == "matmul"), None)
+    if pv is not None and (reason := _consumer_reason(g, tail, pv)):
+        m.reason = reason
+        return m
+    if pv is None or pv.inputs[:1] != [tail.name]:
         users = ", ".join(f"`{u.label}`" for u in g.users.get(tail.name, []))
         m.reason = f"the attention probabilities go to {users or 'nothing'}, not straight into `@ v`"
         return m

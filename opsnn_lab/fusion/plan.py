@@ -20,6 +20,7 @@ class Decision:
     route: str = ""  # "fx:<region>" where the rewrite happens ('' when not rewritten)
     chain: list[str] = field(default_factory=list)  # node labels, in execution order
     shapes: list = field(default_factory=list)  # output shape of each chain node
+    params: dict = field(default_factory=dict)  # scalars the op is built with (attention: scale, dropout_p)
 
     @property
     def key(self) -> tuple:

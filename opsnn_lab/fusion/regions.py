@@ -120,6 +120,7 @@ def find_regions(model: nn.Module, calls: dict) -> list[Region]:
 
 # --------------------------------------------------------------------------- fx graph -> dataflow graph
 _META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "T", "mT"}
+_PY_MODULES = ("_operator", "operator", "builtins", "math")  # arithmetic on sizes stays arithmetic on sizes
 _META_METHODS = {"size", "dim", "numel", "type", "stride", "is_contiguous", "get_device"}
 
 
@@ -128,8 +129,8 @@ def _is_meta(n: fx.Node, meta: set) -> bool:
         return n.args[1] in _META_ATTRS - {"T", "mT"}
     if n.op == "call_method" and n.target in _META_METHODS:
         return True
-    if n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator", "builtins"):
-        deps = [a for a in n.all_input_nodes]
+    if n.op == "call_function" and getattr(n.target, "__module__", None) in _PY_MODULES:
+        deps = n.all_input_nodes
         return bool(deps) and all(a.name in meta for a in deps)
     if n.op == "call_function" and getattr(n.target, "__name__", "") == "_assert_is_none":
         return True

@@ -33,11 +33,9 @@ class FusedSlot(nn.Module):
         self.pattern, self.fused_modules = pattern, list(modules)
 
     def forward(self, *args):
+        if self.op.training != self.training:  # the slot's flag is the one model.train()/eval() sets
+            self.op.train(self.training)
         return self.op(*args)
-
-    def train(self, mode: bool = True):
-        self.op.train(mode)
-        return super().train(mode)
 
     def _apply(self, fn, recurse=True):
         self.op._apply(fn)  # buffers the op holds itself follow .to()/.half(); shared ones are idempotent
@@ -92,7 +90,7 @@ def _install(region: nn.Module, variants: dict, concrete: dict) -> None:
                                                     "__qualname__": cls.__qualname__, "_unfused_class": cls})
 
 
-def _rewrite_region(model: nn.Module, route: dict, keys: set, slots: dict) -> int:
+def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> int:
     path = route["path"]
     region = model.get_submodule(path) if path else model
     wrapped = [getattr(inspect.getmodule(type(region)), n) for n in route.get("wrapped", [])]
@@ -103,9 +101,13 @@ def _rewrite_region(model: nn.Module, route: dict, keys: set, slots: dict) -> in
         for m in find_all(g):
             if not (m.viable and m.key in keys):
                 continue
+            for k, v in keys[m.key].items():  # values fx sees only as formulas (a shape-derived scale)
+                if m.params.get(k, v) is None:
+                    m.params[k] = v
             if m.key not in slots:
                 slots[m.key] = (f"fused_{m.pattern}_{len(slots)}", FusedSlot(pattern_of(m.pattern).build(m),
                                                                              m.pattern, m.modules))
+                slots[m.key][1].train(region.training)
                 region.add_module(*slots[m.key])
             name, slot = slots[m.key]
             gm.add_submodule(name, slot)
@@ -128,9 +130,9 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     check_type("plan", plan, FusionPlan)
     fused = copy.deepcopy(model)
     wanted = [d for d in plan.decisions if d.fused]
-    by_region: dict[str, set] = {}
+    by_region: dict[str, dict] = {}
     for d in wanted:
-        by_region.setdefault(d.route.removeprefix("fx:"), set()).add(d.key)
+        by_region.setdefault(d.route.removeprefix("fx:"), {})[d.key] = d.params
     routes = {r["path"] or "<model>": r for r in plan.routes}
     slots: dict = {}
     for region, keys in by_region.items():
