@@ -83,10 +83,11 @@ class ScalerHistory:
 class StepCheck:
     """What one scan of the scaled gradients found (merged over the optimizers of a step)."""
 
-    __slots__ = ("found_inf", "amax", "flushed", "numel", "nonfinite")
+    __slots__ = ("found_inf", "amax", "flushed", "numel", "nonfinite", "applied")
 
     def __init__(self):
         self.found_inf, self.amax, self.flushed, self.numel, self.nonfinite = False, 0.0, 0.0, 0, []
+        self.applied: bool | None = None  # set by an optimizer that updated before the check was complete
 
     @property
     def underflow_fraction(self) -> float:
@@ -305,7 +306,7 @@ class DynamicScaler:
     def _record(self, used: float, check: StepCheck, underflow: bool) -> None:
         row = {"step": self._steps, "scale": used, "overflow": check.found_inf, "underflow": underflow,
                "underflow_fraction": check.underflow_fraction, "amax": check.amax,
-               "skipped": check.found_inf or underflow}
+               "skipped": (check.found_inf or underflow) if check.applied is None else not check.applied}
         self.history.append(row, check.nonfinite)
         self._steps += 1
 
