@@ -1,14 +1,24 @@
-"""The training loop every notebook and benchmark shares.
+"""The training loop every notebook and benchmark shares, and its switchboard.
 
 ``train(model, task, steps)`` runs ``steps`` optimizer steps on a task that has
 ``batch(step)`` and ``loss(model, batch)`` (see ``opsnn_lab.models``), shows a tqdm
 bar, and records per-step loss and per-parameter gradient amax. Features plug in
-through callbacks (``on_step_start``, ``on_after_backward``, ``on_step_end``) so
-fusion, scaling and consistency extend this loop instead of writing a second one.
+through callbacks (``on_step_start``, ``on_after_backward``, ``on_step_end``).
+
+The switchboard turns the pillars on for one run::
+
+    ol.train(model, task, steps, fuse=True, precision="fp16-master", seed=0, strict=False, record=True)
+
+``fuse`` rewrites the model with fused ops (``result.model`` is the trained, fused copy;
+the plan is ``result.extras["fusion_plan"]``); ``precision`` picks the gradient pipeline
+(see ``PRECISIONS``); ``seed`` makes every dropout mask depend only on (seed, module, step);
+``strict`` runs the loop in the FP32 consistency mode; ``record`` keeps what every widget
+needs: gradient statistics, the scaler history and a consistency trace of the first step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -17,9 +27,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_positive, check_type
+from opsnn_lab._checks import check_choice, check_positive, check_type
 
-__all__ = ["TrainResult", "Callback", "train"]
+__all__ = ["TrainResult", "Callback", "train", "PRECISIONS"]
+
+# fp32: plain fp32. bf16: autocast to bf16. fp16-master: fp32 master weights updated by the fused
+# precision-aware step, gradients through fp16 with a DynamicScaler (on CUDA the model itself runs
+# in fp16; on CPU, where fp16 matmuls are slow, the model computes in fp32 and only the gradient
+# pipeline is fp16). bf16-master: bf16 model, fp32 masters, no loss scaling (bf16 has fp32's range).
+PRECISIONS = ("fp32", "bf16", "fp16-master", "bf16-master")
 
 
 class Callback:
@@ -38,6 +54,8 @@ class TrainResult:
     grad_amax: dict[str, list[float]] = field(default_factory=dict)
     seconds: float = 0.0
     extras: dict = field(default_factory=dict)
+    model: nn.Module | None = field(default=None, repr=False)
+    skipped_steps: int = 0
 
     @property
     def steps(self) -> int:
@@ -82,25 +100,57 @@ def train(
     progress: bool | None = None,
     start_step: int = 0,
     desc: str = "train",
+    fuse: bool = False,
+    precision: str = "fp32",
+    seed: int | None = None,
+    strict: bool = False,
+    record: bool = False,
 ) -> TrainResult:
     """Train ``model`` on ``task`` for ``steps`` steps and return the recorded history.
 
     ``optimizer`` is an optimizer instance, a factory taking the parameters, or None for
-    AdamW(lr). ``progress=None`` shows a bar when the run is long enough to want one.
+    AdamW(lr) (or the master-weight optimizer the ``precision`` asks for). ``progress=None``
+    shows a bar when the run is long enough to want one. See the module docstring for the
+    switchboard arguments ``fuse``, ``precision``, ``seed``, ``strict`` and ``record``.
     """
     check_type("model", model, nn.Module)
     if not (hasattr(task, "batch") and hasattr(task, "loss")):
         raise TypeError("task must provide batch(step) and loss(model, batch), e.g. opsnn_lab.models.MaskedTokenTask")
     check_positive("steps", steps, allow_zero=True, integer=True)
     check_positive("lr", lr)
+    check_choice("precision", precision, PRECISIONS)
+    for name, flag in (("fuse", fuse), ("strict", strict), ("record", record)):
+        check_type(name, flag, bool)
+    if seed is not None:
+        check_positive("seed", seed, allow_zero=True, integer=True)
+    from opsnn_lab.training_setup import prepare
+
+    setup = prepare(model, task, fuse=fuse, precision=precision, seed=seed, record=record, lr=lr,
+                    optimizer=optimizer, start_step=start_step)
+    model, optimizer, scaler = setup.model, setup.optimizer, setup.scaler
+    callbacks = [*setup.callbacks, *callbacks]
     params = [p for p in model.parameters() if p.requires_grad]
-    if optimizer is None:
-        optimizer = torch.optim.AdamW(params, lr=lr)
-    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(params)
     names = {p: n for n, p in model.named_parameters()}
-    result = TrainResult(grad_amax={names[p]: [] for p in params} if record_grad_amax else {})
+    result = TrainResult(grad_amax={names[p]: [] for p in params} if record_grad_amax else {},
+                         extras=setup.extras, model=model)
     model.train()
+    with contextlib.ExitStack() as stack:
+        if strict:
+            from opsnn_lab.consistency import strict as strict_mode
+
+            stack.enter_context(strict_mode())
+        _loop(model, task, steps, optimizer, scaler, callbacks, result, params, names, record_grad_amax,
+              progress, start_step, desc, setup.autocast)
+    if scaler is not None:
+        result.extras["scaler_history"] = scaler.history
+    result.skipped_steps = getattr(optimizer, "skipped_steps", 0)
+    for cb in callbacks:
+        cb.on_train_end(result)
+    return result
+
+
+def _loop(model, task, steps, optimizer, scaler, callbacks, result, params, names, record_grad_amax,
+          progress, start_step, desc, autocast) -> None:
     for cb in callbacks:
         cb.on_train_start(model, optimizer)
 
@@ -114,15 +164,17 @@ def train(
         for cb in callbacks:
             cb.on_step_start(step, batch)
         optimizer.zero_grad(set_to_none=True)
-        loss = task.loss(model, batch)
-        loss.backward()
+        with autocast():
+            loss = task.loss(model, batch)
+        (scaler.scale_loss(loss) if scaler is not None else loss).backward()
         for cb in callbacks:
             cb.on_after_backward(step, model, loss)
         if record_grad_amax:
             amaxes = torch.stack([p.grad.detach().abs().max() if p.grad is not None and p.grad.numel()
                                   else torch.zeros((), device=p.device) for p in params]).float().tolist()
+            unscale = 1.0 / scaler.scale if scaler is not None else 1.0  # grads carry the loss scale
             for p, a in zip(params, amaxes):
-                result.grad_amax[names[p]].append(a)
+                result.grad_amax[names[p]].append(a * unscale)
         optimizer.step()
         value = float(loss.detach())
         result.losses.append(value)
@@ -130,6 +182,3 @@ def train(
             cb.on_step_end(step, model, value)
         bar.set_postfix(loss=f"{value:.4f}", refresh=False)
     result.seconds = time.perf_counter() - t0
-    for cb in callbacks:
-        cb.on_train_end(result)
-    return result

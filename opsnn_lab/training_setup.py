@@ -1,0 +1,115 @@
+"""What ``ol.train``'s switchboard arguments set up before the loop runs.
+
+Kept apart from the loop so the loop reads as a loop: ``prepare`` returns the model to
+train (fused, reproducible, in the chosen precision), its optimizer, the loss scaler,
+the callbacks that record, and an autocast context factory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["Setup", "prepare"]
+
+
+@dataclass
+class Setup:
+    model: nn.Module
+    optimizer: object
+    scaler: object = None
+    callbacks: list = field(default_factory=list)
+    extras: dict = field(default_factory=dict)
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+class _TraceFirstStep:
+    """Records the first training step with a ConsistencyChecker (the reference a later run compares to)."""
+
+    def __init__(self, checker):
+        self.checker, self._ctx = checker, None
+
+    def on_train_start(self, model, optimizer):
+        self.model = model
+
+    def on_step_start(self, step, batch):
+        if self.checker.reference is None and self._ctx is None:
+            self._ctx = self.checker.trace(self.model)
+            self._ctx.__enter__()
+
+    def on_after_backward(self, step, model, loss):
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
+
+    def on_step_end(self, step, model, loss): ...
+    def on_train_end(self, result): ...
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _optimizer(model, optimizer, lr):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer is None:
+        return torch.optim.AdamW(params, lr=lr)
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer(params)
+    return optimizer
+
+
+def prepare(model: nn.Module, task, *, fuse: bool, precision: str, seed: int | None, record: bool, lr: float,
+            optimizer, start_step: int) -> Setup:
+    extras: dict = {}
+    if seed is not None:
+        torch.manual_seed(seed)
+    if fuse:
+        from opsnn_lab import fusion
+
+        example = task.inputs(task.batch(start_step)) if hasattr(task, "inputs") else None
+        if example is None:
+            raise TypeError("fuse=True needs a task with inputs(batch) giving the model's example inputs")
+        model, plan = fusion.fuse(model, example)
+        extras["fusion_plan"] = plan
+    if seed is not None:
+        from opsnn_lab.consistency import make_reproducible
+
+        make_reproducible(model, seed=seed)
+    device = _device_of(model)
+    scaler, autocast = None, contextlib.nullcontext
+    if precision in ("fp16-master", "bf16-master"):
+        if optimizer is not None:
+            raise ValueError(f"precision={precision!r} brings its own optimizer (MasterWeightOptimizer); "
+                             "pass optimizer=None")
+        from opsnn_lab.precision import DynamicScaler, MasterWeightOptimizer
+
+        grad_dtype = None
+        if precision == "bf16-master":
+            model.to(torch.bfloat16)
+        elif device.type == "cuda":
+            model.half()
+        else:
+            grad_dtype = torch.float16  # CPU: fp32 compute, fp16 gradient pipeline
+        if precision == "fp16-master":
+            scaler = DynamicScaler()
+        optimizer = MasterWeightOptimizer(model, lr=lr, scaler=scaler, grad_dtype=grad_dtype)
+    else:
+        optimizer = _optimizer(model, optimizer, lr)
+        if precision == "bf16":
+            autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
+    callbacks = []
+    if record:
+        from opsnn_lab.consistency import ConsistencyChecker
+        from opsnn_lab.precision import GradientStats
+
+        stats = GradientStats(model)
+        checker = ConsistencyChecker(dump_on_failure=False)
+        callbacks += [stats, _TraceFirstStep(checker)]
+        extras.update(gradient_stats=stats, consistency=checker)
+    return Setup(model, optimizer, scaler, callbacks, extras, autocast)
