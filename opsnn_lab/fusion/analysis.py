@@ -83,7 +83,8 @@ class Analysis:
 
     def plan(self, patterns=None) -> FusionPlan:
         patterns = check_patterns(patterns)
-        decisions = [self.decision(m) for m in find_all(self.trace.graph, patterns)]
+        with torch.random.fork_rng(devices=[]):  # ops may draw a dropout seed when built to validate a chain
+            decisions = [self.decision(m) for m in find_all(self.trace.graph, patterns)]
         total = sum(dict((k, b) for _, k, b in self.trace.saved).values())
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
                           graph=graph_data(self.trace), _analysis=self)

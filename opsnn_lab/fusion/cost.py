@@ -4,11 +4,13 @@ Both sides are counted the way ``opsnn_lab.bench.activation_bytes`` counts (uniq
 saves, parameters left out), at the shapes seen on the example inputs:
 
 * eager: the run-time trace attributes every saved storage to the node that saved it; the chain's share
-  is what its nodes save minus the chain's inputs (saved by whoever produced them anyway) and minus
-  storages that code outside the chain saves too.
+  is what its nodes save that no node outside the chain saves too.
 * fused: the op is built on the traced modules and run once on copies of the chain's real inputs under
-  the same hooks. One measurement per distinct (pattern, shapes, module config): the 12 layers of a
-  BERT-base encoder cost three runs, not thirty-six.
+  the same hooks; each saved storage is an input, an output or new, and inputs/outputs are mapped back
+  to the model's storages (an op that saves its input costs nothing when the model saves that input
+  anyway). One run per distinct (pattern, shapes, module config): BERT-base's 12 layers cost three.
+
+saved = eager share - fused share, i.e. |outside U chain| - |outside U op| in unique bytes.
 
 Traffic avoided (an estimate, not a measurement): every intermediate the chain no longer materialises is
 written and read once in forward and once (as a gradient) in backward: 4 x its bytes. QKV instead reads
@@ -37,41 +39,44 @@ class CostModel:
         for node, key, _ in trace.saved:
             self.saved_by.setdefault(key, set()).add(node)
 
-    def _inputs(self, m: Match) -> set:
-        return {self.trace.storage_of(i) for i in m.inputs} - {None}
-
-    def _outside_outputs(self, m: Match, names: set) -> set:
-        """Output storages that nodes outside the chain save anyway (no saving or cost either way)."""
-        keys = {self.trace.storage_of(o.name) for o in m.outputs} - {None}
-        return {k for k in keys if self.saved_by.get(k, set()) - names}
+    def _saved_outside(self, key, names: set) -> bool:
+        return bool(self.saved_by.get(key, set()) - names)
 
     def eager_bytes(self, m: Match) -> int:
+        """Bytes the chain's nodes save that nothing outside the chain saves too."""
         names = {n.name for n in m.nodes}
-        skip = self._inputs(m)
         own: dict = {}
         for n in names:
             own.update(self.by_node.get(n, {}))
-        return sum(b for k, b in own.items() if k not in skip and not (self.saved_by.get(k, set()) - names))
+        return sum(b for k, b in own.items() if not self._saved_outside(k, names))
 
     def fused_bytes(self, m: Match) -> int:
-        sig = (m.pattern, tuple(self._signature(i) for i in m.inputs), tuple(map(str, m.params.values())),
-               bool(self._outside_outputs(m, {n.name for n in m.nodes})))
+        """Bytes the op saves that nothing outside the chain saves too (its inputs and outputs included)."""
+        sig = (m.pattern, tuple(self._signature(i) for i in m.inputs), tuple(map(str, m.params.values())))
         if sig not in self.cache:
-            self.cache[sig] = self._measure(m, sig[-1])
-        return self.cache[sig]
+            self.cache[sig] = self._measure(m)
+        names = {n.name for n in m.nodes}
+        roles = {("in", i): self.trace.storage_of(name) for i, name in enumerate(m.inputs)}
+        roles.update({("out", j): self.trace.storage_of(o.name) for j, o in enumerate(m.outputs)})
+        total, seen = 0, set()
+        for role, nbytes in self.cache[sig]:
+            key = roles.get(role, role)
+            if key not in seen and not self._saved_outside(key, names):
+                seen.add(key)
+                total += nbytes
+        return total
 
     def _signature(self, name: str):
         t = self.trace.tensors.get(name)
-        return None if t is None else (tuple(t.shape), t.dtype, t.requires_grad)
+        return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
 
-    def _measure(self, m: Match, output_saved_outside: bool) -> int:
+    def _measure(self, m: Match) -> list[tuple[tuple, int]]:
+        """Run the op once on copies of the chain's inputs; each saved storage as (role, bytes)."""
         op = self.build(m).train()
         xs = [self.trace.tensors[i].detach().clone().requires_grad_(self.trace.tensors[i].requires_grad)
               for i in m.inputs]
-        skip = {_storage_key(x) for x in xs}
-        skip |= {_storage_key(t) for mod in m.params.values() if isinstance(mod, torch.nn.Module)
-                 for t in [*mod.parameters(), *mod.buffers()]}
-        skip |= {_storage_key(p) for p in op.parameters()}
+        params = {_storage_key(t) for mod in m.params.values() if isinstance(mod, torch.nn.Module)
+                  for t in [*mod.parameters(), *mod.buffers()]} | {_storage_key(p) for p in op.parameters()}
         seen: dict = {}
 
         def pack(t):
@@ -81,10 +86,10 @@ class CostModel:
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = op(*xs)
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        if output_saved_outside:
-            skip |= {_storage_key(o) for o in outs}
-        return sum(b for k, b in seen.items() if k not in skip)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        roles = {_storage_key(x): ("in", i) for i, x in enumerate(xs)}
+        roles.update({_storage_key(o): ("out", j) for j, o in enumerate(outs)})
+        return [(roles.get(k, ("new", n)), b) for n, (k, b) in enumerate(seen.items()) if k not in params]
 
     def saved_bytes(self, m: Match) -> int:
         return self.eager_bytes(m) - self.fused_bytes(m)

@@ -1,0 +1,119 @@
+"""analyze() on the embedded models and on functional / odd forms: candidates, reasons, routes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import opsnn_lab as ol
+from opsnn_lab.models import Encoder, EncoderConfig, ResNet
+from opsnn_lab.testing import seeded
+
+
+def _tiny_encoder(**kw):
+    torch.manual_seed(0)
+    return Encoder(EncoderConfig.tiny(**kw))
+
+
+def _ids(b=2, t=16):
+    return torch.randint(0, 100, (b, t), generator=torch.Generator().manual_seed(0))
+
+
+def test_encoder_finds_every_pattern_in_every_layer():
+    plan = ol.fusion.analyze(_tiny_encoder(layers=3), _ids())
+    assert plan.summary() == {"linear_gelu_dropout_linear": {"fused": 3, "rejected": 0},
+                              "attention": {"fused": 3, "rejected": 0}, "qkv": {"fused": 3, "rejected": 0}}
+    qkv = [d for d in plan.decisions if d.pattern == "qkv"]
+    assert qkv[1].modules == ["layers.1.attention.query", "layers.1.attention.key", "layers.1.attention.value"]
+    att = next(d for d in plan.decisions if d.pattern == "attention")
+    assert att.modules == ["layers.0.attention", "layers.0.attention.attn_dropout"]
+    assert att.params == {"scale": pytest.approx(0.25), "dropout_p": 0.1}
+    assert all(d.route.startswith("fx:layers.") for d in plan.decisions)
+    root = plan.routes[0]
+    assert root["path"] == "" and root["route"] == "untraceable" and "control flow" in root["reason"]
+    assert all(d.reason for d in plan.decisions)
+
+
+def test_resnet_decisions_and_reasons():
+    torch.manual_seed(0)
+    plan = ol.fusion.analyze(ResNet(), seeded(2, 3, 32, 32))
+    by = {d.modules[0]: d for d in plan.decisions}
+    assert by["conv1"].pattern == "conv_bn_relu_maxpool" and by["conv1"].fused
+    assert by["conv1"].modules == ["conv1", "bn1", "relu", "maxpool"]
+    assert by["stages.0.0.conv1"].fused and by["stages.1.0.conv1"].fused
+    assert "feeds `stages.0.0.add`" in by["stages.0.0.conv2"].reason  # the residual sum comes before relu2
+    assert not by["stages.1.0.downsample.0"].fused
+    root = plan.routes[0]  # the argument check in ResNet.forward is kept as an opaque call
+    assert root == {"path": "", "route": "fx", "reason": "", "concrete": {}, "wrapped": ["check_tensor"]}
+
+
+def test_model_rng_and_buffers_untouched():
+    model = _tiny_encoder()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.eval()
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    ol.fusion.analyze(model, _ids())
+    torch.testing.assert_close(torch.rand(3), expected)
+    assert not model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k])
+    assert not any(type(m).__name__ == "FusedSlot" for m in model.modules())
+
+
+class Functional(nn.Module):
+    """Every activation written a different way."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, groups=2, dilation=1), nn.BatchNorm2d(4)
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+        self.relu6_conv, self.relu6_bn = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x)))
+        x = self.bn2(self.conv2(x)).relu()
+        x = F.relu6(self.relu6_bn(self.relu6_conv(x)))
+        h = x.mean((2, 3))
+        return self.fc2(F.dropout(F.gelu(self.fc1(h)), 0.0, self.training))
+
+
+def test_functional_forms_match():
+    plan = ol.fusion.analyze(Functional(), seeded(2, 3, 6, 6))
+    by = {d.modules[0]: d for d in plan.decisions}
+    assert by["conv"].fused and by["conv"].chain == ["conv", "bn", "relu"]
+    assert by["conv2"].fused  # method call .relu(); grouped conv is supported by the op
+    assert "ReLU6" in by["relu6_conv"].reason or "relu6" in by["relu6_conv"].reason
+    assert by["fc1"].pattern == "linear_gelu_dropout_linear" and by["fc1"].fused
+
+
+def test_mixed_dtypes_rejected():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU())
+    model[0].to(torch.bfloat16)
+    plan = ol.fusion.analyze(model, seeded(2, 3, 4, 4, dtype=torch.bfloat16))
+    (d,) = plan.decisions
+    assert not d.fused and "mixed dtypes" in d.reason and "bfloat16" in d.reason and "float32" in d.reason
+
+
+def test_patterns_switched_off_are_explained():
+    plan = ol.fusion.analyze(_tiny_encoder(), _ids(), patterns=["qkv"])
+    off = [d for d in plan.decisions if d.pattern != "qkv"]
+    assert off and all(not d.fused and "switched off" in d.reason and d.saved_bytes == 0 for d in off)
+    assert all(d.fused for d in plan.decisions if d.pattern == "qkv")
+    again = plan.replan(None)
+    assert again.summary()["attention"] == {"fused": 2, "rejected": 0}
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="model"):
+        ol.fusion.analyze("not a model", _ids())
+    with pytest.raises(TypeError, match="example_inputs"):
+        ol.fusion.analyze(_tiny_encoder(), 3)
+    with pytest.raises(ValueError, match="patterns"):
+        ol.fusion.analyze(_tiny_encoder(), _ids(), patterns=["conv_bn_gelu"])
+    with pytest.raises(TypeError, match="patterns"):
+        ol.fusion.analyze(_tiny_encoder(), _ids(), patterns="qkv")
