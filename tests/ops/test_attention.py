@@ -1,0 +1,145 @@
+import math
+
+import pytest
+import torch
+
+from opsnn_lab.bench import activation_bytes
+from opsnn_lab.kernels import rng
+from opsnn_lab.ops import FusedAttention
+from opsnn_lab.testing import assert_close_dtype, assert_within_eager_error, non_contiguous, seeded
+
+
+def _inputs(b=2, h=3, t=7, d=5, dtype=torch.float32, masked=True):
+    q, k, v = (seeded(b, h, t, d, seed=i, dtype=dtype, requires_grad=True) for i in range(3))
+    mask = None
+    if masked:  # padding mask as the encoder builds it: (B, 1, 1, T) of 0 / finfo.min
+        keep = torch.ones(b, t, dtype=dtype)
+        keep[0, -2:] = 0
+        mask = (1.0 - keep[:, None, None, :]) * torch.finfo(dtype).min
+    return q, k, v, mask
+
+
+def _eager(q, k, v, mask, p=0.0, seed=0, step=0, scale=None):
+    """The hand-written core of models.SelfAttention, with the counter-based mask for dropout."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * (scale or 1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        s = s + mask
+    probs = torch.softmax(s, dim=-1)
+    if p > 0:
+        keep = rng.dropout_mask(seed, step * rng.MAX_NUMEL, probs.shape, p)
+        probs = probs * keep * (0.0 if p == 1 else 1.0 / (1 - p))
+    return torch.matmul(probs, v)
+
+
+def _fwd_bwd(fn, tensors):
+    out = fn(*tensors)
+    g = seeded(*out.shape, seed=99, dtype=out.dtype)
+    leaves = [t for t in tensors if t is not None and t.requires_grad]
+    return out.detach(), torch.autograd.grad(out, leaves, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("p", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize("masked", [True, False])
+def test_forward_and_every_gradient_match_eager(dtype, p, masked):
+    q, k, v, mask = _inputs(dtype=dtype, masked=masked)
+    att = FusedAttention(dropout_p=p, seed=3)
+    att.set_rng(3, 2)
+    out, grads = _fwd_bwd(att, (q, k, v, mask))
+    ref, ref_grads = _fwd_bwd(lambda *a: _eager(*a, p=p, seed=3, step=2), (q, k, v, mask))
+    assert_close_dtype(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert_close_dtype(g, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_low_precision_within_twice_eager_error(dtype, p):
+    q64, k64, v64, m64 = _inputs(dtype=torch.float64)
+    q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in (q64, k64, v64))
+    mask = m64.clamp(min=-1e4).to(dtype)
+    ref = _fwd_bwd(lambda *a: _eager(*a, p=p), (q64, k64, v64, m64.clamp(min=-1e4)))
+    eager = _fwd_bwd(lambda *a: _eager(*a, p=p), (q, k, v, mask))
+    fused = _fwd_bwd(FusedAttention(dropout_p=p, seed=0), (q, k, v, mask))
+    for i, (f, e, r) in enumerate(zip((fused[0], *fused[1]), (eager[0], *eager[1]), (ref[0], *ref[1]))):
+        assert_within_eager_error(f, e, r, name=f"tensor {i}")
+
+
+def test_eval_mode_and_custom_scale_and_bool_mask():
+    q, k, v, mask = _inputs()
+    att = FusedAttention(scale=0.3, dropout_p=0.5).eval()
+    assert_close_dtype(att(q, k, v, mask), _eager(q, k, v, mask, scale=0.3))
+    assert att.rng_step == 0
+    bool_mask = mask == 0  # True = attend
+    train = FusedAttention(dropout_p=0.25, seed=1)
+    out, grads = _fwd_bwd(train, (q, k, v, bool_mask))
+    ref, ref_grads = _fwd_bwd(lambda *a: _eager(*a, p=0.25, seed=1), (q, k, v, mask))
+    assert_close_dtype(out, ref)
+
+
+def test_odd_shapes_non_contiguous_empty_and_mask_gradient():
+    q = non_contiguous(seeded(1, 2, 5, 3, seed=4)).requires_grad_(True)
+    k = seeded(1, 2, 9, 3, seed=5, requires_grad=True)
+    v = seeded(1, 2, 9, 4, seed=6, requires_grad=True)
+    mask = seeded(1, 1, 5, 9, seed=7, requires_grad=True)
+    out, grads = _fwd_bwd(FusedAttention(dropout_p=0.3, seed=2), (q, k, v, mask))
+    ref, ref_grads = _fwd_bwd(lambda *a: _eager(*a, p=0.3, seed=2), (q, k, v, mask))
+    assert out.shape == (1, 2, 5, 4)
+    assert_close_dtype(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert_close_dtype(g, r)
+    empty = FusedAttention(dropout_p=0.3)(*(torch.zeros(0, 2, 4, 3) for _ in range(3)))
+    assert empty.shape == (0, 2, 4, 3)
+
+
+def test_no_t_by_t_tensor_saved():
+    q, k, v, mask = _inputs(t=32, d=4)
+    txt = 2 * 3 * 32 * 32 * 4
+    eager_bytes = activation_bytes(lambda: _eager(q * 1, k * 1, v * 1, mask, p=0.1))
+    for p in (0.0, 0.1):
+        fused_bytes = activation_bytes(lambda p=p: FusedAttention(dropout_p=p)(q * 1, k * 1, v * 1, mask))
+        assert fused_bytes < txt < eager_bytes, (p, fused_bytes, eager_bytes)
+
+
+def test_dropout_steps_and_reproducibility():
+    q, k, v, mask = _inputs()
+    att = FusedAttention(dropout_p=0.5, seed=9)
+    a, b = att(q, k, v, mask), att(q, k, v, mask)
+    assert not torch.equal(a, b) and att.rng_step == 2
+    att.set_rng(9, 0)
+    assert torch.equal(att(q, k, v, mask), a)
+
+
+def test_bad_arguments_name_the_argument():
+    q, k, v, mask = _inputs()
+    att = FusedAttention()
+    with pytest.raises(ValueError, match="k"):
+        att(q, k[..., :4], v)
+    with pytest.raises(ValueError, match="v"):
+        att(q, k, v[..., :3, :])
+    with pytest.raises(TypeError, match="v"):
+        att(q, k, v.double())
+    with pytest.raises(ValueError, match="mask"):
+        att(q, k, v, torch.zeros(2, 1, 3, 4))
+    with pytest.raises(TypeError, match="mask"):
+        att(q, k, v, torch.zeros(2, 1, 1, 7, dtype=torch.int64))
+    with pytest.raises(ValueError, match="dropout_p"):
+        FusedAttention(dropout_p=2.0)
+    with pytest.raises(ValueError, match="scale"):
+        FusedAttention(scale=-1.0)
+    with pytest.raises(TypeError, match="dropout"):
+        FusedAttention.from_modules(torch.nn.ReLU())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_gpu_matches_eager(p):
+    q, k, v, mask = (None if t is None else t.detach().cuda().requires_grad_(t.requires_grad)
+                     for t in _inputs(b=8, h=12, t=128, d=64))
+    out, grads = _fwd_bwd(FusedAttention(dropout_p=p, seed=1), (q, k, v, mask))
+    ref, ref_grads = _fwd_bwd(lambda *a: _eager(*[t if t is None else t.cpu() for t in a], p=p, seed=1),
+                              (q, k, v, mask))
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.cpu(), r, atol=1e-4, rtol=1e-4)
