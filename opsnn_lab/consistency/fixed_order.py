@@ -1,0 +1,286 @@
+"""Fixed-reduction-order implementations of the ATen ops that ``strict()`` replaces.
+
+Why each op is here (all measured bitwise on the CPU build this package is tested on, MKL + AVX-512):
+
+* ``mm``/``addmm``: MKL picks its GEMM kernel from the problem shape, so row 0 of ``x @ W.T`` has
+  different bits for 1-7 rows than for 8+. Here every GEMM runs in chunks of exactly
+  ``ROW_BLOCK`` rows (zero padded) through one batched call, so a row always meets the same kernel,
+  the same K order and the same neighbours' layout whatever the batch size or its position. A
+  reduction longer than ``K_BLOCK`` is cut into fixed blocks summed left to right, so no library
+  heuristic can split it across threads.
+* ``bmm``: each matrix of a batch is already one fixed-shape GEMM; only the K blocking is added.
+* ``sum``/``mean``: a full reduction over more than 32768 elements is split across threads by
+  TensorIterator (two-pass reduction), so its bits depend on ``torch.set_num_threads``. Here the
+  reduced axes go last and are summed in fixed blocks of ``SUM_BLOCK`` (each block by one thread),
+  then the block sums the same way, recursively.
+* ``_softmax_backward_data``/``_log_softmax_backward_data``: the native kernels change bits with the
+  thread count; rewritten as row-local formulas over the fixed sum.
+* ``native_layer_norm_backward``: the weight/bias gradients are reduced through per-thread buffers;
+  all three gradients are rewritten as formulas over the fixed sum (the native kernel's ``out=``
+  overload calls back into the functional one, so it cannot be reused from inside the override).
+* ``gelu``/``gelu_backward``: the vectorised loop and its scalar tail use different erf
+  approximations (27 of 100 elements differ), and where the tail falls depends on the tensor size and
+  on how threads split it; the input is padded so every element takes the vectorised path.
+
+Forward softmax/log_softmax and layer_norm are row-local with a per-row order fixed by the row length
+on this build, so the native kernels are kept (``tests/consistency/test_strict.py`` checks it).
+Each function calls only ``out=`` overloads of the ops it replaces, which are not overridden.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "ROW_BLOCK",
+    "K_BLOCK",
+    "SUM_BLOCK",
+    "fixed_mm",
+    "fixed_addmm",
+    "fixed_bmm",
+    "fixed_sum",
+    "fixed_sum_default",
+    "fixed_mean",
+    "fixed_mean_default",
+    "softmax_backward",
+    "log_softmax_backward",
+    "layer_norm_backward",
+    "gelu",
+    "gelu_backward",
+]
+
+ROW_BLOCK = 64  # rows per GEMM: >= 8 keeps MKL on its blocked kernel; 64 costs nothing against one big GEMM
+K_BLOCK = 4096  # longest reduction one GEMM performs; longer ones are blocked and summed in order
+SUM_BLOCK = 4096  # longest row one sum reduces; far below TensorIterator's 32768-element parallel grain
+_ELEMENTWISE_ALIGN = 64  # pad elementwise ops to whole AVX-512 double-vectors (2 x 16 fp32) per thread
+
+
+def _pad_rows(a: torch.Tensor, rows: int) -> torch.Tensor:
+    """Row-major ``a`` (M, K) zero padded to ``rows`` rows."""
+    m, k = a.shape
+    if rows == m:
+        return a
+    buf = a.new_zeros(rows, k)
+    buf[:m].copy_(a)
+    return buf
+
+
+def _rows_layout(a: torch.Tensor) -> torch.Tensor:
+    """The left operand as packed row-major matrices, whatever layout it arrived in.
+
+    MKL picks its kernel from the operands' layouts, and the layout of an activation can depend on
+    the batch size (``(B, H, T, d) -> (B*H, T, d)`` is a view for B = 1 and a copy for B > 1; the
+    gradient reaching ``mm`` is transposed for 8 rows and not for 512), so it is fixed here.
+    """
+    if a.stride(-1) == 1 and (a.stride(-2) == a.shape[-1] or a.shape[-2] == 1):
+        return a
+    return a.contiguous()
+
+
+def _cols_layout(b: torch.Tensor) -> torch.Tensor:
+    """The right operand of ``mm`` packed, keeping its orientation.
+
+    In ``linear`` it is the weight (transposed in the forward, plain in the input gradient), whose
+    orientation is fixed by the call site, so it is not copied into a canonical one.
+    """
+    rows, cols = b.shape[-2], b.shape[-1]
+    if b.stride(-1) == 1 and (b.stride(-2) == cols or rows == 1):
+        return b
+    if b.stride(-2) == 1 and (b.stride(-1) == rows or cols == 1):
+        return b
+    if b.stride(-2) == 1:  # column-major with a stride gap: pack it column-major
+        return b.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return b.contiguous()
+
+
+def _mm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(M, K) @ (K, N) as ceil(M / ROW_BLOCK) fixed-shape GEMMs in one batched call."""
+    m, k = a.shape
+    n = b.shape[1]
+    chunks = -(-m // ROW_BLOCK)
+    a = _pad_rows(_rows_layout(a), chunks * ROW_BLOCK)
+    out = a.new_empty(chunks, ROW_BLOCK, n)
+    torch.bmm(a.unflatten(0, (chunks, ROW_BLOCK)), _cols_layout(b).unsqueeze(0).expand(chunks, k, n), out=out)
+    return out.view(chunks * ROW_BLOCK, n)[:m]
+
+
+def fixed_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` whose row i depends only on ``a[i]`` and ``b``, and not on the thread count."""
+    m, k = a.shape
+    n = b.shape[1]
+    if m == 0 or n == 0 or k == 0:
+        return a.new_zeros(m, n)
+    if k <= K_BLOCK:
+        return _mm_rows(a, b)
+    out = None
+    for start in range(0, k, K_BLOCK):  # fixed K blocks, accumulated left to right
+        part = _mm_rows(a[:, start:start + K_BLOCK], b[start:start + K_BLOCK])
+        out = part.clone() if out is None else out.add_(part)
+    return out
+
+
+def fixed_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    prod = fixed_mm(a, b)
+    if alpha != 1:
+        prod = prod.mul_(alpha)
+    if beta == 0:
+        return prod.contiguous()
+    scaled = bias if beta == 1 else bias * beta
+    return torch.add(prod, scaled)
+
+
+def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    bsz, m, k = a.shape
+    n = b.shape[2]
+    # Both bmm operands are activations whose orientation can depend on the batch size (matmul's
+    # reshape of a transposed (B, H, d, T) view is a transposed view for B = 1, a row-major copy
+    # for B > 1), so both are made row-major.
+    a, b = _rows_layout(a), _rows_layout(b)
+    out = a.new_empty(bsz, m, n)
+    if k <= K_BLOCK or out.numel() == 0:
+        return torch.bmm(a, b, out=out)
+    part = torch.empty_like(out)
+    torch.bmm(a[..., :K_BLOCK], b[:, :K_BLOCK], out=out)
+    for start in range(K_BLOCK, k, K_BLOCK):
+        torch.bmm(a[..., start:start + K_BLOCK], b[:, start:start + K_BLOCK], out=part)
+        out.add_(part)
+    return out
+
+
+# --------------------------------------------------------------------------- reductions
+def _reduce_dims(x: torch.Tensor, dim) -> list[int]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(x.dim()))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({d % max(x.dim(), 1) for d in dims}) if x.dim() else []
+
+
+def _row_sum(rows: torch.Tensor) -> torch.Tensor:
+    """Sum each row of ``rows`` (outer, L): fixed blocks of SUM_BLOCK, each summed by one thread."""
+    while rows.shape[1] > SUM_BLOCK:
+        outer, length = rows.shape
+        blocks = -(-length // SUM_BLOCK)
+        if blocks * SUM_BLOCK != length:
+            rows = torch.nn.functional.pad(rows, (0, blocks * SUM_BLOCK - length))
+        partial = rows.new_empty(outer, blocks)
+        torch.sum(rows.view(outer, blocks, SUM_BLOCK), -1, out=partial)
+        rows = partial
+    out = rows.new_empty(rows.shape[0])
+    return torch.sum(rows, -1, out=out)
+
+
+def fixed_sum(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
+    """``x.sum(dim)`` with a summation order fixed by the shape alone."""
+    if dtype is not None:
+        x = x.to(dtype)
+    elif not (x.is_floating_point() or x.is_complex()):
+        x = x.to(torch.int64)  # integer and bool sums promote to int64, as ATen does
+    red = _reduce_dims(x, dim)
+    keep = [d for d in range(x.dim()) if d not in red]
+    out_shape = [x.shape[d] for d in keep]
+    outer = math.prod(out_shape)
+    length = math.prod(x.shape[d] for d in red)
+    rows = x.permute(*keep, *red).reshape(outer, length)
+    if length == 0:
+        result = x.new_zeros(outer)
+    elif not x.is_floating_point():
+        result = torch.sum(rows, -1, out=rows.new_empty(outer))  # integer sums are exact in any order
+    else:
+        result = _row_sum(rows)
+    result = result.view(out_shape)
+    if keepdim:
+        for d in red:
+            result = result.unsqueeze(d)
+    return result
+
+
+def fixed_sum_default(x: torch.Tensor, *, dtype=None) -> torch.Tensor:
+    return fixed_sum(x, None, False, dtype=dtype)
+
+
+def fixed_mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
+    # ATen's CPU mean is sum / n as well; the division is exact-order elementwise.
+    total = fixed_sum(x, dim, keepdim, dtype=dtype)
+    count = math.prod(x.shape[d] for d in _reduce_dims(x, dim)) if x.dim() else 1
+    return total.div_(count) if count else total.fill_(float("nan"))
+
+
+def fixed_mean_default(x: torch.Tensor, *, dtype=None) -> torch.Tensor:
+    return fixed_mean(x, None, False, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- elementwise
+def _padded_elementwise(op, *tensors: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Apply an elementwise ``op`` (an ``out=`` overload) so every element takes the vector path.
+
+    The flat input is padded so that each thread's share is a whole number of vector pairs; lanes
+    are independent, so an element's bits no longer depend on the size of the tensor it is in.
+    """
+    shape = tensors[0].shape
+    n = tensors[0].numel()
+    align = _ELEMENTWISE_ALIGN * max(torch.get_num_threads(), 1)
+    padded = -(-n // align) * align
+    flat = []
+    for t in tensors:
+        f = t.reshape(-1)
+        if padded != n:
+            f = torch.nn.functional.pad(f, (0, padded - n))
+        flat.append(f.contiguous())
+    out = flat[0].new_empty(padded)
+    op(*flat, **kwargs, out=out)
+    return out[:n].view(shape)
+
+
+def gelu(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    return _padded_elementwise(torch.ops.aten.gelu.out, x, approximate=approximate)
+
+
+def gelu_backward(grad: torch.Tensor, x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    grad, x = torch.broadcast_tensors(grad, x)
+    return _padded_elementwise(lambda g, v, out, approximate: torch.ops.aten.gelu_backward.grad_input(
+        g, v, approximate=approximate, grad_input=out), grad, x, approximate=approximate)
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return _padded_elementwise(torch.ops.aten.exp.out, x)
+
+
+# --------------------------------------------------------------------------- softmax / layer norm
+def softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int, input_dtype) -> torch.Tensor:
+    """d softmax: ``y * (g - sum(g * y, dim))`` with the fixed row sum."""
+    gy = grad * output
+    grad_in = output * (grad - fixed_sum(gy, [dim], True))
+    return grad_in.to(input_dtype)
+
+
+def log_softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int, input_dtype) -> torch.Tensor:
+    """d log_softmax: ``g - exp(y) * sum(g, dim)`` with the fixed row sum."""
+    grad_in = grad - _exp(output) * fixed_sum(grad, [dim], True)
+    return grad_in.to(input_dtype)
+
+
+def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """All three gradients from row-local formulas over the fixed sum.
+
+    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = grad_out * weight`` and the means
+    over the normalised axes of each row; ``dweight``/``dbias`` sum over the rows.
+    """
+    want_dx, want_dw, want_db = output_mask
+    n_norm = len(normalized_shape)
+    rows = list(range(x.dim() - n_norm))
+    cols = list(range(x.dim() - n_norm, x.dim()))
+    count = math.prod(normalized_shape)
+    xhat = (x - mean) * rstd
+    dx = dw = db = None
+    if want_dx:
+        g = grad_out if weight is None else grad_out * weight
+        mean_g = fixed_sum(g, cols, True).div_(count)
+        mean_gx = fixed_sum(g * xhat, cols, True).div_(count)
+        dx = (g - mean_g - xhat * mean_gx) * rstd
+    if want_dw and weight is not None:
+        dw = fixed_sum(grad_out * xhat, rows, False).to(weight.dtype)
+    if want_db and bias is not None:
+        db = fixed_sum(grad_out, rows, False).to(bias.dtype)
+    return dx, dw, db

@@ -1,0 +1,238 @@
+"""``strict()``: the FP32 consistency mode, as a context manager and as a global switch.
+
+While strict mode is on:
+
+* ``torch.use_deterministic_algorithms(True)``; TF32 and reduced-precision fp16/bf16 GEMM reductions
+  off; cuDNN deterministic, benchmark off; oneDNN deterministic; ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
+  (cuBLAS needs a fixed workspace to be deterministic); ``is_strict()`` is True, which opsnn_lab's
+  Triton kernels read to take their atomic-free paths.
+* the ATen ops whose result depends on batch size, position in the batch or thread count
+  (``mm``, ``addmm``, ``bmm`` -- hence ``linear`` and ``matmul`` --, ``sum``, ``mean``, the softmax
+  and log_softmax backward, the layer_norm backward, ``gelu``) are replaced on CPU (and CUDA, when
+  present) by the fixed-reduction-order versions in :mod:`opsnn_lab.consistency.fixed_order`,
+  through a ``torch.library`` registration that is destroyed when strict mode ends, which puts the
+  native kernels back.
+
+A sample's outputs and input gradients then have the same bits whatever the batch size and its
+position in the batch, and all outputs and gradients the same bits whatever ``torch.set_num_threads``
+says. Every setting is restored when the last user leaves.
+
+Usage::
+
+    with ol.consistency.strict():      # on inside the block, restored after it
+        loss = task.loss(model, batch); loss.backward()
+    ol.consistency.strict(True)        # or strict.enable(): on until strict(False) / strict.disable()
+
+The registration is process-wide (the dispatcher has no per-thread kernels): other threads see
+strict kernels while any thread is inside ``strict()``. Entering and leaving are serialised by a lock
+and counted, so blocks nest and may be entered from several threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import torch
+
+from opsnn_lab._checks import check_type
+from opsnn_lab.consistency import fixed_order as fo
+
+__all__ = ["strict", "is_strict", "OVERRIDDEN_OPS"]
+
+_CUBLAS_WORKSPACE = ":4096:8"
+
+
+def _layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    return fo.layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask)
+
+
+# ATen overload -> fixed-order implementation (same schema)
+OVERRIDDEN_OPS = {
+    "mm": lambda a, b: fo.fixed_mm(a, b),
+    "addmm": lambda bias, a, b, *, beta=1, alpha=1: fo.fixed_addmm(bias, a, b, beta=beta, alpha=alpha),
+    "bmm": lambda a, b: fo.fixed_bmm(a, b),
+    "sum": fo.fixed_sum_default,
+    "sum.dim_IntList": fo.fixed_sum,
+    "mean": fo.fixed_mean_default,
+    "mean.dim": fo.fixed_mean,
+    "_softmax_backward_data": fo.softmax_backward,
+    "_log_softmax_backward_data": fo.log_softmax_backward,
+    "native_layer_norm_backward": _layer_norm_backward,
+    "gelu": fo.gelu,
+    "gelu_backward": fo.gelu_backward,
+}
+
+
+def _matmul_precision() -> str | None:
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:  # legacy allow_tf32 flags and the per-backend API were mixed: leave it alone
+        return None
+
+
+def _read_settings() -> dict:
+    cuda_mm = torch.backends.cuda.matmul
+    return {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "matmul_precision": _matmul_precision(),
+        "cuda_tf32": cuda_mm.allow_tf32,
+        "cuda_fp16_reduced": cuda_mm.allow_fp16_reduced_precision_reduction,
+        "cuda_bf16_reduced": cuda_mm.allow_bf16_reduced_precision_reduction,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "mkldnn_deterministic": getattr(torch.backends.mkldnn, "deterministic", None),
+        "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
+
+
+def _write_settings(s: dict) -> None:
+    cuda_mm = torch.backends.cuda.matmul
+    torch.use_deterministic_algorithms(s["deterministic"], warn_only=s["deterministic_warn_only"])
+    cuda_mm.allow_tf32 = s["cuda_tf32"]
+    cuda_mm.allow_fp16_reduced_precision_reduction = s["cuda_fp16_reduced"]
+    cuda_mm.allow_bf16_reduced_precision_reduction = s["cuda_bf16_reduced"]
+    torch.backends.cudnn.allow_tf32 = s["cudnn_tf32"]
+    torch.backends.cudnn.deterministic = s["cudnn_deterministic"]
+    torch.backends.cudnn.benchmark = s["cudnn_benchmark"]
+    if s["mkldnn_deterministic"] is not None:
+        torch.backends.mkldnn.deterministic = s["mkldnn_deterministic"]
+    if s["matmul_precision"] is not None:  # after the legacy flags: it is the one read back
+        torch.set_float32_matmul_precision(s["matmul_precision"])
+    if s["cublas_workspace"] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = s["cublas_workspace"]
+
+
+_STRICT_SETTINGS = {
+    "deterministic": True,
+    "deterministic_warn_only": False,
+    "matmul_precision": "highest",
+    "cuda_tf32": False,
+    "cuda_fp16_reduced": False,
+    "cuda_bf16_reduced": False,
+    "cudnn_tf32": False,
+    "cudnn_deterministic": True,
+    "cudnn_benchmark": False,
+}
+
+
+def _dispatch_keys() -> list[str]:
+    return ["CPU", "CUDA"] if torch.cuda.is_available() else ["CPU"]
+
+
+class _StrictState:
+    """Reference-counted activation: the first user applies, the last one restores."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.depth = 0  # open ``with strict()`` blocks, all threads together
+        self.global_on = False  # strict(True) / strict.enable()
+        self.saved: dict | None = None
+        self.library = None
+
+    @property
+    def active(self) -> bool:
+        return self.saved is not None
+
+    def _activate(self) -> None:
+        self.saved = _read_settings()
+        settings = dict(self.saved, **_STRICT_SETTINGS)
+        if self.saved["matmul_precision"] is None:
+            settings["matmul_precision"] = None
+        if settings["mkldnn_deterministic"] is not None:
+            settings["mkldnn_deterministic"] = True
+        settings["cublas_workspace"] = self.saved["cublas_workspace"] or _CUBLAS_WORKSPACE
+        _write_settings(settings)
+        lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - deliberately overrides aten kernels
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            for key in _dispatch_keys():
+                for op, fn in OVERRIDDEN_OPS.items():
+                    lib.impl(op, fn, key)
+        self.library = lib
+
+    def _deactivate(self) -> None:
+        self.library._destroy()  # unregisters every kernel above: the native ones are back
+        self.library = None
+        saved, self.saved = self.saved, None
+        _write_settings(saved)
+
+    def update(self, depth_delta: int = 0, global_on: bool | None = None) -> None:
+        with self.lock:
+            self.depth += depth_delta
+            if global_on is not None:
+                self.global_on = global_on
+            want = self.global_on or self.depth > 0
+            if want and not self.active:
+                self._activate()
+            elif not want and self.active:
+                self._deactivate()
+
+
+_STATE = _StrictState()
+
+
+class _StrictBlock:
+    """What ``strict(...)`` returns: a context manager (strict inside the ``with`` block)."""
+
+    def __init__(self, previous_global: bool | None = None):
+        self._previous_global = previous_global  # set when strict(True/False) already switched
+        self._entered = False
+
+    def __enter__(self):
+        if self._previous_global is None:
+            _STATE.update(depth_delta=1)
+            self._entered = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._entered:
+            self._entered = False
+            _STATE.update(depth_delta=-1)
+        elif self._previous_global is not None:
+            _STATE.update(global_on=self._previous_global)  # `with strict(True):` undoes its switch
+        return False
+
+    def __repr__(self):
+        return f"strict(active={is_strict()})"
+
+
+class _Strict:
+    """``strict()`` -> context manager; ``strict(True)`` / ``strict(False)`` -> global switch.
+
+    ``strict(True)`` turns strict mode on now and leaves it on until ``strict(False)``
+    (``strict.enable()`` / ``strict.disable()`` are the same). Used as ``with strict(True):`` it
+    switches back to the previous global state at the end of the block. ``strict(False)`` clears the
+    global switch only; open ``with strict():`` blocks stay strict until they end.
+    """
+
+    def __call__(self, enabled: bool | None = None) -> _StrictBlock:
+        if enabled is None:
+            return _StrictBlock()
+        check_type("enabled", enabled, bool)
+        with _STATE.lock:
+            previous = _STATE.global_on
+            _STATE.update(global_on=enabled)
+        return _StrictBlock(previous_global=previous)
+
+    def enable(self) -> None:
+        _STATE.update(global_on=True)
+
+    def disable(self) -> None:
+        _STATE.update(global_on=False)
+
+    def __repr__(self):
+        return f"<opsnn_lab.consistency.strict (active={is_strict()})>"
+
+
+strict = _Strict()
+
+
+def is_strict() -> bool:
+    """True while strict mode is on (some ``with strict():`` block is open or ``strict(True)``)."""
+    return _STATE.active
