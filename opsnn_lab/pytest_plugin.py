@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from opsnn_lab.validate.checks import Outcome
 from opsnn_lab.validate.errors import ValidationInputError
-from opsnn_lab.validate.execute import CellError
 from opsnn_lab.validate.expectations import expectations_path
-from opsnn_lab.validate.parameters import parse_assignment
-from opsnn_lab.validate.runner import NotebookResult, plan_notebook, run_plan
+
+if TYPE_CHECKING:  # the runner imports nbformat and papermill (seconds): only when a notebook is collected
+    from opsnn_lab.validate.checks import Outcome
+    from opsnn_lab.validate.execute import CellError
+    from opsnn_lab.validate.runner import NotebookResult
 
 EXECUTE_ITEM = "execute"
 _PARAMS = pytest.StashKey[dict]()
@@ -61,6 +63,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "notebooks: executes notebooks (papermill/nbval)")
+    from opsnn_lab.validate.parameters import parse_assignment
+
     try:
         config.stash[_PARAMS] = dict(parse_assignment(a) for a in config.getoption("opsnn_param") or [])
     except ValidationInputError as err:
@@ -88,6 +92,8 @@ class NotebookFile(pytest.File):
     _result: NotebookResult | None = None
 
     def collect(self):
+        from opsnn_lab.validate.runner import plan_notebook
+
         config = self.config
         try:
             self.plan = plan_notebook(self.path, config.stash[_PARAMS],
@@ -101,6 +107,8 @@ class NotebookFile(pytest.File):
             yield FigureItem.from_parent(self, name=name, figure=figure)
 
     def result(self) -> NotebookResult:
+        from opsnn_lab.validate.runner import run_plan
+
         if self._result is None:
             self._result = run_plan(self.plan, output_path=self._output_path(),
                                     kernel_name=self.config.getoption("opsnn_kernel", None),

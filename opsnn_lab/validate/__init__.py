@@ -43,26 +43,33 @@ From pytest, ``pytest notebooks/`` collects every ``*.ipynb`` that has an ``.exp
 
 from __future__ import annotations
 
-from opsnn_lab.validate.checks import Outcome, check_figure
-from opsnn_lab.validate.cli import main
-from opsnn_lab.validate.errors import ExpectationsError, NotebookInputError, ValidationInputError
-from opsnn_lab.validate.execute import CellError, Execution, execute_notebook
-from opsnn_lab.validate.expectations import (
-    Expectations,
-    FigureCheck,
-    Variant,
-    expectations_path,
-    load_expectations,
-    parse_expectations,
-)
-from opsnn_lab.validate.figures import RecordedFigure, read_figures
-from opsnn_lab.validate.report import format_result, format_summary, junit_tree, write_junit
-from opsnn_lab.validate.runner import NotebookPlan, NotebookResult, plan_notebook, run_plan, validate_notebook
+import importlib
 
-__all__ = [
-    "CellError", "Execution", "Expectations", "ExpectationsError", "FigureCheck", "NotebookInputError",
-    "NotebookPlan", "NotebookResult", "Outcome", "RecordedFigure", "ValidationInputError", "Variant",
-    "check_figure", "execute_notebook", "expectations_path", "format_result", "format_summary", "junit_tree",
-    "load_expectations", "main", "parse_expectations", "plan_notebook", "read_figures", "run_plan",
-    "validate_notebook", "write_junit",
-]
+# name -> submodule; loaded on first use so the pytest plugin and ``-h`` stay cheap (nbformat and
+# papermill take seconds to import)
+_EXPORTS = {
+    "Outcome": "checks", "check_figure": "checks",
+    "main": "cli",
+    "ExpectationsError": "errors", "NotebookInputError": "errors", "ValidationInputError": "errors",
+    "CellError": "execute", "Execution": "execute", "execute_notebook": "execute",
+    "Expectations": "expectations", "FigureCheck": "expectations", "Variant": "expectations",
+    "expectations_path": "expectations", "load_expectations": "expectations", "parse_expectations": "expectations",
+    "RecordedFigure": "figures", "read_figures": "figures",
+    "format_result": "report", "format_summary": "report", "junit_tree": "report", "write_junit": "report",
+    "NotebookPlan": "runner", "NotebookResult": "runner", "plan_notebook": "runner", "run_plan": "runner",
+    "validate_notebook": "runner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'opsnn_lab.validate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"opsnn_lab.validate.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*__all__, *globals()])

@@ -8,8 +8,6 @@ from pathlib import Path
 
 from opsnn_lab.validate.errors import NotebookInputError, ValidationInputError
 from opsnn_lab.validate.parameters import parse_assignment
-from opsnn_lab.validate.report import format_result, format_summary, write_junit
-from opsnn_lab.validate.runner import plan_notebook, run_plan
 
 __all__ = ["build_parser", "main"]
 
@@ -66,6 +64,9 @@ def _output_paths(notebooks: list[Path], output_dir) -> list[Path | None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from opsnn_lab.validate.report import format_result, format_summary, write_junit
+    from opsnn_lab.validate.runner import plan_notebook, run_plan
+
     try:  # every input is checked before the first kernel starts
         overrides = dict(parse_assignment(a) for a in args.parameter)
         notebooks = expand_notebooks(args.notebooks)

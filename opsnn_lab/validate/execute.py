@@ -12,6 +12,7 @@ from pathlib import Path
 import nbformat
 
 from opsnn_lab.validate.figures import source_cell_indices
+from opsnn_lab.validate.parameters import declared_language
 
 __all__ = ["CellError", "Execution", "execute_notebook", "strip_ansi"]
 
@@ -78,7 +79,7 @@ def execute_notebook(notebook, output_path, parameters: dict | None = None, *, k
     source = nbformat.read(notebook, as_version=4)
     kernel = kernel_name or source.metadata.get("kernelspec", {}).get("name") or "python3"
     # papermill reads the language from the metadata; a notebook written by a script may have none
-    language = None if _declared_language(source) else "python"
+    language = None if declared_language(source) else "python"
     start = time.perf_counter()
     error = None
     try:
@@ -102,16 +103,6 @@ def execute_notebook(notebook, output_path, parameters: dict | None = None, *, k
             cell, count, src = _last_started_cell(nb)
             error = CellError(cell, count, type(err).__name__, " ".join(message), "", src)
     return Execution(notebook, nb, dict(parameters or {}), time.perf_counter() - start, error)
-
-
-def _declared_language(nb) -> str | None:
-    meta = nb.get("metadata", {})
-    return meta.get("kernelspec", {}).get("language") or meta.get("language_info", {}).get("name")
-
-
-def notebook_language(nb) -> str:
-    """The kernel language from the notebook's metadata (Python when it says nothing)."""
-    return _declared_language(nb) or "python"
 
 
 def _read_partial(output_path: Path, source):

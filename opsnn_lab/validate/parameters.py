@@ -7,7 +7,6 @@ import difflib
 from dataclasses import dataclass, field
 
 from opsnn_lab.validate.errors import NotebookInputError
-from opsnn_lab.validate.execute import notebook_language
 
 __all__ = ["UNKNOWN", "ParametersCell", "check_known", "find_parameters_cell", "parse_assignment"]
 
@@ -55,13 +54,18 @@ def parse_value(raw: str):
         return raw
 
 
+def declared_language(nb) -> str | None:
+    meta = nb.get("metadata", {})
+    return meta.get("kernelspec", {}).get("language") or meta.get("language_info", {}).get("name")
+
+
 def find_parameters_cell(nb, notebook: str = "<notebook>") -> ParametersCell:
     """Read the cell tagged ``parameters``; names come from its top-level assignments."""
     tagged = [i for i, cell in enumerate(nb.cells) if PARAMETERS_TAG in cell.get("metadata", {}).get("tags", [])]
     if not tagged:
         return ParametersCell(notebook, None, {})
     index = tagged[0]
-    if notebook_language(nb).lower() != "python":
+    if (declared_language(nb) or "python").lower() != "python":
         # papermill can inject into other kernels but reads assignments only for Python: accept any name
         return ParametersCell(notebook, index, {}, inspectable=False)
     return ParametersCell(notebook, index, _python_assignments(nb.cells[index].source, notebook, index))
