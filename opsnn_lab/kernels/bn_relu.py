@@ -46,29 +46,43 @@ def _scale_shift(channels, weight, bias, mean, invstd, device):
     return scale, shift
 
 
-def _window_origin(spec: PoolSpec, oh: int, ow: int, device):
-    h0 = torch.arange(oh, device=device, dtype=torch.int32) * spec.stride[0] - spec.padding[0]
-    w0 = torch.arange(ow, device=device, dtype=torch.int32) * spec.stride[1] - spec.padding[1]
-    return h0.view(-1, 1), w0.view(1, -1)
+@functools.lru_cache(maxsize=32)
+def _index_tables(spec: PoolSpec, height: int, width: int, device: torch.device):
+    """Tables that turn index conversion into one gather each way (int ops on the pooled tensor are slow).
+
+    A window's flat plane index is ``origin + kh * W + kw`` with ``origin = h0 * W + w0``; ``to_window``
+    maps ``kh * W + kw`` to ``kh * KW + kw``, ``to_plane`` maps it back, and SENTINEL to the window's
+    centre cell, which is inside the plane whenever padding <= (kernel - 1) // 2 (else ``clamp`` is set).
+    """
+    (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.padding
+    oh, ow = spec.out_size(height, width)
+    h0 = torch.arange(oh, dtype=torch.int64) * sh - ph
+    w0 = torch.arange(ow, dtype=torch.int64) * sw - pw
+    origin = (h0.view(-1, 1) * width + w0.view(1, -1)).to(device)
+    rel = (torch.arange(kh).view(-1, 1) * width + torch.arange(kw).view(1, -1)).flatten()
+    to_window = torch.full((int(rel.max()) + 1,), SENTINEL, dtype=torch.uint8)
+    to_window[rel] = torch.arange(kh * kw, dtype=torch.uint8)
+    to_plane = torch.zeros(256, dtype=torch.int64)
+    to_plane[: kh * kw] = rel
+    ch, cw = (kh - 1) // 2, (kw - 1) // 2
+    to_plane[SENTINEL] = ch * width + cw
+    inside = lambda start, c, n: bool(((start + c >= 0) & (start + c < n)).all())
+    clamp = not (inside(h0, ch, height) and inside(w0, cw, width))
+    return origin, to_window.to(device), to_plane.to(device), clamp
 
 
-def window_index(flat: torch.Tensor, pooled: torch.Tensor, width: int, spec: PoolSpec) -> torch.Tensor:
+def window_index(flat: torch.Tensor, pooled: torch.Tensor, height: int, width: int, spec: PoolSpec) -> torch.Tensor:
     """int64 flat plane indices -> uint8 within-window index, SENTINEL where the pooled value is <= 0."""
-    h0, w0 = _window_origin(spec, flat.shape[-2], flat.shape[-1], flat.device)
-    flat = flat.to(torch.int32)
-    row = torch.div(flat, width, rounding_mode="floor")
-    k = (row - h0) * spec.kernel[1] + (flat - row * width - w0)
-    return k.masked_fill_(pooled <= 0, SENTINEL).to(torch.uint8)
+    origin, to_window, _, _ = _index_tables(spec, height, width, flat.device)
+    k = torch.take(to_window, flat.sub_(origin))
+    return k.masked_fill_(pooled <= 0, SENTINEL)
 
 
 def flat_index(idx: torch.Tensor, height: int, width: int, spec: PoolSpec) -> torch.Tensor:
     """uint8 within-window index -> int64 flat plane index (SENTINEL maps to an in-bounds cell)."""
-    h0, w0 = _window_origin(spec, idx.shape[-2], idx.shape[-1], idx.device)
-    k = idx.to(torch.int32)
-    kh = torch.div(k, spec.kernel[1], rounding_mode="floor")
-    row = (h0 + kh).clamp_(0, height - 1)
-    col = (w0 + k - kh * spec.kernel[1]).clamp_(0, width - 1)
-    return (row * width + col).long()
+    origin, _, to_plane, clamp = _index_tables(spec, height, width, idx.device)
+    flat = torch.index_select(to_plane, 0, idx.reshape(-1).int()).view(idx.shape).add_(origin)
+    return flat.clamp_(0, height * width - 1) if clamp else flat
 
 
 # ----------------------------------------------------------------------------------------------- torch path
@@ -81,24 +95,26 @@ def bn_relu_forward_torch(y, weight, bias, running_mean, running_var, *, trainin
         invstd = None if running_var is None else torch.rsqrt(running_var.float() + eps)
         mean = running_mean
         if weight is None and bias is None and mean is None and invstd is None:
-            z = y.relu()
+            z = y if pool is not None else y.relu()
         else:
             scale, shift = _scale_shift(y.shape[1], weight, bias, mean, invstd, y.device)
             z = torch.addcmul(shift.view(-1, 1, 1), y, scale.view(-1, 1, 1)).to(y.dtype)
-    z.relu_()
     if pool is None:
-        return z, mean, invstd, None
+        return z.relu_(), mean, invstd, None
+    # max-pool commutes with ReLU (monotone; the first maximum wins either way when it is > 0), so the
+    # ReLU runs on the pooled tensor, a quarter of the size for a 3/2 pool.
     out, flat = torch.ops.aten.max_pool2d_with_indices(z, *pool.args(), [1, 1], False)
-    return out, mean, invstd, window_index(flat, out, y.shape[-1], pool)
+    idx = window_index(flat, out, y.shape[-2], y.shape[-1], pool)
+    return out.relu_(), mean, invstd, idx
 
 
 def _relu_grad_torch(grad_out, y, weight, bias, mean, invstd, idx, pool, in_shape, like):
     if pool is None:
         scale, shift = _scale_shift(y.shape[1], weight, bias, mean, invstd, y.device)
-        # fp32 (type promotion): the sign of the bf16/fp16-rounded forward value is the fp32 sign.
-        a = torch.addcmul(shift.view(-1, 1, 1), y, scale.view(-1, 1, 1))
-        return grad_out.masked_fill(a <= 0, 0)
-    grad_out = grad_out.masked_fill(idx == SENTINEL, 0)
+        # fp32 by type promotion, then rounded as the forward output was, so the mask is eager's.
+        a = torch.addcmul(shift.view(-1, 1, 1), y, scale.view(-1, 1, 1)).to(grad_out.dtype)
+        return torch.ops.aten.threshold_backward(grad_out, a, 0)  # eager ReLU's own backward op
+    grad_out = torch.where(idx == SENTINEL, 0, grad_out)
     flat = flat_index(idx, in_shape[-2], in_shape[-1], pool)
     if like is None:  # only the shape of the pool's input is read
         like = grad_out.new_empty(1).expand(in_shape)

@@ -93,6 +93,20 @@ def _pool_spec(maxpool: nn.MaxPool2d | None) -> PoolSpec | None:
     return PoolSpec(_pair(maxpool.kernel_size), _pair(stride), _pair(maxpool.padding))
 
 
+def _internal(t: torch.Tensor) -> torch.Tensor:
+    """CPU tensors run channels-last inside the op: aten's CPU batch-norm, max-pool and convolution are
+    several times faster in it than in NCHW (max-pool 3/2 on the stem: ~12x). No-op when already so."""
+    return t.contiguous(memory_format=torch.channels_last) if t.device.type == "cpu" else t
+
+
+def _like_input(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The output in the layout eager gives for ``x``: channels-last only for a channels-last input."""
+    if out.device.type != "cpu":
+        return out
+    cl = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return out.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
 def _zeros_like_or_none(t, needed):
     return torch.zeros_like(t) if needed and t is not None else None
 
@@ -108,7 +122,7 @@ class ConvBNReLUFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, running_mean, running_var, cfg: _Config):
         ctx.cfg, ctx.has_bias = cfg, bias is not None
         if cfg.training:
-            y = F.conv2d(x, weight, bias, *cfg.conv_args(), cfg.groups)
+            y = F.conv2d(_internal(x), weight, bias, *cfg.conv_args(), cfg.groups)
             ctx.empty = y.numel() == 0
             if ctx.empty:  # as nn.BatchNorm2d: empty output, running statistics untouched
                 ctx.save_for_backward(x, weight)
@@ -117,13 +131,13 @@ class ConvBNReLUFunction(torch.autograd.Function):
                                                      training=True, momentum=cfg.momentum, eps=cfg.eps,
                                                      pool=cfg.pool)
             ctx.save_for_backward(x, weight, bn_weight, bn_bias, y, mean, invstd, idx)
-            return out
+            return _like_input(out, x)
         mean = running_mean.detach().clone()
         invstd = torch.rsqrt(running_var.float() + cfg.eps)
         fold = bn_weight.float() * invstd
         w_f = (weight.float() * fold.view(-1, 1, 1, 1)).to(weight.dtype)
         b0 = mean.float().neg() if bias is None else bias.float() - mean.float()
-        a = F.conv2d(x, w_f, (b0 * fold + bn_bias.float()).to(x.dtype), *cfg.conv_args(), cfg.groups)
+        a = F.conv2d(_internal(x), w_f, (b0 * fold + bn_bias.float()).to(x.dtype), *cfg.conv_args(), cfg.groups)
         ctx.empty = a.numel() == 0
         if ctx.empty:
             ctx.save_for_backward(x, weight)
@@ -132,15 +146,15 @@ class ConvBNReLUFunction(torch.autograd.Function):
                                          eps=cfg.eps, pool=cfg.pool)
         ctx.in_shape = tuple(a.shape)
         ctx.save_for_backward(x, weight, bn_weight, None if cfg.pool else a, b0, invstd, idx)
-        return out
+        return _like_input(out, x)
 
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.empty:
             return _empty_grads(ctx, *ctx.saved_tensors)
         if ctx.cfg.training:
-            return _backward_train(ctx, grad_out)
-        return _backward_eval(ctx, grad_out)
+            return _backward_train(ctx, _internal(grad_out))
+        return _backward_eval(ctx, _internal(grad_out))
 
 
 def _empty_output(y: torch.Tensor, pool: PoolSpec | None) -> torch.Tensor:
@@ -171,7 +185,7 @@ def _backward_train(ctx, grad_out):
     grad_y, grad_gamma, grad_beta = bn_relu_backward(
         grad_out, y, bn_weight, bn_bias, mean, invstd, idx, training=True, eps=cfg.eps, pool=cfg.pool,
         output_mask=(True, need[3], need[4]))
-    dx, dw, db = _conv_backward(ctx, grad_y, x, weight, need[1])
+    dx, dw, db = _conv_backward(ctx, grad_y, _internal(x), weight, need[1])
     return dx, dw, db, grad_gamma, grad_beta, None, None, None
 
 
@@ -185,7 +199,7 @@ def _backward_eval(ctx, grad_out):
                                     pool=cfg.pool, in_shape=ctx.in_shape, output_mask=(True, False, False))
     need_wf = need[1] or need[3]
     bias_sizes = [weight.shape[0]]
-    dx, dw_f, db_f = torch.ops.aten.convolution_backward(grad_a, x, w_f, bias_sizes, *cfg.conv_args(), False,
+    dx, dw_f, db_f = torch.ops.aten.convolution_backward(grad_a, _internal(x), w_f, bias_sizes, *cfg.conv_args(), False,
                                                          [0, 0], cfg.groups, [need[0], need_wf, True])
     db_f = db_f.float()
     dw = (dw_f.float() * fold.view(-1, 1, 1, 1)).to(weight.dtype) if need[1] else None
