@@ -33,7 +33,8 @@ def good(folder):
 
 
 def bad(folder):
-    write_notebook(folder, "bad", "import opsnn_lab as ol\nol.record('loss', 1.5)\nol.record('ratio', 0.25)",
+    write_notebook(folder, "bad", "import opsnn_lab as ol\nol.record('loss', 1.5)\nol.record('ratio', 0.25)\n"
+                   "ol.record('extra', 7)",
                    "raise RuntimeError('boom')", "ol.record('late', 1)",
                    expect="[figures.loss]\nvalue = 1.0\nrel = 0.1\n[figures.ratio]\nmax = 0.5\n"
                           "[figures.late]\nmin = 0\n")
@@ -43,8 +44,9 @@ def test_one_test_per_figure_executing_each_notebook_once(pytester):
     good(pytester.path / "notebooks")
     bad(pytester.path / "notebooks")
     write_notebook(pytester.path / "notebooks", "plain", "x = 1", expect=None)  # no expectations: not collected
-    result = pytester.runpytest(*LOAD, "notebooks", "-rf", "--junitxml=report.xml")
-    result.assert_outcomes(passed=4, failed=3, warnings=0)
+    result = pytester.runpytest(*LOAD, "notebooks", "-rf", "--junitxml=report.xml",
+                                "--opsnn-output-dir", "executed")
+    result.assert_outcomes(passed=4, failed=3, warnings=1)
     text = result.stdout.str()
     assert "\nfigure 'loss' is out of tolerance: got 1.5, expected 1.0 with tolerance rel 0.1: " \
            "off by +0.5 (+0.5 relative), allowed +-0.1" in text
@@ -55,8 +57,10 @@ def test_one_test_per_figure_executing_each_notebook_once(pytester):
     assert "FAILED notebooks/bad.ipynb::execute - cell 3 (In [4]) raised RuntimeError: boom" in text
     assert "FAILED notebooks/bad.ipynb::loss - figure 'loss' is out of tolerance" in text
     assert "FAILED notebooks/bad.ipynb::late - figure 'late' was never recorded" in text
+    assert "UncheckedFigureWarning: bad.ipynb recorded 'extra' = 7 but" in text
     runs = (pytester.path / "notebooks" / "runs.txt").read_text().split()
     assert sorted(runs) == ["bad", "good"]  # one execution per notebook, shared by its figure tests
+    assert sorted(p.name for p in (pytester.path / "executed" / "notebooks").iterdir()) == ["bad.ipynb", "good.ipynb"]
     report = (pytester.path / "report.xml").read_text()
     assert report.count("<testcase ") == 7 and 'name="loss"' in report
 
