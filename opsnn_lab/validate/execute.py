@@ -75,7 +75,8 @@ def execute_notebook(notebook, output_path, parameters: dict | None = None, *, k
     """Run ``notebook`` with papermill into ``output_path``; a raising cell becomes ``Execution.error``."""
     import papermill
 
-    notebook, output_path = Path(notebook), Path(output_path)
+    # absolute: papermill saves after every cell from inside ``cwd``, where a relative path means another file
+    notebook, output_path = Path(notebook).resolve(), Path(output_path).resolve()
     source = nbformat.read(notebook, as_version=4)
     kernel = kernel_name or source.metadata.get("kernelspec", {}).get("name") or "python3"
     # papermill reads the language from the metadata; a notebook written by a script may have none

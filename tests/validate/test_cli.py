@@ -39,18 +39,17 @@ def notebooks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def failing_run(notebooks):
-    """One real command line run over a directory and a file; both notebooks execute."""
+    """One real command line run over a directory and a file, paths relative as a user types them."""
     root, ok, broken = notebooks
-    cmd = [sys.executable, "-m", "opsnn_lab.validate", str(ok.parent), str(broken), "-p", "steps=3",
-           "--junit", str(root / "build" / "validate.xml"), "--output-dir", str(root / "build" / "executed")]
+    cmd = [sys.executable, "-m", "opsnn_lab.validate", "ok", "bad/broken.ipynb", "-p", "steps=3",
+           "--junit", "build/validate.xml", "--output-dir", "build/executed"]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=300)
 
 
 def test_failure_exits_1_with_table_and_traceback(failing_run, notebooks):
-    root, ok, broken = notebooks
     assert failing_run.returncode == 1, failing_run.stderr
     out = failing_run.stdout
-    assert f"{ok}: passed" in out and f"{broken}: FAILED" in out
+    assert "ok/ok.ipynb: passed" in out and "bad/broken.ipynb: FAILED" in out
     assert "(parameters: steps=3)" in out
     assert "FAIL: off by +0.5 (+0.5 relative), allowed +-0.1" in out
     assert "MISSING: was never recorded (execution stopped at cell 2 (In [4]))" in out
@@ -70,8 +69,8 @@ def test_failure_run_writes_junit_and_keeps_executed_notebooks(failing_run, note
         ["loss", "steps"], ["loss", "steps", "execute"]]
     assert (tree.get("tests"), tree.get("failures"), tree.get("errors")) == ("5", "2", "1")
     assert suites[0].find("testcase").get("classname") == "ok.ok"
-    assert (root / "build" / "executed" / "ok.ipynb").exists()
-    assert (root / "build" / "executed" / "broken.ipynb").exists()
+    assert sorted(p.name for p in (root / "build" / "executed").iterdir()) == ["broken.ipynb", "ok.ipynb"]
+    assert not (root / "ok" / "build").exists()  # not written relative to the notebook's folder
 
 
 def test_passing_notebook_exits_0(notebooks, capsys):
