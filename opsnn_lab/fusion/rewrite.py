@@ -138,7 +138,11 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     for region, keys in by_region.items():
         if region not in routes:
             raise ValueError(f"plan routes have no region {region!r}; was the plan made for this model?")
-        _rewrite_region(fused, routes[region], keys, slots)
+        try:
+            _rewrite_region(fused, routes[region], keys, slots)
+        except Exception as exc:  # noqa: BLE001 - tracer errors have many types; say which plan failed
+            raise ValueError(f"plan region {region!r} cannot be rewritten in this model ({type(exc).__name__}: "
+                             f"{exc}); was the plan made for this model?") from exc
     missing = {d.key for d in wanted} - set(slots)
     if missing:
         raise ValueError(f"plan decisions not found in this model: {sorted(missing)[:3]}")

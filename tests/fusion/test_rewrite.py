@@ -1,0 +1,114 @@
+"""apply(): a new module, same state_dict, same numbers, in train and eval, under any optimizer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import opsnn_lab as ol
+from opsnn_lab.models import Encoder, EncoderConfig, ResNet, ResNetConfig
+from opsnn_lab.testing import seeded
+
+
+def _encoder(p=0.1):
+    torch.manual_seed(0)
+    return Encoder(EncoderConfig.tiny(layers=2, dropout=p, attn_dropout=p))
+
+
+def _resnet():
+    torch.manual_seed(0)
+    return ResNet(ResNetConfig(width=8, blocks=(1, 1)))
+
+
+IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+IMAGES = seeded(3, 3, 20, 20)
+# Train mode compares with dropout p=0: the fused ops draw their masks from a counter-based RNG.
+CASES = {"encoder": (_encoder, (IDS,)), "resnet": (_resnet, (IMAGES,))}
+
+
+def _step(model, inputs):
+    model.zero_grad()
+    out = model(*inputs)
+    (out * seeded(*out.shape, seed=3)).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(model, fused, inputs):
+    out_a, grads_a = _step(model, inputs)
+    out_b, grads_b = _step(fused, inputs)
+    torch.testing.assert_close(out_b, out_a, atol=1e-5, rtol=1e-5)
+    assert grads_a.keys() == grads_b.keys()
+    for name, g in grads_a.items():
+        torch.testing.assert_close(grads_b[name], g, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_outputs_and_every_gradient_match(case, mode):
+    make, inputs = CASES[case]
+    model = (make(0.0) if case == "encoder" and mode == "train" else make())
+    getattr(model, mode)()
+    fused, plan = ol.fusion.fuse(model, inputs)
+    assert fused is not model and plan.fused
+    assert sum(type(m).__name__ == "FusedSlot" for m in fused.modules()) == len(plan.fused)
+    assert not any(type(m).__name__ == "FusedSlot" for m in model.modules())
+    assert list(fused.state_dict()) == list(model.state_dict())
+    for (k, a), b in zip(model.state_dict().items(), fused.state_dict().values()):
+        assert torch.equal(a, b), k
+    _assert_same(model, fused, inputs)
+    fused.train(mode == "eval")  # switching mode after the rewrite switches the fused ops too
+    model.train(mode == "eval")
+    if case == "resnet" or mode == "train":
+        _assert_same(model, fused, inputs)
+
+
+@pytest.mark.parametrize("opt", [torch.optim.SGD, torch.optim.AdamW])
+def test_training_steps_match(opt):
+    model = _resnet().train()
+    fused, _ = ol.fusion.fuse(model, (IMAGES,))
+    opts = [opt(m.parameters(), lr=1e-2) for m in (model, fused)]
+    for step in range(3):
+        for m, o in zip((model, fused), opts):
+            _step(m, (seeded(3, 3, 20, 20, seed=step),))
+            o.step()
+    for (k, a), b in zip(model.state_dict().items(), fused.state_dict().values()):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=k)  # incl. BN running stats
+
+
+def test_state_dict_loads_both_ways_and_copies_work():
+    model = _encoder().eval()
+    fused, _ = ol.fusion.fuse(model, (IDS,))
+    other = _encoder()
+    torch.nn.init.normal_(other.head.weight)
+    other.load_state_dict(fused.state_dict())  # fused -> original architecture
+    fused.load_state_dict(model.state_dict())  # original -> fused
+    twin = copy.deepcopy(fused).double()  # a copy converts its own parameters, the fused ops follow
+    _assert_same(other.eval(), fused, (IDS,))
+    torch.testing.assert_close(twin(IDS).float(), model(IDS), atol=1e-5, rtol=1e-5)
+
+
+def test_unplanned_calls_fall_back_to_the_original_code():
+    model = _encoder().eval()
+    fused, plan = ol.fusion.fuse(model, (IDS,))  # traced with attention_mask=None -> mask=None specialised
+    mask = torch.ones_like(IDS)
+    mask[:, -3:] = 0
+    torch.testing.assert_close(fused(IDS, mask), model(IDS, mask), atol=1e-5, rtol=1e-5)
+    with_mask = ol.fusion.analyze(model, (IDS, mask))  # planned with a mask: the mask is a real input
+    fused_mask = ol.fusion.apply(model, with_mask)
+    assert with_mask.summary()["attention"]["fused"] == 2
+    torch.testing.assert_close(fused_mask(IDS, mask), model(IDS, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_apply_from_a_json_plan_and_bad_arguments():
+    model = _resnet().eval()
+    plan = ol.fusion.analyze(model, (IMAGES,))
+    fused = ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(plan.to_json()))
+    _assert_same(model, fused, (IMAGES,))
+    with pytest.raises(TypeError, match="plan"):
+        ol.fusion.apply(model, {"decisions": []})
+    with pytest.raises(TypeError, match="model"):
+        ol.fusion.apply(None, plan)
+    with pytest.raises(ValueError, match="was the plan made for this model"):
+        ol.fusion.apply(_encoder(), plan)
