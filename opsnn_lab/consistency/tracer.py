@@ -1,0 +1,532 @@
+"""Operator-level recording of a training step: every ATen op of forward and backward, by module path.
+
+``OpTracer`` is a ``TorchDispatchMode`` (sees every ATen op below autograd, forward and backward)
+plus global module forward hooks (which module is running). Backward ops are attributed through the
+autograd node that runs them: while the forward runs, each new node's sequence number is mapped to the
+module path and source line of the op that created it; in backward ``torch._C._current_autograd_node()``
+names the node, so a backward op lands on the same module path as its forward op.
+
+Tensors are held by reference while tracing (no copies on the hot path); an in-place op on a held
+tensor first swaps the held one for a copy (copy-on-write), and at exit the leaves (parameters, user
+inputs) and parameter gradients are copied because an optimizer step mutates them later. Statistics and
+the bitwise hash are computed once per tensor at exit (``summarize``), in float64 with four reductions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["TensorStats", "OpRecord", "Trace", "OpTracer", "summarize", "tensor_hash", "flatten", "unflatten",
+           "portable", "restore"]
+
+_aten = torch.ops.aten
+# Ops whose output holds no computed value (uninitialised memory, metadata) or that are pure data movement
+# of the same bits: recording them only adds noise (``empty`` differs between runs by construction).
+_SKIP = {
+    _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default, _aten.new_empty.default,
+    _aten.new_empty_strided.default, _aten.resize_.default, _aten.set_.source_Storage_storage_offset,
+    _aten.lift_fresh.default, _aten._local_scalar_dense.default, _aten.is_same_size.default,
+    _aten._unsafe_view.default,  # aliases its input's storage: the producer stays the op that computed it
+}
+# frames in these directories are never "the user's code" when naming a source location
+# allocation ops: their outputs hold no value yet, so they are neither leaves nor divergences
+_FRESH = {_aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
+          _aten.new_empty.default, _aten.new_empty_strided.default}
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@dataclass
+class TensorStats:
+    """Summary of one tensor: what two runs exchange before (or instead of) the tensor itself."""
+
+    shape: tuple
+    dtype: str
+    min: float
+    max: float
+    mean: float
+    std: float
+    norm: float
+    nan: int
+    inf: int
+    hash: str
+
+    def as_dict(self) -> dict:
+        return {k: (list(v) if k == "shape" else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class OpRecord:
+    """One recorded event. ``kind`` is ``op`` (an ATen op), ``module`` (a module's forward outputs) or
+    ``grad`` (a parameter's ``.grad`` at the end of the step)."""
+
+    index: int
+    phase: str
+    kind: str
+    op: str
+    module_path: str
+    location: str
+    occurrence: int = 0
+    forward_index: int | None = None      # backward op: the forward op whose autograd node ran it
+    input_producers: list = field(default_factory=list)  # per tensor input: producing record index or None
+    input_stats: list = field(default_factory=list)     # TensorStats for leaf inputs, None for produced ones
+    output_stats: list = field(default_factory=list)
+    # held tensors (not part of the metadata): flat args/kwargs with their pytree spec, and outputs
+    flat_args: list | None = field(default=None, repr=False)
+    spec: object = field(default=None, repr=False)
+    outputs: list | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple:
+        return (self.phase, self.kind, self.module_path, self.op, self.occurrence)
+
+    def input_tensors(self) -> list[torch.Tensor]:
+        return [a for a in (self.flat_args or []) if isinstance(a, torch.Tensor)]
+
+    def meta(self) -> dict:
+        d = {k: getattr(self, k) for k in ("index", "phase", "kind", "op", "module_path", "location",
+                                           "occurrence", "forward_index", "input_producers")}
+        d["input_stats"] = [None if s is None else s.as_dict() for s in self.input_stats]
+        d["output_stats"] = [s.as_dict() for s in self.output_stats]
+        return d
+
+
+@dataclass
+class Trace:
+    """The records of one traced step, in execution order."""
+
+    records: list[OpRecord]
+    rank: int = 0
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def by_key(self) -> dict[tuple, OpRecord]:
+        return {r.key: r for r in self.records}
+
+    def save(self, path, tensors: bool = True) -> None:
+        """Write the trace to ``path`` (``torch.save``); ``tensors=False`` keeps hashes and statistics only."""
+        recs = []
+        for r in self.records:
+            d = r.meta()
+            if tensors:
+                d["flat_args"] = [portable(a) for a in r.flat_args or []]
+                d["spec"] = r.spec
+                d["outputs"] = [t.detach().cpu() for t in r.outputs or []]
+            recs.append(d)
+        torch.save({"format": "opsnn_lab.trace/1", "rank": self.rank, "records": recs}, path)
+
+    @classmethod
+    def load(cls, path) -> Trace:
+        data = torch.load(path, weights_only=False)
+        if not isinstance(data, dict) or data.get("format") != "opsnn_lab.trace/1":
+            raise ValueError(f"path {str(path)!r} is not an opsnn_lab trace file")
+        records = []
+        for d in data["records"]:
+            d = dict(d)
+            d["input_stats"] = [None if s is None else _stats_from_dict(s) for s in d["input_stats"]]
+            d["output_stats"] = [_stats_from_dict(s) for s in d["output_stats"]]
+            if d.get("flat_args") is not None:
+                d["flat_args"] = [restore(a) for a in d["flat_args"]]
+            records.append(OpRecord(**d))
+        return cls(records, rank=data.get("rank", 0))
+
+
+_MARK = "__torch_attr__"
+
+
+def portable(a):
+    """An argument as ``torch.save`` can write it: tensors on CPU, memory formats/layouts by name."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().cpu()
+    if isinstance(a, (torch.memory_format, torch.layout)):
+        return (_MARK, str(a).removeprefix("torch."))
+    return a
+
+
+def restore(a):
+    if isinstance(a, tuple) and len(a) == 2 and a[0] == _MARK:
+        return getattr(torch, a[1])
+    return a
+
+
+def _stats_from_dict(d: dict) -> TensorStats:
+    return TensorStats(**{**d, "shape": tuple(d["shape"])})
+
+
+# --------------------------------------------------------------------------- statistics and hash
+_weights: dict[tuple, torch.Tensor] = {}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.bool:
+        return t.reshape(-1).view(torch.uint8)
+    if t.is_complex():
+        return torch.view_as_real(t).reshape(-1).view(_BITS[t.element_size() // 2])
+    return t.reshape(-1).view(_BITS[t.element_size()])
+
+
+def _hash_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    bits = _bits(t)
+    n = bits.numel()
+    key = (n, bits.device)
+    w = _weights.get(key)
+    if w is None:
+        # odd int32 multipliers: multiplying by an odd number is a bijection mod 2**32, so changing any
+        # one element changes its product and the sum; position-dependent, so a permutation shows too
+        w = (torch.arange(1, n + 1, dtype=torch.int64, device=bits.device) * 0x9E3779B1 + 0x7F4A7C15)
+        w = ((w & 0x7FFFFFFF) | 1).to(torch.int32)
+        if len(_weights) > 256:
+            _weights.clear()
+        _weights[key] = w
+    # int32 products wrap, their (int64) sum is exact: the same on any machine, in any reduction order
+    return (bits * w).sum()
+
+
+def _hex(h: int) -> str:
+    return f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """Bitwise hash: the raw bits as integers times position weights, summed (one pass, no float math)."""
+    return _hex(int(_hash_parts(t.detach())))
+
+
+def summarize(t: torch.Tensor) -> TensorStats:
+    """Shape, dtype, min/max/mean/std/norm and NaN/Inf counts plus the bitwise hash.
+
+    Four passes over the tensor, no float64 copy of it: the hash, sum, norm and aminmax. Statistics
+    accumulate in float32 (float64 for float64 tensors): they are for people to read, the errors that
+    judge a divergence are computed elementwise in float64.
+    """
+    t = t.detach()
+    shape, dtype = tuple(t.shape), str(t.dtype).replace("torch.", "")
+    n = t.numel()
+    h = _hex(int(_hash_parts(t)))
+    if n == 0:
+        return TensorStats(shape, dtype, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, h)
+    x = t.abs() if t.is_complex() else t
+    if not x.dtype.is_floating_point:
+        x = x.to(torch.float64)
+    elif x.element_size() < 4:
+        x = x.float()
+    nan = inf = 0
+    s, nrm = torch.stack([x.sum(), torch.linalg.vector_norm(x)]).tolist()
+    if not (math.isfinite(s) and math.isfinite(nrm)):
+        nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        x = x[torch.isfinite(x)]
+        n = x.numel()
+        if n == 0:
+            return TensorStats(shape, dtype, math.nan, math.nan, math.nan, math.nan, math.nan, nan, inf, h)
+        s, nrm = torch.stack([x.sum(), torch.linalg.vector_norm(x)]).tolist()
+    mn, mx = torch.stack(torch.aminmax(x.reshape(-1))).tolist()
+    mean = s / n
+    var = max(nrm * nrm / n - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 0.0)
+    return TensorStats(shape, dtype, float(mn), float(mx), mean, math.sqrt(var), nrm, nan, inf, h)
+
+
+# --------------------------------------------------------------------------- the tracer
+def _user_location() -> str:
+    """``file:line`` of the innermost frame outside torch and this package's consistency code."""
+    f = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_INTERNAL) and not fn.startswith("<frozen"):
+            return f"{fn}:{f.f_lineno}"
+        f = f.f_back
+    return "<unknown>"
+
+
+_op_names: dict = {}
+_mutable: dict = {}
+
+
+def _op_name(func) -> str:
+    name = _op_names.get(func)
+    if name is None:
+        name = _op_names[func] = str(func)  # "aten.addmm.default"
+    return name
+
+
+def _is_mutable(func) -> bool:
+    m = _mutable.get(func)
+    if m is None:
+        m = _mutable[func] = bool(func._schema.is_mutable)
+    return m
+
+
+def flatten(obj, out: list):
+    """Append the leaves of nested lists/tuples/dicts to ``out``; return the structure to rebuild them.
+
+    ATen arguments nest only lists, tuples and (kwargs) dicts; this is ~10x cheaper than pytree.
+    """
+    kind = type(obj)
+    if kind is list or kind is tuple:
+        return (kind, [flatten(x, out) for x in obj])
+    if kind is dict:
+        return (dict, [(k, flatten(v, out)) for k, v in obj.items()])
+    out.append(obj)
+    return None
+
+
+def unflatten(flat: list, spec, _pos=None):
+    """Inverse of ``flatten``."""
+    pos = _pos if _pos is not None else [0]
+    if spec is None:
+        pos[0] += 1
+        return flat[pos[0] - 1]
+    kind, items = spec
+    if kind is dict:
+        return {k: unflatten(flat, s, pos) for k, s in items}
+    return kind(unflatten(flat, s, pos) for s in items)
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+        return None
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracer: OpTracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tr = self.tracer
+        node = torch._C._current_autograd_node()
+        if func.is_view or func in _SKIP:
+            if node is None:  # its backward node still belongs to this module
+                tr._map_node(tr._stack[-1] if tr._stack else "", None)
+            out = func(*args, **kwargs)
+            if func in _FRESH:
+                tr._producer[_storage_key(out)] = -1
+            return out
+        if node is not None and not tr.check_gradients:
+            return func(*args, **kwargs)
+        flat: list = []
+        spec = flatten((args, kwargs), flat)
+        producers = tr._producers(flat)
+        if _is_mutable(func):  # keep the pre-mutation inputs, and protect held tensors from the write
+            tr._copy_on_write(flat)
+            flat = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in flat]
+        out = func(*args, **kwargs)
+        outs = [out] if isinstance(out, torch.Tensor) else [
+            o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if outs:
+            tr._record_op(func, flat, spec, producers, outs, node)
+        return out
+
+
+class OpTracer:
+    """Context manager recording one step; the result is ``tracer.trace`` (a ``Trace``)."""
+
+    def __init__(self, model: torch.nn.Module | None = None, *, check_gradients: bool = True):
+        self.model = model
+        self.check_gradients = check_gradients
+        self.records: list[OpRecord] = []
+        self.trace: Trace | None = None
+        self._names: dict[int, str] = {}
+        self._roots: list[tuple[str, torch.nn.Module]] = []
+        self._stack: list[str] = []
+        self._count: dict[tuple, int] = defaultdict(int)
+        self._producer: dict[int, int] = {}        # storage pointer -> index of the record that last wrote it
+        self._held: dict[int, list] = defaultdict(list)  # storage pointer -> [(list, position)] holding it
+        self._nodes: dict[int, tuple] = {}         # autograd sequence nr -> (module path, location, fwd index)
+        self._seq_start = 0
+        self._last_loc: dict[str, str] = {}
+        self._pnames: dict[int, str] | None = None
+        self._pnames_roots = 0
+        if model is not None:
+            self._register_root("", model)
+
+    # ----------------------------------------------------------------- module paths
+    def _register_root(self, name: str, module: torch.nn.Module) -> None:
+        self._roots.append((name, module))
+        for sub, m in module.named_modules():
+            self._names.setdefault(id(m), f"{name}.{sub}" if name and sub else (sub or name))
+
+    def _path_of(self, module: torch.nn.Module) -> str:
+        path = self._names.get(id(module))
+        if path is None:
+            parent = self._stack[-1] if self._stack else None
+            if parent is None:
+                root = "" if not self._roots else f"<{type(module).__name__}>"
+                self._register_root(root, module)
+            else:  # a module called from inside the traced model that its named_modules() does not list
+                self._names[id(module)] = f"{parent}.<{type(module).__name__}>"
+            path = self._names[id(module)]
+        return path
+
+    def _pre_hook(self, module, args):
+        self._stack.append(self._path_of(module))
+
+    def _post_hook(self, module, args, output):
+        path = self._stack.pop() if self._stack else self._path_of(module)
+        outs = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor)]
+        if outs and torch._C._current_autograd_node() is None:
+            self._append(OpRecord(0, "forward", "module", type(module).__name__, path, _user_location()),
+                         outs)
+
+    # ----------------------------------------------------------------- recording
+    def _append(self, rec: OpRecord, outs: list[torch.Tensor]) -> OpRecord:
+        rec.index = len(self.records)
+        k = (rec.phase, rec.kind, rec.module_path, rec.op)
+        rec.occurrence = self._count[k]
+        self._count[k] += 1
+        rec.outputs = list(outs)
+        for i, t in enumerate(rec.outputs):
+            p = _storage_key(t)
+            if p is not None:
+                self._held[p].append((rec.outputs, i))
+                if rec.kind == "op":
+                    self._producer[p] = rec.index
+        self.records.append(rec)
+        return rec
+
+    def _producers(self, flat) -> list:
+        return [self._producer.get(_storage_key(a)) for a in flat if isinstance(a, torch.Tensor)]
+
+    def _record_op(self, func, flat, spec, producers, outs, node) -> None:
+        for i, a in enumerate(flat):
+            if isinstance(a, torch.Tensor):
+                p = _storage_key(a)
+                if p is not None:
+                    self._held[p].append((flat, i))
+        name = _op_name(func)
+        if node is None:
+            path = self._stack[-1] if self._stack else ""
+            loc = _user_location()
+            rec = OpRecord(0, "forward", "op", name, path, loc)
+            self._map_node(path, loc)
+            self._last_loc[path] = loc
+        else:
+            path, loc, fwd = self._node_owner(node)
+            rec = OpRecord(0, "backward", "op", name, path, loc, forward_index=fwd)
+        rec.input_producers, rec.flat_args, rec.spec = producers, flat, spec
+        self._append(rec, outs)
+
+    def _map_node(self, path: str, loc: str | None) -> None:
+        # the autograd node an op creates is numbered just before the op reaches this dispatch mode
+        seq = torch._C._autograd._get_sequence_nr() - 1
+        if seq >= self._seq_start and seq not in self._nodes:
+            self._nodes[seq] = (path, loc, len(self.records) if loc is not None else None)
+
+    def _node_owner(self, node) -> tuple:
+        owner = self._nodes.get(node._sequence_nr())
+        if owner is not None:
+            if owner[1] is None:  # created by a view op: the module's last recorded source line
+                return owner[0], self._last_loc.get(owner[0], "<unknown>"), None
+            return owner
+        var = getattr(node, "variable", None)  # AccumulateGrad: the parameter it accumulates into
+        full = self._param_names().get(id(var)) if var is not None else None
+        if full is not None:
+            return full.rpartition(".")[0], "<autograd>", None
+        return "<autograd>", "<autograd>", None
+
+    def _param_names(self) -> dict[int, str]:
+        if self._pnames is None or self._pnames_roots != len(self._roots):
+            self._pnames = {}
+            for root, m in self._roots:
+                for pname, p in m.named_parameters():
+                    self._pnames.setdefault(id(p), f"{root}.{pname}" if root else pname)
+            self._pnames_roots = len(self._roots)
+        return self._pnames
+
+    def _copy_on_write(self, flat) -> None:
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                p = _storage_key(a)
+                for lst, i in self._held.pop(p, ()):
+                    lst[i] = lst[i].clone()
+
+    # ----------------------------------------------------------------- context manager
+    def __enter__(self) -> OpTracer:
+        self._seq_start = torch._C._autograd._get_sequence_nr()
+        self._handles = [register_module_forward_pre_hook(self._pre_hook),
+                         register_module_forward_hook(self._post_hook, always_call=True)]
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        if exc[0] is None:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.check_gradients:
+            self._record_param_grads()
+        self._freeze()
+        cache: dict[tuple, TensorStats] = {}
+        for rec in self.records:
+            rec.output_stats = [_cached_summary(t, cache) for t in rec.outputs]
+            rec.input_stats = [_cached_summary(t, cache) if prod is None else None
+                               for t, prod in zip(rec.input_tensors(), rec.input_producers)]
+        self.trace = Trace(self.records)
+        self._held.clear()
+        self._producer.clear()
+        self._nodes.clear()
+
+    def _record_param_grads(self) -> None:
+        params = {id(p): p for _, m in self._roots for p in m.parameters()}
+        for pid, full in self._param_names().items():
+            p = params.get(pid)
+            if p is not None and p.grad is not None:
+                path, _, leaf = full.rpartition(".")
+                self._append(OpRecord(0, "backward", "grad", f"grad.{leaf}", path, "<autograd>"), [p.grad])
+
+    def _freeze(self) -> None:
+        """Copy what outlives the step and will change: leaves (parameters, inputs) and parameter grads."""
+        grads = {_storage_key(r.outputs[0]) for r in self.records if r.kind == "grad"}
+        copies: dict[int, torch.UntypedStorage] = {}
+        for rec in self.records:
+            if rec.flat_args:
+                for slot, prod in zip(_tensor_slots(rec.flat_args), rec.input_producers):
+                    t = rec.flat_args[slot]
+                    if prod is None or _storage_key(t) in grads:
+                        rec.flat_args[slot] = _copy_view(t, copies)
+            for i, t in enumerate(rec.outputs):
+                rec.outputs[i] = _copy_view(t, copies) if _storage_key(t) in grads else t.detach()
+
+
+
+def _copy_view(t: torch.Tensor, copies: dict) -> torch.Tensor:
+    """``t`` over a private copy of its storage (one copy per storage, however many views use it)."""
+    key = _storage_key(t)
+    if key is None:
+        return t.detach().clone()
+    storage = copies.get(key)
+    if storage is None:
+        storage = copies[key] = t.untyped_storage().clone()
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+def _cached_summary(t: torch.Tensor, cache: dict) -> TensorStats:
+    # a module's output is often a reshaped view of its last op's output: same bits, same statistics
+    if not t.is_contiguous():
+        return summarize(t)
+    key = (t.data_ptr(), t.numel(), t.dtype, t.device)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = summarize(t)
+        return hit
+    return TensorStats(tuple(t.shape), *list(hit.__dict__.values())[1:])
+
+
+def _tensor_slots(flat: list) -> list[int]:
+    return [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]

@@ -1,0 +1,253 @@
+"""ConsistencyChecker: the first divergence is the perturbed module and op, forward and backward."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opsnn_lab.consistency import ConsistencyChecker, ConsistencyReport
+from opsnn_lab.models import EncoderConfig, MaskedTokenTask
+
+TASK = MaskedTokenTask(batch_size=2, seq_len=8)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return TASK.model(EncoderConfig.tiny(dropout=0.0, attn_dropout=0.0))
+
+
+def traced_step(checker: ConsistencyChecker, model: nn.Module) -> ConsistencyReport:
+    model.zero_grad(set_to_none=True)
+    with checker.trace(model):
+        loss = TASK.loss(model, TASK.batch(0))
+        loss.backward()
+    return checker.report
+
+
+def perturb(model: nn.Module, name: str, eps: float = 1e-4) -> None:
+    w = model.get_parameter(f"{name}.weight")
+    with torch.no_grad():
+        w.add_(eps * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+
+
+class _Noise(torch.autograd.Function):
+    """Adds fresh random noise in forward and in backward: a non-deterministic op."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x + 1e-3 * torch.randn_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + 1e-3 * torch.randn_like(g)
+
+
+class NoisyGELU(nn.GELU):
+    def forward(self, x):
+        return _Noise.apply(super().forward(x))
+
+
+
+def test_first_trace_is_reference_and_unperturbed_rerun_is_exact():
+    model, checker = make_model(), ConsistencyChecker(dump_on_failure=False)
+    first = traced_step(checker, model)
+    assert first.reference_only and first.ok and checker.reference is not None
+    report = traced_step(checker, model)
+    assert report.ok and report.first_divergence is None
+    assert report.max_abs_err == 0.0
+    assert all(r.exact and r.max_abs_err == 0.0 and r.cosine == 1.0 for r in report.rows)
+    phases = {r.phase for r in report.rows}
+    assert phases == {"forward", "backward"}
+    # every parameter's gradient is compared too
+    grads = [r for r in report.rows if r.kind == "grad"]
+    assert len(grads) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["layers.0.mlp.fc1", "layers.1.attention.value", "head"])
+def test_weight_perturbation_is_named_forward_and_backward(name):
+    model, checker = make_model(), ConsistencyChecker(dump_on_failure=False)
+    traced_step(checker, model)
+    perturb(model, name)
+    report = traced_step(checker, model)
+    assert not report.ok
+    fwd, bwd = report.forward_divergence, report.backward_divergence
+    assert (fwd.module_path, fwd.op, fwd.phase, fwd.origin) == (name, "aten.addmm", "forward", "input")
+    assert (bwd.module_path, bwd.op, bwd.phase, bwd.origin) == (name, "aten.mm", "backward", "input")
+    assert report.first_divergence is fwd
+    # the source line is the user's call of that Linear in models.py, not a line inside torch
+    assert fwd.location.rsplit(":", 1)[0].endswith("opsnn_lab/models.py")
+    assert 0 < fwd.max_abs_err < 1e-2 and fwd.max_rel_err > 0 and 0.99 < fwd.cosine < 1.0
+    assert fwd.output_stats["reference"][0]["hash"] != fwd.output_stats["run"][0]["hash"]
+    # the weight is the input that differs: its stats come from both runs
+    ref_in, run_in = fwd.input_stats["reference"], fwd.input_stats["run"]
+    assert len(ref_in) == len(run_in) == 3
+    assert [a["hash"] == b["hash"] for a, b in zip(ref_in, run_in)] == [True, True, False]
+
+
+def test_planted_nondeterministic_op_is_named_forward_and_backward():
+    model, checker = make_model(), ConsistencyChecker(dump_on_failure=False)
+    model.layers[1].mlp.act = NoisyGELU()
+    traced_step(checker, model)
+    report = traced_step(checker, model)
+    fwd, bwd = report.forward_divergence, report.backward_divergence
+    assert (fwd.module_path, fwd.op, fwd.origin) == ("layers.1.mlp.act", "aten.randn_like", "op")
+    assert (bwd.module_path, bwd.op, bwd.origin) == ("layers.1.mlp.act", "aten.randn_like", "op")
+    line = inspect.getsourcelines(_Noise.forward)[1] + 2
+    assert fwd.location.endswith(f"test_checker.py:{line}")
+    # everything before the noisy layer agrees bit for bit
+    before = [r for r in report.rows if r.phase == "forward" and r.index < fwd.index]
+    assert before and all(r.exact for r in before)
+
+
+def test_layernorm_trap_names_the_linear_not_the_layernorm():
+    """A relative-statistics comparison names a LayerNorm (mean ~ 0); elementwise errors name the Linear."""
+    model, checker = make_model(), ConsistencyChecker(dump_on_failure=False)
+    traced_step(checker, model)
+    perturb(model, "layers.0.attention.output")
+    report = traced_step(checker, model)
+
+    def rel_mean_err(row):
+        a, b = row.run_stats[0]["mean"], row.ref_stats[0]["mean"]
+        return abs(a - b) / max(abs(b), 1e-30)
+
+    ops = [r for r in report.rows if r.phase == "forward" and r.kind == "op"]
+    naive = max(ops, key=rel_mean_err)
+    assert naive.op == "aten.native_layer_norm.default"   # the trap exists in this model
+    fwd = report.first_divergence
+    assert (fwd.module_path, fwd.op) == ("layers.0.attention.output", "aten.addmm")
+
+
+def test_check_gradients_false_records_forward_only():
+    model, checker = make_model(), ConsistencyChecker(check_gradients=False, dump_on_failure=False)
+    traced_step(checker, model)
+    perturb(model, "layers.0.mlp.fc2")
+    report = traced_step(checker, model)
+    assert {r.phase for r in report.rows} == {"forward"}
+    assert report.backward_divergence is None and report.forward_divergence.module_path == "layers.0.mlp.fc2"
+
+
+def test_precision_none_uses_the_dtype_default():
+    model, checker = make_model(), ConsistencyChecker(precision=None, dump_on_failure=False)
+    traced_step(checker, model)
+    perturb(model, "layers.0.mlp.fc1", eps=1e-9)   # far below fp32's default tolerance
+    report = traced_step(checker, model)
+    assert report.ok and not all(r.exact for r in report.rows)
+    assert {(r.atol, r.rtol) for r in report.rows if r.op == "aten.addmm.default"} == {(1e-6, 1e-5)}
+    strict = ConsistencyChecker(precision=1e-12, dump_on_failure=False)
+    traced_step(strict, model)
+    perturb(model, "layers.0.mlp.fc1", eps=1e-7)
+    assert not traced_step(strict, model).ok
+
+
+def test_reference_saved_to_file_is_compared_in_a_new_checker(tmp_path):
+    model = make_model()
+    first = ConsistencyChecker(dump_on_failure=False)
+    traced_step(first, model)
+    path = tmp_path / "ref.pt"
+    first.save_reference(path)
+    hashes_only = tmp_path / "ref_hashes.pt"
+    first.save_reference(hashes_only, tensors=False)
+    other = ConsistencyChecker(dump_on_failure=False)
+    other.load_reference(path)
+    assert traced_step(other, model).ok
+    perturb(model, "layers.1.mlp.fc2")
+    report = traced_step(other, model)
+    assert report.first_divergence.module_path == "layers.1.mlp.fc2"
+    assert report.first_divergence.max_abs_err > 0
+    light = ConsistencyChecker(dump_on_failure=False)
+    light.load_reference(hashes_only)
+    report = traced_step(light, model)
+    assert report.first_divergence.module_path == "layers.1.mlp.fc2"
+    assert report.rows[report.first_divergence.index].measured == "hash"
+
+
+class _MLP(nn.Module):
+    def __init__(self, fused: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fused = fused
+        if fused:
+            self.fc1_act = _LinearGELU(16, 32)
+        else:
+            self.fc1, self.act = nn.Linear(16, 32), nn.GELU()
+        self.fc2 = nn.Linear(32, 16)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+    def forward(self, x):
+        h = self.fc1_act(x) if self.fused else self.act(self.fc1(x))
+        return self.fc2(h)
+
+
+class _LinearGELU(nn.Module):
+    """Linear + GELU as one module, written as matmul + add (a different op sequence than addmm)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in))
+        self.bias = nn.Parameter(torch.empty(n_out))
+
+    def forward(self, x):
+        return F.gelu(torch.matmul(x, self.weight.t()) + self.bias)
+
+
+class _Block(nn.Module):
+    def __init__(self, fused: bool):
+        super().__init__()
+        self.mlp = _MLP(fused)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(x + self.mlp(x))
+
+
+def test_compare_aligns_a_fused_module_with_the_chain_it_replaced():
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    a, b = _Block(False), _Block(True)
+    checker = ConsistencyChecker(precision=1e-5, dump_on_failure=False)
+    report = checker.compare(lambda: a(x).square().sum().backward(), lambda: b(x).square().sum().backward())
+    assert report.ok, report
+    assert {"mlp.fc1", "mlp.fc1_act"} <= set(report.unaligned)
+    # the module boundary "mlp" is compared even though its inside differs
+    mlp_rows = [r for r in report.rows if r.kind == "module" and r.module_path == "mlp"]
+    assert len(mlp_rows) == 1 and mlp_rows[0].max_abs_err < 1e-5
+    with torch.no_grad():
+        b.mlp.fc1_act.weight[0, 0] += 1e-3
+    report = checker.compare(lambda: a(x).square().sum().backward(), lambda: b(x).square().sum().backward())
+    assert not report.ok
+    assert report.first_divergence.module_path.startswith("mlp")
+
+
+def test_compare_restores_the_random_state_for_both_variants():
+    drop = nn.Dropout(0.5)
+    x = torch.ones(64)
+    report = ConsistencyChecker(dump_on_failure=False).compare(lambda: drop(x), lambda: drop(x))
+    assert report.ok and all(r.exact for r in report.rows)
+
+
+@pytest.mark.parametrize("kwargs, exc, word", [
+    ({"precision": -1.0}, ValueError, "precision"),
+    ({"precision": "1e-6"}, TypeError, "precision"),
+    ({"check_gradients": "yes"}, TypeError, "check_gradients"),
+    ({"dump_on_failure": 1}, TypeError, "dump_on_failure"),
+    ({"dump_dir": 3}, TypeError, "dump_dir"),
+])
+def test_bad_arguments_name_the_argument(kwargs, exc, word):
+    with pytest.raises(exc, match=word):
+        ConsistencyChecker(**kwargs)
+
+
+def test_bad_call_arguments():
+    checker = ConsistencyChecker()
+    with pytest.raises(TypeError, match="fn_a"):
+        checker.compare(3, lambda: None)
+    with pytest.raises(TypeError, match="model"):
+        with checker.trace("model"):
+            pass
+    with pytest.raises(ValueError, match="reference"):
+        checker.save_reference("never_written.pt")
