@@ -1,0 +1,175 @@
+"""BN statistics + normalize + ReLU (+ max-pool) kernels: Triton (interpreter on CPU, compiled on CUDA)
+against the torch reference, window-index round trips against aten's int64 indices, determinism."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from opsnn_lab.kernels import bn_relu as K
+from opsnn_lab.testing import assert_close_dtype, seeded
+
+# Triton picks interpreter or compiler when it is first imported: ask for the interpreter before that.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreter_ready() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton.language as tl
+
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+needs_interpreter = pytest.mark.skipif(not _interpreter_ready(),
+                                       reason="triton missing, or imported before TRITON_INTERPRET=1")
+
+POOLS = [None, K.PoolSpec((3, 3), (2, 2), (1, 1)), K.PoolSpec((2, 2), (2, 2), (1, 1)),
+         K.PoolSpec((2, 3), (1, 2), (0, 1))]
+POOL_IDS = ["nopool", "p3s2p1", "p2s2p1", "p2x3"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _inputs(shape, dtype=torch.float32, device="cpu", channels_last=False, seed=0):
+    n, c, h, w = shape
+    y = seeded(n, c, h, w, seed=seed, dtype=dtype, device=device, scale=2.0) + 0.3
+    if channels_last:
+        y = y.contiguous(memory_format=torch.channels_last)
+    weight = (seeded(c, seed=seed + 1, device=device).abs() + 0.5).to(dtype)
+    bias = seeded(c, seed=seed + 2, device=device, scale=0.3).to(dtype)
+    rm = seeded(c, seed=seed + 3, device=device, scale=0.1).to(dtype)
+    rv = (seeded(c, seed=seed + 4, device=device).abs() + 0.5).to(dtype)
+    return y, weight, bias, rm, rv
+
+
+def _forward_both(shape, pool, training, dtype=torch.float32, device="cpu", channels_last=False, identity=False):
+    y, weight, bias, rm, rv = _inputs(shape, dtype, device, channels_last)
+    if identity:
+        weight = bias = rm = rv = None
+    results = []
+    for fn in (K.bn_relu_forward_torch, K.bn_relu_forward_triton):
+        bufs = (None, None) if rm is None else (rm.clone(), rv.clone())
+        out = fn(y, weight, bias, *bufs, training=training, momentum=0.1, eps=1e-5, pool=pool)
+        results.append((out, bufs))
+    return (y, weight, bias), results
+
+
+def _check_forward(results, dtype):
+    (ref, ref_bufs), (tri, tri_bufs) = results
+    assert_close_dtype(tri[0], ref[0], dtype, msg="output")
+    for a, b, name in ((tri[1], ref[1], "mean"), (tri[2], ref[2], "invstd")):
+        if b is not None:
+            assert_close_dtype(a.float(), b.float(), dtype, msg=name)
+    for a, b in zip(tri_bufs, ref_bufs):
+        if b is not None:
+            assert_close_dtype(a, b, dtype, msg="running stats")
+    if ref[3] is not None:
+        assert tri[3].dtype == torch.uint8
+        mismatch = (tri[3] != ref[3]).float().mean().item()
+        assert mismatch <= (0.0 if dtype == torch.float32 else 0.02), f"window index mismatch {mismatch:.3f}"
+
+
+@pytest.mark.parametrize("spec", POOLS[1:], ids=POOL_IDS[1:])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_window_index_round_trip(spec, channels_last):
+    z = seeded(2, 3, 9, 11, seed=3)
+    if channels_last:
+        z = z.contiguous(memory_format=torch.channels_last)
+    out, flat = torch.ops.aten.max_pool2d_with_indices(z, *spec.args(), [1, 1], False)
+    idx = K.window_index(flat.clone(), out, 9, 11, spec)
+    assert idx.dtype == torch.uint8
+    positive = out > 0
+    assert bool((idx[~positive] == K.SENTINEL).all())
+    back = K.flat_index(idx, 9, 11, spec)
+    assert torch.equal(back[positive], flat[positive])
+    assert int(back.min()) >= 0 and int(back.max()) < 9 * 11
+
+
+@needs_interpreter
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("pool", POOLS, ids=POOL_IDS)
+def test_forward_triton_matches_torch(pool, training):
+    _, results = _forward_both((2, 3, 7, 9), pool, training)
+    _check_forward(results, torch.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("pool", POOLS[:2], ids=POOL_IDS[:2])
+def test_forward_triton_matches_torch_bf16(pool):
+    _, results = _forward_both((2, 3, 7, 9), pool, True, torch.bfloat16)
+    _check_forward(results, torch.bfloat16)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("pool", [None, POOLS[1]], ids=POOL_IDS[:2])
+def test_forward_two_stage_stats_channels_last_identity(pool):
+    # 2 x 23 x 23 = 1058 elements per channel: two chunks, so the stage-2 merge is exercised.
+    _, results = _forward_both((2, 2, 23, 23), pool, True, channels_last=True)
+    _check_forward(results, torch.float32)
+    _, results = _forward_both((2, 3, 5, 7), pool, False, identity=True)
+    _check_forward(results, torch.float32)
+
+
+def _backward_both(shape, pool, training, dtype=torch.float32, device="cpu", identity=False):
+    (y, weight, bias), results = _forward_both(shape, pool, training, dtype, device, identity=identity)
+    ref = results[0][0]
+    grad = seeded(*ref[0].shape, seed=9, dtype=dtype, device=device)
+    mean, invstd = ref[1], ref[2]  # batch statistics in training, running ones in eval
+    outs = []
+    for fn in (K.bn_relu_backward_torch, K.bn_relu_backward_triton):
+        outs.append(fn(grad, y, weight, bias, mean, invstd, ref[3], training=training, eps=1e-5, pool=pool))
+    return outs
+
+
+@needs_interpreter
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("pool", POOLS, ids=POOL_IDS)
+def test_backward_triton_matches_torch(pool, training):
+    ref, tri = _backward_both((2, 3, 7, 9), pool, training)
+    for name, a, b in zip(("grad_y", "grad_weight", "grad_bias"), tri, ref):
+        assert_close_dtype(a.float(), b.float(), torch.float32, msg=name)
+
+
+@needs_interpreter
+def test_backward_identity_and_bf16():
+    ref, tri = _backward_both((2, 3, 6, 5), POOLS[1], False, identity=True)
+    assert tri[1] is None and ref[1] is None
+    assert_close_dtype(tri[0], ref[0], torch.float32)
+    ref, tri = _backward_both((2, 3, 6, 5), POOLS[1], True, dtype=torch.bfloat16)
+    for a, b in zip(tri, ref):
+        assert_close_dtype(a.float(), b.float(), torch.bfloat16)
+
+
+@needs_interpreter
+def test_triton_is_deterministic():
+    """No atomics: two runs of the reductions give the same bits."""
+    a = _backward_both((2, 2, 23, 23), POOLS[1], True)[1]
+    b = _backward_both((2, 2, 23, 23), POOLS[1], True)[1]
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_dispatch_uses_torch_on_cpu(monkeypatch):
+    monkeypatch.delenv("OPSNN_BACKEND", raising=False)
+    y, weight, bias, rm, rv = _inputs((2, 3, 4, 4))
+    out = K.bn_relu_forward(y, weight, bias, rm.clone(), rv.clone(), training=True, momentum=0.1, eps=1e-5)
+    ref = K.bn_relu_forward_torch(y, weight, bias, rm.clone(), rv.clone(), training=True, momentum=0.1, eps=1e-5)
+    assert torch.equal(out[0], ref[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape, spec", [((8, 64, 112, 112), POOLS[1]), ((3, 5, 33, 31), None),
+                                         ((4, 7, 57, 45), POOLS[3])])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_gpu_triton_matches_torch(shape, spec, dtype, training):
+    _, results = _forward_both(shape, spec, training, dtype, device="cuda", channels_last=True)
+    _check_forward(results, dtype)
+    ref, tri = _backward_both(shape, spec, training, dtype, device="cuda")
+    for a, b in zip(tri, ref):
+        assert_close_dtype(a.float(), b.float(), dtype)
