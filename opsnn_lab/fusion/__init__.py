@@ -12,6 +12,8 @@ _EXPORTS = {
     "apply": "rewrite",
     "FusedSlot": "rewrite",
     "fuse": "api",
+    "measure": "measure",
+    "Measurement": "measure",
     "FusionPlan": "plan",
     "Decision": "plan",
     "PATTERNS": "patterns",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -58,7 +57,8 @@ class Analysis:
         for m in find_all(trace.graph):
             if m.viable and m.key in self.rewritable:
                 self.costs[m.key] = (self.cost.saved_bytes(m), self.cost.traffic_bytes(m))
-        self.trace.tensors.clear()  # activations are no longer needed; keep the plan light
+        self.trace.tensors.clear()  # activations (and the autograd graph holding them) are no longer needed
+        self.trace.output = None
 
     def _not_rewritable(self, m: Match) -> str:
         first = m.modules[0] if m.modules else ""
@@ -100,19 +100,30 @@ def graph_data(trace: RuntimeTrace) -> dict:
 
 
 def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
-    """Trace ``model`` on ``example_inputs`` (it runs once, on a copy, in train mode) and decide every candidate.
+    """Trace ``model`` on ``example_inputs`` (one forward in train mode) and decide every candidate.
 
-    The model, its buffers and the global RNG are left untouched.
+    The model's mode flags, its buffers and the global RNG are left as they were.
     """
     check_type("model", model, nn.Module)
     args, kwargs = split_inputs(example_inputs)
     patterns = check_patterns(patterns)
     t0 = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
-        work = copy.deepcopy(model).train()
-        trace = trace_runtime(work, args, kwargs)
-        regions = find_regions(work, trace.calls)
-        analysis = Analysis(work, trace, regions, type(model).__name__)
+    # The model itself runs (a deep copy of BERT-base costs more than its forward); every mode flag, every
+    # buffer (BatchNorm running stats) and the global RNG are restored afterwards.
+    flags = {m: m.training for m in model.modules()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model.train()
+            trace = trace_runtime(model, args, kwargs)
+            regions = find_regions(model, trace.calls)
+            analysis = Analysis(model, trace, regions, type(model).__name__)
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
     plan = analysis.plan(patterns)
     plan.analysis_seconds = time.perf_counter() - t0
     return plan
