@@ -169,6 +169,10 @@ class DynamicScaler:
         return (self.growth_factor, self.backoff_factor, self.growth_interval, self.hysteresis,
                 self.min_scale, self.max_scale)
 
+    def underflow_fraction(self, grads) -> float:
+        """Share of the elements of *unscaled* ``grads`` that flush to zero in fp16 at the current scale."""
+        return flush_fraction([t for _, t in _named_tensors(grads)], scale=self.scale)
+
     def attach(self, model) -> DynamicScaler:
         """Learn parameter names from an ``nn.Module`` or ``(name, param)`` pairs, for overflow reports."""
         pairs = model.named_parameters() if isinstance(model, nn.Module) else model
@@ -350,19 +354,21 @@ class DynamicScaler:
         * a ``dict`` with any of ``"amax"`` (float, unscaled), ``"overflow"`` (bool, forced: e.g. NaN
           in the loss), ``"hist"`` = ``(edges, counts)``: a histogram of log2|g| (``len(edges) ==
           len(counts) + 1``) from which the fp16 flush-to-zero fraction at each replayed scale is
-          read, and ``"zeros"`` (count of exact zeros, which never flush).
+          read, and ``"zeros"`` (count of exact zeros, which never flush). Events that share one ``edges``
+          object are computed together as one array (10,000 events x 80 bins: ~0.1 s on a loaded CPU).
 
         At scale ``s`` a step overflows if it is forced to or ``amax * s > FP16_MAX`` (or amax is not
         finite), and underflows if ``amax * s < underflow_threshold``: the trace is replayed as an fp16
         gradient pipeline, which is what the live scaler sees when its grads went through fp16. The loop
         rules of ``update()`` apply. Returns ``{"step", "scale", "overflow", "underflow", "underflow_fraction", "amax",
         "skipped", "pinned"}`` lists (``pinned``: overflowing at ``min_scale`` for ``min_scale_patience``
-        steps or more, where the live scaler would raise). 10,000 events take a few milliseconds.
+        steps or more, where the live scaler would raise). 10,000 amax-only events take ~20 ms.
         """
         cfg = self._config()
         scale, tracker, hyst, pinned = self.scale, self._growth_tracker, self._hysteresis_tracker, self._pinned
         thr = self.underflow_threshold
         out = {c: [] for c in (*_COLUMNS, "pinned")}
+        hists: list = []
         for i, ev in enumerate(events):
             amax, forced, hist = _parse_event(ev)
             if amax is None:
@@ -379,11 +385,16 @@ class DynamicScaler:
             out["scale"].append(scale)
             out["overflow"].append(over)
             out["underflow"].append(under)
-            out["underflow_fraction"].append(_hist_flush(hist, scale) if hist is not None else 0.0)
+            out["underflow_fraction"].append(0.0)
+            if hist is not None:
+                hists.append((i, hist))
             out["amax"].append(scaled)
             out["skipped"].append(over or under)
             out["pinned"].append(pinned >= self.min_scale_patience)
             scale, tracker, hyst = _advance(cfg, scale, tracker, hyst, over, under)
+        if hists:  # the flush fraction never feeds back into the scale: compute it afterwards, vectorised
+            for i, frac in _hist_flush(hists, out["scale"]):
+                out["underflow_fraction"][i] = frac
         return out
 
     def __repr__(self) -> str:
@@ -429,17 +440,27 @@ def _parse_event(ev):
     raise TypeError(f"events must hold floats (amax), bools (overflow) or dicts, got {type(ev).__name__}")
 
 
-def _hist_flush(hist, scale: float) -> float:
-    """Share of elements whose log2|g| + log2(scale) lands at or below fp16's flush point."""
-    edges, counts, zeros = hist
-    total = float(sum(counts)) + zeros
-    if total <= 0:
-        return 0.0
-    cut = math.log2(_FLUSH[torch.float16]) - math.log2(scale)
-    flushed = 0.0
-    for lo, hi, c in zip(edges[:-1], edges[1:], counts):
-        if hi <= cut:
-            flushed += c
-        elif lo < cut:
-            flushed += c * (cut - lo) / (hi - lo)  # log-uniform within a bin
-    return flushed / total
+def _hist_flush(hists: list, scales: list[float]):
+    """``(index, fraction)`` of elements whose log2|g| + log2(scale) lands at or below fp16's flush point.
+
+    Events sharing one edges object are done as one (events x bins) array; within a bin the magnitudes
+    are taken as log-uniform.
+    """
+    groups: dict[int, list] = {}
+    for i, (edges, counts, zeros) in hists:
+        groups.setdefault(id(edges), []).append((i, edges, counts, zeros))
+    flush_log2 = math.log2(_FLUSH[torch.float16])
+    for rows in groups.values():
+        edges = np.asarray(rows[0][1], dtype=np.float64)
+        idx = [r[0] for r in rows]
+        counts = np.asarray([np.asarray(r[2], dtype=np.float64) for r in rows])
+        if counts.ndim != 2 or counts.shape[1] != len(edges) - 1:
+            raise ValueError(f"events: a hist needs len(edges) == len(counts) + 1, got {len(edges)} edges")
+        zeros = np.asarray([r[3] for r in rows], dtype=np.float64)
+        cut = flush_log2 - np.log2(np.asarray([scales[i] for i in idx]))[:, None]
+        lo, hi = edges[None, :-1], edges[None, 1:]
+        share = np.clip((cut - lo) / (hi - lo), 0.0, 1.0)
+        total = counts.sum(1) + zeros
+        flushed = (counts * share).sum(1)
+        frac = np.divide(flushed, total, out=np.zeros_like(flushed), where=total > 0)
+        yield from zip(idx, frac.tolist())
