@@ -70,13 +70,22 @@ def tensor_errors(run: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float
                                                                                       neginf=0.0)
     max_abs, max_rel, frac, dot, nx, ny = torch.stack([
         d.max(), rel.max(), beyond.to(torch.float64).mean(), (fx * fy).sum(), fx.norm(), fy.norm()]).tolist()
-    cosine = 1.0 if nx == 0 and ny == 0 else (dot / (nx * ny) if nx and ny else 0.0)
+    cosine = _cosine(fx, fy, dot, nx, ny)
     ulp = None
     if run.dtype == ref.dtype and run.dtype.is_floating_point and run.element_size() in _ORD_BITS:
         ulp = int((_ordered(run) - _ordered(ref)).abs().max())
     exact = bool(same.all()) and run.dtype == ref.dtype
     return {"max_abs_err": max_abs, "max_rel_err": max_rel, "cosine": cosine, "ulp": ulp,
             "frac_beyond": frac, "exact": exact}
+
+
+def _cosine(x: torch.Tensor, y: torch.Tensor, dot: float, nx: float, ny: float) -> float:
+    if nx == 0 or ny == 0:
+        return 1.0 if nx == ny else 0.0
+    if nx * ny == 0 or dot == 0:  # denormal magnitudes: rescale before multiplying
+        x, y = x / x.abs().max(), y / y.abs().max()
+        dot, nx, ny = float((x * y).sum()), float(x.norm()), float(y.norm())
+    return dot / (nx * ny)
 
 
 def merge_errors(per_output: list[dict]) -> dict:

@@ -1,0 +1,165 @@
+"""OpTracer: ATen ops by module path in forward and backward, statistics, hash, copy-on-write."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from opsnn_lab.consistency.tracer import OpTracer, Trace, flatten, summarize, tensor_hash, unflatten
+from opsnn_lab.testing import non_contiguous, seeded
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x))).sum(dim=-1)
+
+
+def _trace(model, x):
+    with OpTracer(model) as t:
+        model(x).sum().backward()
+    return t.trace
+
+
+def test_forward_and_backward_ops_carry_the_module_path():
+    model, x = Net(), seeded(5, 8)
+    trace = _trace(model, x)
+    ops = [(r.phase, r.module_path, r.op) for r in trace.records if r.kind == "op"]
+    assert ("forward", "fc1", "aten.addmm.default") in ops
+    assert ("forward", "act", "aten.relu.default") in ops
+    assert ("backward", "act", "aten.threshold_backward.default") in ops
+    back = [(p, m, o) for p, m, o in ops if p == "backward" and o.startswith("aten.mm")]
+    assert {m for _, m, _ in back} == {"fc1", "fc2"}
+    # a backward op points at the forward op whose autograd node ran it, and shares its source line
+    recs = trace.records
+    for r in recs:
+        if r.phase == "backward" and r.forward_index is not None:
+            assert recs[r.forward_index].phase == "forward"
+            assert recs[r.forward_index].module_path == r.module_path
+            assert recs[r.forward_index].location == r.location
+    assert recs[0].location.endswith(f"test_tracer.py:{Net.forward.__code__.co_firstlineno + 1}")
+    module_rows = [r.module_path for r in recs if r.kind == "module"]
+    assert module_rows == ["fc1", "act", "fc2", ""]
+    grads = {(r.module_path, r.op) for r in recs if r.kind == "grad"}
+    assert grads == {("fc1", "grad.weight"), ("fc1", "grad.bias"), ("fc2", "grad.weight"), ("fc2", "grad.bias")}
+
+
+def test_producers_link_ops_and_leaves_have_stats():
+    model, x = Net(), seeded(5, 8)
+    recs = _trace(model, x).records
+    relu = next(r for r in recs if r.op == "aten.relu.default")
+    addmm = recs[relu.input_producers[0]]
+    assert addmm.op == "aten.addmm.default" and addmm.module_path == "fc1"
+    # addmm(bias, x, weight.t()): all three are leaves, summarised when the trace ends
+    assert addmm.input_producers == [None, None, None]
+    assert all(s is not None for s in addmm.input_stats)
+    assert relu.input_stats == [None]
+
+
+def test_tracer_without_a_model_discovers_modules():
+    model, x = Net(), seeded(3, 8)
+    with OpTracer() as t:
+        model(x).sum().backward()
+    paths = {r.module_path for r in t.trace.records}
+    assert {"fc1", "act", "fc2"} <= paths
+    assert any(r.kind == "grad" for r in t.trace.records)
+
+
+def test_summary_statistics_match_torch():
+    x = seeded(7, 9, scale=3.0)
+    s = summarize(x)
+    assert s.shape == (7, 9) and s.dtype == "float32"
+    assert (s.min, s.max) == (x.min().item(), x.max().item())
+    assert s.mean == pytest.approx(x.double().mean().item(), abs=1e-6)
+    assert s.std == pytest.approx(x.double().std().item(), rel=1e-5)
+    assert s.norm == pytest.approx(x.double().norm().item(), rel=1e-6)
+    assert s.nan == s.inf == 0
+    y = x.clone()
+    y[0, 0], y[1, 1], y[2, 2] = math.nan, math.inf, -math.inf
+    s = summarize(y)
+    assert (s.nan, s.inf) == (1, 2)
+    finite = y[torch.isfinite(y)]
+    assert (s.min, s.max) == (finite.min().item(), finite.max().item())
+    assert s.mean == pytest.approx(finite.double().mean().item(), abs=1e-6)
+    empty = summarize(torch.zeros(0, 3))
+    assert empty.shape == (0, 3) and empty.norm == 0.0
+    ints = summarize(torch.arange(5))
+    assert (ints.min, ints.max, ints.mean) == (0.0, 4.0, 2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_hash_sees_one_ulp_and_a_permutation_but_not_the_layout(dtype):
+    x = seeded(33, 17, dtype=dtype)
+    h = tensor_hash(x)
+    assert tensor_hash(x.clone()) == h
+    assert tensor_hash(non_contiguous(x)) == h
+    y = x.clone()
+    y[5, 3] = torch.nextafter(y[5, 3], torch.tensor(math.inf, dtype=dtype))
+    assert tensor_hash(y) != h
+    assert tensor_hash(x.flip(0)) != h
+    assert tensor_hash(torch.tensor([True, False])) != tensor_hash(torch.tensor([False, True]))
+
+
+def test_in_place_ops_do_not_rewrite_recorded_tensors():
+    x = seeded(4, 4, requires_grad=True)
+    with OpTracer() as t:
+        y = x * 2
+        y.add_(1)            # in-place on a recorded output
+        y.sum().backward()
+    mul = next(r for r in t.trace.records if r.op == "aten.mul.Tensor" and r.phase == "forward")
+    add = next(r for r in t.trace.records if r.op == "aten.add_.Tensor")
+    torch.testing.assert_close(mul.outputs[0], x.detach() * 2, atol=0, rtol=0)
+    torch.testing.assert_close(add.input_tensors()[0], x.detach() * 2, atol=0, rtol=0)
+    torch.testing.assert_close(add.outputs[0], x.detach() * 2 + 1, atol=0, rtol=0)
+
+
+def test_optimizer_step_after_the_trace_leaves_recorded_leaves_alone():
+    model, x = Net(), seeded(5, 8)
+    trace = _trace(model, x)
+    before = model.fc1.weight.detach().clone()
+    grad = model.fc1.weight.grad.clone()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    model.zero_grad(set_to_none=False)   # zeroes .grad in place
+    addmm = next(r for r in trace.records if r.op == "aten.addmm.default" and r.module_path == "fc1")
+    torch.testing.assert_close(addmm.input_tensors()[2], before.t(), atol=0, rtol=0)
+    g = next(r for r in trace.records if r.kind == "grad" and r.module_path == "fc1" and r.op == "grad.weight")
+    torch.testing.assert_close(g.outputs[0], grad, atol=0, rtol=0)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model, x = Net(), seeded(5, 8)
+    trace = _trace(model, x)
+    trace.save(tmp_path / "t.pt")
+    back = Trace.load(tmp_path / "t.pt")
+    assert [r.key for r in back.records] == [r.key for r in trace.records]
+    assert [r.output_stats for r in back.records] == [r.output_stats for r in trace.records]
+    for a, b in zip(back.records, trace.records):
+        for ta, tb in zip(a.outputs, b.outputs):
+            assert torch.equal(ta, tb)
+    (tmp_path / "bad.pt").write_bytes(b"")
+    torch.save({"something": 1}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="path"):
+        Trace.load(tmp_path / "bad.pt")
+
+
+def test_flatten_round_trip():
+    obj = ((torch.ones(1), [2, (3, torch.zeros(2))]), {"dim": 1, "out": [torch.ones(3)]})
+    flat: list = []
+    spec = flatten(obj, flat)
+    assert len(flat) == 6
+    back = unflatten(flat, spec)
+    assert back[0][1][1][0] == 3 and back[1]["dim"] == 1 and torch.equal(back[1]["out"][0], torch.ones(3))
+
+
+def test_empty_batch_traces():
+    model = Net()
+    trace = _trace(model, torch.zeros(0, 8))
+    assert any(r.phase == "backward" for r in trace.records)
+    assert all(s.shape[0] == 0 for r in trace.records if r.op == "aten.addmm.default" for s in r.output_stats)
