@@ -72,6 +72,7 @@ class Analysis:
 
     def decision(self, m: Match) -> Decision:
         d = Decision(m.pattern, m.modules, m.ok, m.reason, chain=[n.label for n in m.nodes],
+                     nodes=[n.name for n in m.nodes],
                      shapes=[n.shape for n in m.nodes],
                      params={k: v for k, v in m.params.items() if isinstance(v, (int, float, str, bool))})
         if m.ok and m.key not in self.rewritable:

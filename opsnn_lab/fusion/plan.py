@@ -19,6 +19,7 @@ class Decision:
     traffic_bytes: int = 0  # estimated memory traffic avoided per step (forward + backward)
     route: str = ""  # "fx:<region>" where the rewrite happens ('' when not rewritten)
     chain: list[str] = field(default_factory=list)  # node labels, in execution order
+    nodes: list[str] = field(default_factory=list)  # node names in ``FusionPlan.graph`` (unique)
     shapes: list = field(default_factory=list)  # output shape of each chain node
     params: dict = field(default_factory=dict)  # scalars the op is built with (attention: scale, dropout_p)
 
