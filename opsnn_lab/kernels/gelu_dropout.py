@@ -43,22 +43,20 @@ def gelu_dropout_fwd_reference(h, p, seed, offset, approximate="none", bias=None
     if bias is not None:
         h.add_(bias)
     out = F.gelu(h, approximate=approximate)
-    if p > 0:
-        keep = dropout_mask(seed, offset, h.shape, p, h.device)
-        out.mul_(keep).mul_(_scale(p))
+    if p > 0:  # float 0/1 mask, then the rescale: x * m is exact, so one rounding as in nn.Dropout
+        out.mul_(dropout_mask(seed, offset, h.shape, p, h.device, dtype=h.dtype)).mul_(_scale(p))
     return out, h
 
 
 def gelu_dropout_bwd_reference(grad_out, h, p, seed, offset, approximate="none", want_bias=False, want_out=False):
     """Torch path: ``(grad_h, grad_bias | None, out | None)`` with ``out`` the recomputed forward output."""
-    keep = dropout_mask(seed, offset, h.shape, p, h.device) if p > 0 else None
+    keep = dropout_mask(seed, offset, h.shape, p, h.device, dtype=h.dtype) if p > 0 else None
     out = None
     if want_out:
         out = F.gelu(h, approximate=approximate)
         if keep is not None:
             out.mul_(keep).mul_(_scale(p))
-    g = grad_out if keep is None else torch.where(keep, grad_out, 0)
-    grad_h = torch.ops.aten.gelu_backward(g, h, approximate=approximate)
+    grad_h = torch.ops.aten.gelu_backward(grad_out if keep is None else grad_out * keep, h, approximate=approximate)
     if keep is not None:
         grad_h.mul_(_scale(p))
     grad_bias = grad_h.sum(0) if want_bias else None

@@ -6,9 +6,9 @@ Two paths, one semantics (the hand-written core in ``opsnn_lab.models.SelfAttent
   the output and the row log-sum-exp; no T x T tensor).
 * training with ``dropout_p > 0``: SDPA's dropout draws from torch's own generator and cannot take our
   counter-based mask, and on CPU it falls back to the math path that saves the T x T probabilities.
-  So this path is an explicit autograd Function that computes the scores in full but SAVES only q, k, v,
-  the output and the log-sum-exp (like flash attention), regenerating the scores, the probabilities and
-  the dropout mask (``opsnn_lab.kernels.rng``, seed/step contract of ``opsnn_lab.ops.dropout``) in
+  So this path is an explicit autograd Function that computes the scores in full but SAVES only q, k, v
+  (and the caller's mask), regenerating the scores, the probabilities (same ops, same bits) and the
+  dropout mask (``opsnn_lab.kernels.rng``, seed/step contract of ``opsnn_lab.ops.dropout``) in
   backward. It is exact, reproducible from (seed, step) and lean in saved memory; its forward and
   backward do materialize T x T temporaries (freed at once), so peak memory is not flash-attention's.
 """
@@ -30,55 +30,72 @@ __all__ = ["FusedAttention", "AttentionDropoutFunction"]
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _scores(q, k, scale, mask):
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+def _batched(q, k, v, mask):
+    """q, k, v as 3-D (batch, T, d) tensors over their common batch dims, and the mask as an additive float."""
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q3, k3, v3 = (t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return batch, q3, k3, v3, mask
+
+
+def _probs(q3, k3, scale, mask, batch):
+    """``softmax(q k^T * scale + mask)`` as (batch, Tq, Tk): the mask is copied in, the GEMM adds onto it."""
     if mask is None:
-        return s
-    if mask.dtype == torch.bool:
-        return s.masked_fill_(~mask, float("-inf")) if mask.shape == s.shape else s.masked_fill(~mask, float("-inf"))
-    return s.add_(mask) if torch.broadcast_shapes(mask.shape, s.shape) == s.shape else s + mask
+        s = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)
+    else:
+        s = torch.empty(q3.shape[0], q3.shape[1], k3.shape[1], dtype=q3.dtype, device=q3.device)
+        s.view(*batch, *s.shape[1:]).copy_(mask.expand(*batch, *s.shape[1:]))
+        s.baddbmm_(q3, k3.transpose(1, 2), alpha=scale)
+    return torch.softmax(s, dim=-1)
 
 
-def _dropout_(probs, p, seed, offset):
-    """In place: zero the dropped probabilities and rescale the kept ones (nothing to do for p = 0)."""
-    if p == 0:
-        return probs, None
-    keep = rng.dropout_mask(seed, offset, probs.shape, p, probs.device)
-    return probs.mul_(keep).mul_(0.0 if p >= 1 else 1.0 / (1.0 - p)), keep
+def _keep(probs, batch, p, seed, offset):
+    shape = (*batch, *probs.shape[1:])
+    return rng.dropout_mask(seed, offset, shape, p, probs.device, dtype=probs.dtype).view(probs.shape)
 
 
 class AttentionDropoutFunction(torch.autograd.Function):
-    """``dropout(softmax(q k^T * scale + mask)) @ v`` saving q, k, v, out, logsumexp (no T x T tensor)."""
+    """``dropout(softmax(q k^T * scale + mask)) @ v`` saving only q, k, v (and the caller's mask).
+
+    Backward recomputes the probabilities with the same ops (so the same bits) and regenerates the mask.
+    The dropout rescale ``1 / (1 - p)`` is applied to the (T x d) results, never to a T x T tensor.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, p, seed, offset):
-        s = _scores(q, k, scale, mask)
-        lse = torch.logsumexp(s, dim=-1, keepdim=True)
-        out = torch.matmul(_dropout_(s.sub_(lse).exp_(), p, seed, offset)[0], v)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
+        probs = _probs(q3, k3, scale, add_mask, batch)
+        probs.mul_(_keep(probs, batch, p, seed, offset))
+        out = torch.bmm(probs, v3).mul_(_keep_scale(p))
+        ctx.save_for_backward(q, k, v, mask)
         ctx.cfg = (scale, p, seed, offset)
-        return out
+        return out.view(*batch, *out.shape[1:])
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, mask, out, lse = ctx.saved_tensors
+        q, k, v, mask = ctx.saved_tensors
         scale, p, seed, offset = ctx.cfg
-        probs = _scores(q, k, scale, mask).sub_(lse).exp_()
-        dropped, keep = _dropout_(probs.clone(), p, seed, offset)
-        grad_v = torch.matmul(dropped.transpose(-1, -2), grad)
-        del dropped
-        # dS = P * (dP - D), dP = dropout(dO v^T), D = rowsum(dO * O)  (flash-attention's backward with dropout)
-        dp = torch.matmul(grad, v.transpose(-1, -2))
-        if keep is not None:
-            dp.mul_(keep).mul_(0.0 if p >= 1 else 1.0 / (1.0 - p))
-        ds = dp.sub_((grad * out).sum(-1, keepdim=True)).mul_(probs)
-        grad_q = torch.matmul(ds, k).mul_(scale) if ctx.needs_input_grad[0] else None
-        grad_k = torch.matmul(ds.transpose(-1, -2), q).mul_(scale) if ctx.needs_input_grad[1] else None
+        ks = _keep_scale(p)
+        batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
+        g3 = grad.reshape(-1, *grad.shape[-2:])
+        probs = _probs(q3, k3, scale, add_mask, batch)
+        keep = _keep(probs, batch, p, seed, offset)
+        grad_v = torch.bmm(torch.mul(probs, keep).transpose(1, 2), g3).mul_(ks)
+        # dS = softmax_backward(dropout(dO v^T), P); the 1 / (1 - p) of dropout moves onto dq, dk and dmask.
+        ds = torch._softmax_backward_data(torch.bmm(g3, v3.transpose(1, 2)).mul_(keep), probs, -1, probs.dtype)
+        del probs, keep
+        grad_q = torch.bmm(ds, k3).mul_(scale * ks) if ctx.needs_input_grad[0] else None
+        grad_k = torch.bmm(ds.transpose(1, 2), q3).mul_(scale * ks) if ctx.needs_input_grad[1] else None
         grad_mask = None
         if ctx.needs_input_grad[3] and mask is not None and mask.dtype != torch.bool:
-            grad_mask = ds.sum_to_size(mask.shape)
-        return _unbroadcast(grad_q, q), _unbroadcast(grad_k, k), _unbroadcast(grad_v, v), grad_mask, \
-            None, None, None, None
+            grad_mask = ds.view(*batch, *ds.shape[1:]).sum_to_size(mask.shape).mul(ks)
+        shaped = [None if g is None else g.view(*batch, *g.shape[1:]) for g in (grad_q, grad_k, grad_v)]
+        return (*(_unbroadcast(g, t) for g, t in zip(shaped, (q, k, v))), grad_mask, None, None, None, None)
+
+
+def _keep_scale(p: float) -> float:
+    return 0.0 if p >= 1 else 1.0 / (1.0 - p)
 
 
 def _unbroadcast(grad, like):

@@ -59,8 +59,8 @@ def _scale(p: float) -> float:
 
 def apply_mask(x: torch.Tensor, p: float, seed: int, offset: int) -> torch.Tensor:
     """``x * keep / (1 - p)`` with the counter-based keep-mask of ``x``'s shape (a new tensor)."""
-    keep = rng.dropout_mask(seed, offset, x.shape, p, x.device)
-    return torch.where(keep, x, 0).mul_(_scale(p))
+    keep = rng.dropout_mask(seed, offset, x.shape, p, x.device, dtype=x.dtype)
+    return torch.mul(x, keep).mul_(_scale(p))
 
 
 class DropoutFunction(torch.autograd.Function):

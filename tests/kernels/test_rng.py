@@ -63,11 +63,14 @@ def test_mask_depends_only_on_seed_and_offset():
     assert not torch.equal(rng.dropout_mask(5, 100, 42, 0.5), flat)
 
 
-def test_mask_is_threshold_of_bits():
+def test_mask_is_threshold_of_bits_in_every_dtype():
     bits = rng.random_bits16(8, 3, 5000)
     for p in (0.1, 0.5, 0.9):
         keep = rng.dropout_mask(8, 3, 5000, p)
         assert torch.equal(keep, bits >= rng.keep_threshold(p))
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            assert torch.equal(rng.dropout_mask(8, 3, 5000, p, dtype=dtype), keep.to(dtype))
+    assert rng.dropout_mask(8, 3, (2, 3), 0.0, dtype=torch.float16).dtype == torch.float16
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
