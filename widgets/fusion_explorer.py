@@ -49,7 +49,7 @@ def graph_layout(graph: dict, collapse: bool = True) -> tuple[dict, list, dict]:
         for i, part in enumerate(parts[:-1]):
             if part.isdigit():
                 children.setdefault(".".join(parts[:i]), set()).add(part)
-    repeated = {p for p, c in children.items() if len(c) >= 2} if collapse else set()
+    repeated = {p for p, c in children.items() if len(c) >= 3} if collapse else set()  # 3+ alike: a stack
     first = {p: min(c, key=int) for p, c in children.items() if p in repeated}
     node_id, members = {}, {}
     for name in names:
