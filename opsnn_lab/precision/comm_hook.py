@@ -2,7 +2,7 @@
 
 The seed's stage 2 ("NCCL all-reduce in FP16 for speed, FP32 master copy for the update"). The stock
 ``fp16_compress_hook`` casts each rank's bucket to fp16 as is, so gradients below 6e-8 flush to zero
-and a sum above 65504 overflows. This hook first all-reduces the bucket's amax (MAX, 4 bytes), picks
+and a sum above 65504 overflows. This hook first all-reduces the bucket's amax (MAX, 8 bytes with a NaN/Inf flag), picks
 ``scale = 2**ceil(log2(amax * world_size / FP16_MAX))`` (identical on every rank, with log2(world_size)
 of headroom so the fp16 sum cannot overflow), sends ``bucket / scale`` in fp16 (half the bytes of fp32)
 and unscales the sum into fp32 before averaging. A non-finite amax on any rank gives every rank a
@@ -52,11 +52,14 @@ def fp16_allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[
     group = state.group if isinstance(state, Fp16AllReduceState) else state
     world = dist.get_world_size(group)
     buf = bucket.buffer()
-    amax = buf.detach().abs().max().float().reshape(1) if buf.numel() else torch.zeros(1, device=buf.device)
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # 4 bytes: tiny next to the bucket
-    amax_f = float(amax)
-    if not math.isfinite(amax_f):
-        buf.fill_(amax_f)  # every rank sees the same Inf/NaN and skips the same step
+    local = buf.detach().abs().max().float() if buf.numel() else torch.zeros((), device=buf.device)
+    # [amax, fault] with fault 2 = NaN, 1 = Inf: a MAX over NaN is backend-defined (gloo drops it), a flag is not
+    fault = torch.where(torch.isnan(local), 2.0, torch.where(torch.isinf(local), 1.0, 0.0))
+    stats = torch.stack([torch.where(fault > 0, 0.0, local), fault])
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)  # 8 bytes: tiny next to the bucket
+    amax_f, fault_f = stats.tolist()
+    if fault_f:
+        buf.fill_(math.nan if fault_f == 2.0 else math.inf)  # every rank gets it and skips the same step
         fut = torch.futures.Future()
         fut.set_result(buf)
         return fut
@@ -83,7 +86,13 @@ def _free_port() -> int:
 
 
 def _rank_grad(rank: int, magnitude: float, numel: int, seed: int) -> torch.Tensor:
+    """Rank ``rank``'s gradient; magnitude NaN means: scale 1, and rank 1 alone holds one NaN."""
     g = torch.Generator().manual_seed(seed * 7919 + rank)
+    if math.isnan(magnitude):
+        out = torch.randn(numel, generator=g)
+        if rank == 1:
+            out[0] = math.nan
+        return out
     return torch.randn(numel, generator=g) * magnitude
 
 
@@ -113,20 +122,24 @@ def _demo_worker(rank: int, world: int, port: int, magnitudes, numel: int, seed:
                 elif name == "opsnn_fp16":
                     ddp.register_comm_hook(state, fp16_allreduce_hook)
                 ddp(_rank_grad(rank, mag, numel, seed)).backward()
-                results[(mag, name)] = ddp.module.w.grad.clone()
+                results[(repr(mag), name)] = ddp.module.w.grad.clone()
                 if name == "opsnn_fp16":
-                    results[(mag, "bytes")] = (state.bytes_reduced, state.bytes_fp32, state.scales)
-        if rank == 0:
-            torch.save(results, out)
+                    results[(repr(mag), "bytes")] = (state.bytes_reduced, state.bytes_fp32, state.scales)
+        torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def _both_all_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.isnan(a).all() and torch.isnan(b).all())
 
 
 def allreduce_demo(magnitudes=(1e-9, 1e5), numel: int = 1024, world_size: int = 2, seed: int = 0) -> dict:
     """Spawn ``world_size`` gloo ranks on 127.0.0.1 and all-reduce gradients of each magnitude three ways.
 
-    Returns ``{magnitude: {"fp32", "stock_fp16", "opsnn_fp16", "exact"}}`` of averaged gradients (``exact``:
-    the fp64 mean) plus ``"bytes"``: (fp16 payload bytes, fp32 bytes, scales) of the opsnn hook.
+    Returns ``{magnitude: {"fp32", "stock_fp16", "opsnn_fp16", "exact"}}`` of rank 0's averaged gradients
+    (``exact``: the fp64 mean), ``"bytes"``: (fp16 payload bytes, fp32 bytes, scales) of the opsnn hook and
+    ``"ranks_agree"``: every rank got the same opsnn result. A magnitude of ``nan`` gives rank 1 one NaN.
     """
     check_positive("numel", numel, integer=True)
     check_positive("world_size", world_size, integer=True)
@@ -136,10 +149,15 @@ def allreduce_demo(magnitudes=(1e-9, 1e5), numel: int = 1024, world_size: int = 
         out = os.path.join(tmp, "allreduce.pt")
         mp.spawn(_demo_worker, args=(world_size, _free_port(), tuple(magnitudes), numel, seed, out),
                  nprocs=world_size, join=True)
-        raw = torch.load(out)
-    report = {}
+        ranks = [torch.load(f"{out}.{r}") for r in range(world_size)]
+    raw, report = ranks[0], {}
     for mag in magnitudes:
         exact = torch.stack([_rank_grad(r, mag, numel, seed).double() for r in range(world_size)]).mean(0)
-        report[mag] = {k: raw[(mag, k)] for k in ("fp32", "stock_fp16", "opsnn_fp16", "bytes")}
+        key = repr(mag)  # nan != nan: key the saved results by text
+        report[mag] = {k: raw[(key, k)] for k in ("fp32", "stock_fp16", "opsnn_fp16", "bytes")}
         report[mag]["exact"] = exact
+        report[mag]["ranks_agree"] = all(torch.equal(raw[(key, "opsnn_fp16")], other[(key, "opsnn_fp16")],
+                                                     ) or _both_all_nan(raw[(key, "opsnn_fp16")],
+                                                                        other[(key, "opsnn_fp16")])
+                                         for other in ranks[1:])
     return report
