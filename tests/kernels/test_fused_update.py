@@ -145,3 +145,24 @@ def test_triton_rejects_non_contiguous_param(triton_interpreter):
     with pytest.raises(ValueError, match="param"):
         adamw_update_([p], [torch.ones(4, 3)], [torch.zeros(4, 3)], [torch.zeros(4, 3)], [torch.zeros(4, 3)],
                       step=1, **ADAM)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_triton_matches_cpu_reference(dtype):
+    params, grads, masters, states = _state(dtype, scale=256.0)
+    ref = (_clone(params), _clone(masters), [_clone(s) for s in states])
+    cuda = lambda xs: [x.cuda() for x in xs]
+    gp, gg, gm, gs = cuda(params), cuda(grads), cuda(masters), [cuda(s) for s in states]
+    found = torch.zeros(1, device="cuda")
+    for step in (1, 2):
+        adamw_update_(gp, gg, gm, *gs, step=step, inv_scale=torch.full((1,), 1 / 256, device="cuda"),
+                      found_inf=found, **ADAM)
+        adamw_reference_(ref[0], grads, ref[1], *ref[2], step=step, inv_scale=1 / 256, **ADAM)
+    for got, want in zip(gm + gs[0] + gs[1], ref[1] + ref[2][0] + ref[2][1]):
+        torch.testing.assert_close(got.cpu(), want, atol=1e-6, rtol=1e-5)
+    before = [m.clone() for m in gm]
+    found.fill_(1.0)
+    adamw_update_(gp, gg, gm, *gs, step=3, found_inf=found, **ADAM)
+    assert all(torch.equal(a, b) for a, b in zip(before, gm))
