@@ -9,11 +9,9 @@ import torch
 
 from opsnn_lab.kernels._dispatch import _interpreting, backend_for, calculate_settings
 
-__all__ = ["PoolSpec", "SENTINEL", "bn_relu_forward", "bn_relu_backward", "bn_relu_forward_torch",
+__all__ = ["PoolSpec", "window_index", "flat_index", "bn_relu_forward", "bn_relu_backward", "bn_relu_forward_torch",
            "bn_relu_backward_torch", "bn_relu_forward_triton", "bn_relu_backward_triton"]
 
-# Within-window index stored for a pooled output whose max is <= 0: ReLU made it 0, so it gets no gradient.
-SENTINEL = 255
 _CHUNK = 1024  # elements of one channel per program in the reductions (stage 1 of the two-stage sums)
 tl = None  # triton.language, bound on first kernel build so importing this file never imports triton
 
@@ -33,6 +31,11 @@ class PoolSpec:
     def args(self) -> tuple[list[int], list[int], list[int]]:
         return list(self.kernel), list(self.stride), list(self.padding)
 
+    @property
+    def sentinel(self) -> int:
+        """Window index stored where the pooled max is <= 0: ReLU made it 0, so no gradient flows."""
+        return self.kernel[0] * self.kernel[1]
+
 
 def _scale_shift(channels, weight, bias, mean, invstd, device):
     """Per-channel fp32 (scale, shift) so that ``bn(y) = y * scale + shift``; None stats mean identity."""
@@ -48,41 +51,58 @@ def _scale_shift(channels, weight, bias, mean, invstd, device):
 
 @functools.lru_cache(maxsize=32)
 def _index_tables(spec: PoolSpec, height: int, width: int, device: torch.device):
-    """Tables that turn index conversion into one gather each way (int ops on the pooled tensor are slow).
+    """Tables that make each index conversion one gather (int64 arithmetic on the pooled tensor is slow).
 
-    A window's flat plane index is ``origin + kh * W + kw`` with ``origin = h0 * W + w0``; ``to_window``
-    maps ``kh * W + kw`` to ``kh * KW + kw``, ``to_plane`` maps it back, and SENTINEL to the window's
-    centre cell, which is inside the plane whenever padding <= (kernel - 1) // 2 (else ``clamp`` is set).
+    Window ``o`` covers plane cells ``origin[o] + kh * W + kw``. ``to_window[kh * W + kw] = kh * KW + kw``;
+    ``to_plane[o * (KK + 1) + k]`` is the plane cell of window ``o``, cell ``k``, and for ``k = KK`` (the
+    sentinel) an in-plane cell of that window, so no clamping is needed. ``row`` holds ``o * (KK + 1)``.
     """
     (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.padding
     oh, ow = spec.out_size(height, width)
-    h0 = torch.arange(oh, dtype=torch.int64) * sh - ph
-    w0 = torch.arange(ow, dtype=torch.int64) * sw - pw
-    origin = (h0.view(-1, 1) * width + w0.view(1, -1)).to(device)
+    h0 = torch.arange(oh, dtype=torch.int64).view(-1, 1) * sh - ph
+    w0 = torch.arange(ow, dtype=torch.int64).view(1, -1) * sw - pw
+    origin = h0 * width + w0
     rel = (torch.arange(kh).view(-1, 1) * width + torch.arange(kw).view(1, -1)).flatten()
-    to_window = torch.full((int(rel.max()) + 1,), SENTINEL, dtype=torch.uint8)
+    to_window = torch.full((int(rel.max()) + 1,), spec.sentinel, dtype=torch.uint8)
     to_window[rel] = torch.arange(kh * kw, dtype=torch.uint8)
-    to_plane = torch.zeros(256, dtype=torch.int64)
-    to_plane[: kh * kw] = rel
-    ch, cw = (kh - 1) // 2, (kw - 1) // 2
-    to_plane[SENTINEL] = ch * width + cw
-    inside = lambda start, c, n: bool(((start + c >= 0) & (start + c < n)).all())
-    clamp = not (inside(h0, ch, height) and inside(w0, cw, width))
-    return origin, to_window.to(device), to_plane.to(device), clamp
+    safe = h0.clamp(0, height - 1) * width + w0.clamp(0, width - 1)  # window start, clamped into the plane
+    to_plane = torch.cat([(origin.unsqueeze(-1) + rel), safe.unsqueeze(-1)], dim=-1)
+    row = torch.arange(oh * ow, dtype=torch.int32).view(oh, ow) * (kh * kw + 1)
+    return origin.to(device), to_window.to(device), to_plane.flatten().to(device), row.to(device)
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def _planes_inner(t: torch.Tensor, cl: bool) -> torch.Tensor:
+    """A view whose logical order is its memory order: (N, OH, OW, C) for channels-last, else itself."""
+    return t.permute(0, 2, 3, 1) if cl else t.contiguous()
+
+
+def _bcast(plane: torch.Tensor, cl: bool) -> torch.Tensor:
+    return plane.unsqueeze(-1) if cl else plane
 
 
 def window_index(flat: torch.Tensor, pooled: torch.Tensor, height: int, width: int, spec: PoolSpec) -> torch.Tensor:
-    """int64 flat plane indices -> uint8 within-window index, SENTINEL where the pooled value is <= 0."""
+    """aten's int64 plane indices -> uint8 within-window index (``spec.sentinel`` where pooled <= 0).
+
+    Consumes ``flat``; the result has the layout of ``flat`` (channels-last stays channels-last).
+    """
     origin, to_window, _, _ = _index_tables(spec, height, width, flat.device)
-    k = torch.take(to_window, flat.sub_(origin))
-    return k.masked_fill_(pooled <= 0, SENTINEL)
+    cl = _channels_last(flat)
+    k = torch.take(to_window, _planes_inner(flat, cl).sub_(_bcast(origin, cl)))
+    k.masked_fill_(_planes_inner(pooled, cl) <= 0, spec.sentinel)
+    return k.permute(0, 3, 1, 2) if cl else k
 
 
 def flat_index(idx: torch.Tensor, height: int, width: int, spec: PoolSpec) -> torch.Tensor:
-    """uint8 within-window index -> int64 flat plane index (SENTINEL maps to an in-bounds cell)."""
-    origin, _, to_plane, clamp = _index_tables(spec, height, width, idx.device)
-    flat = torch.index_select(to_plane, 0, idx.reshape(-1).int()).view(idx.shape).add_(origin)
-    return flat.clamp_(0, height * width - 1) if clamp else flat
+    """uint8 within-window index -> int64 plane index, layout of ``idx`` (the sentinel -> an in-plane cell)."""
+    _, _, to_plane, row = _index_tables(spec, height, width, idx.device)
+    cl = _channels_last(idx)
+    pos = _planes_inner(idx, cl) + _bcast(row, cl)  # uint8 + int32 -> int32 in one pass
+    flat = torch.index_select(to_plane, 0, pos.view(-1)).view(pos.shape)
+    return flat.permute(0, 3, 1, 2) if cl else flat
 
 
 # ----------------------------------------------------------------------------------------------- torch path
@@ -114,10 +134,14 @@ def _relu_grad_torch(grad_out, y, weight, bias, mean, invstd, idx, pool, in_shap
         # fp32 by type promotion, then rounded as the forward output was, so the mask is eager's.
         a = torch.addcmul(shift.view(-1, 1, 1), y, scale.view(-1, 1, 1)).to(grad_out.dtype)
         return torch.ops.aten.threshold_backward(grad_out, a, 0)  # eager ReLU's own backward op
-    grad_out = torch.where(idx == SENTINEL, 0, grad_out)
+    # Zero the sentinel windows and move to the index's layout in one pass.
+    masked = torch.empty(idx.shape, dtype=grad_out.dtype, device=idx.device,
+                         memory_format=torch.channels_last if _channels_last(idx) else torch.contiguous_format)
+    grad_out = torch.where(idx == pool.sentinel, grad_out.new_zeros(()), grad_out, out=masked)
     flat = flat_index(idx, in_shape[-2], in_shape[-1], pool)
-    if like is None:  # only the shape of the pool's input is read
-        like = grad_out.new_empty(1).expand(in_shape)
+    if like is None:  # only its shape and layout are read; never touched, so never paged in
+        like = torch.empty(in_shape, dtype=grad_out.dtype, device=idx.device,
+                           memory_format=torch.channels_last if _channels_last(idx) else torch.contiguous_format)
     return torch.ops.aten.max_pool2d_with_indices_backward(grad_out, like, *pool.args(), [1, 1], False, flat)
 
 
@@ -248,7 +272,7 @@ def _bn_relu_fwd_kernel(
 def _bn_relu_pool_fwd_kernel(
     Y,  # pointer to the conv output (N, C, H, W)
     OUT,  # pointer to the pooled output (N, C, OH, OW)
-    IDX,  # pointer to uint8 within-window argmax (N, C, OH, OW), contiguous; SENTINEL where out == 0
+    IDX,  # pointer to uint8 within-window argmax (N, C, OH, OW), contiguous; KH * KW where out == 0
     SCALE, SHIFT,  # pointers to fp32 [C] folded affine
     C, H, W, OH, OW,  # channels, input plane, output plane
     s_n, s_c, s_h, s_w,  # strides of Y
@@ -283,7 +307,7 @@ def _bn_relu_pool_fwd_kernel(
             best = tl.where(take, a, best)
             arg = tl.where(take, kh * KW + kw, arg)
     out = tl.maximum(best, 0.0)
-    arg = tl.where(best > 0, arg, 255)
+    arg = tl.where(best > 0, arg, KH * KW)
     tl.store(OUT + n * o_n + c * o_c + oh * o_h + ow * o_w, out.to(OUT.dtype.element_ty), mask=mask)
     tl.store(IDX + nc.to(tl.int64) * OH * OW + o, arg.to(tl.uint8), mask=mask)
 
@@ -333,7 +357,7 @@ def _bn_relu_bwd_kernel(
                 ow = (w + PW) // SW - (NW - 1 - iw)
                 kw = w + PW - ow * SW
                 ok = mask & (oh >= 0) & (oh < OH) & (kh < KH) & (ow >= 0) & (ow < OW) & (kw < KW)
-                k = tl.load(IDX + n * i_n + c * i_c + oh * i_h + ow * i_w, mask=ok, other=255).to(tl.int32)
+                k = tl.load(IDX + n * i_n + c * i_c + oh * i_h + ow * i_w, mask=ok, other=KH * KW).to(tl.int32)
                 hit = ok & (k == kh * KW + kw)
                 g += tl.load(G + n * g_n + c * g_c + oh * g_h + ow * g_w, mask=hit, other=0.0).to(tl.float32)
     else:
@@ -461,7 +485,7 @@ def bn_relu_forward(y, weight, bias, running_mean, running_var, *, training, mom
     buffers, updated in place with ``momentum`` (the effective factor, as F.batch_norm) when ``training``,
     read when not (None: no normalisation). Returns ``(out, mean, invstd, idx)``: out (N, C, H, W), or
     (N, C, OH, OW) with pool; mean/invstd [C] (batch stats in training); idx uint8 within-window argmax
-    (SENTINEL where the pooled value is 0) or None.
+    (``pool.sentinel`` where the pooled value is 0) or None.
     """
     if backend_for(y) == "triton":
         return bn_relu_forward_triton(y, weight, bias, running_mean, running_var, training=training,

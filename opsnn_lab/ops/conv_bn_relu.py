@@ -78,7 +78,7 @@ def _why_not(conv, bn, relu, maxpool) -> str:
         if maxpool.return_indices:
             return "maxpool.return_indices=True is not supported"
         kh, kw = _pair(maxpool.kernel_size)
-        if kh * kw > 255:
+        if kh * kw > 255:  # cells 0..kh*kw-1 plus the sentinel kh*kw must fit a uint8
             return f"maxpool.kernel_size={maxpool.kernel_size} has more than 255 cells (uint8 window index)"
         ph, pw = _pair(maxpool.padding)
         if 2 * ph > kh or 2 * pw > kw:
@@ -152,9 +152,11 @@ class ConvBNReLUFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         if ctx.empty:
             return _empty_grads(ctx, *ctx.saved_tensors)
+        if ctx.cfg.pool is None:  # with a pool, the masking pass moves the gradient to the index's layout
+            grad_out = _internal(grad_out)
         if ctx.cfg.training:
-            return _backward_train(ctx, _internal(grad_out))
-        return _backward_eval(ctx, _internal(grad_out))
+            return _backward_train(ctx, grad_out)
+        return _backward_eval(ctx, grad_out)
 
 
 def _empty_output(y: torch.Tensor, pool: PoolSpec | None) -> torch.Tensor:

@@ -76,15 +76,15 @@ def _check_forward(results, dtype):
 @pytest.mark.parametrize("spec", POOLS[1:], ids=POOL_IDS[1:])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_window_index_round_trip(spec, channels_last):
-    z = seeded(2, 3, 9, 11, seed=3)
-    if channels_last:
-        z = z.contiguous(memory_format=torch.channels_last)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    z = seeded(2, 3, 9, 11, seed=3).contiguous(memory_format=fmt)
     out, flat = torch.ops.aten.max_pool2d_with_indices(z, *spec.args(), [1, 1], False)
     idx = K.window_index(flat.clone(), out, 9, 11, spec)
-    assert idx.dtype == torch.uint8
+    assert idx.dtype == torch.uint8 and idx.is_contiguous(memory_format=fmt)
     positive = out > 0
-    assert bool((idx[~positive] == K.SENTINEL).all())
+    assert bool((idx[~positive] == spec.sentinel).all())
     back = K.flat_index(idx, 9, 11, spec)
+    assert back.is_contiguous(memory_format=fmt)
     assert torch.equal(back[positive], flat[positive])
     assert int(back.min()) >= 0 and int(back.max()) < 9 * 11
 
