@@ -14,6 +14,7 @@ _EXPORTS = {
     "fuse": "api",
     "measure": "measure",
     "Measurement": "measure",
+    "activation_bytes_by_module": "measure",
     "FusionPlan": "plan",
     "Decision": "plan",
     "PATTERNS": "patterns",

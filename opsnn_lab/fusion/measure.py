@@ -11,7 +11,7 @@ from opsnn_lab._checks import check_positive, check_type
 from opsnn_lab.fusion.analysis import split_inputs
 from opsnn_lab.fusion.runtime import flatten_tensors
 
-__all__ = ["measure", "Measurement"]
+__all__ = ["measure", "Measurement", "activation_bytes_by_module"]
 
 
 @dataclass
@@ -67,3 +67,45 @@ def measure(model: nn.Module, fused: nn.Module, example_inputs, repeat: int = 3)
     times = interleaved_medians({"eager": _step(model, args, kwargs), "fused": _step(fused, args, kwargs)},
                                 warmup=1, repeat=repeat)
     return Measurement(nbytes["eager"], nbytes["fused"], times["eager"], times["fused"], err)
+
+
+def activation_bytes_by_module(model: nn.Module, example_inputs, depth: int = 2) -> dict[str, int]:
+    """Activation bytes of one forward, attributed to module paths cut at ``depth`` (``layers.3`` at depth 2).
+
+    A storage counts once, for the module that saved it first (the innermost module running at the
+    time); parameters are left out, as in ``activation_bytes``. Fused ops count for the block they sit in.
+    """
+    check_type("model", model, nn.Module)
+    check_positive("depth", depth, integer=True)
+    args, kwargs = split_inputs(example_inputs)
+    paths = {id(m): name for name, m in model.named_modules()}
+    params = {_key(p) for p in model.parameters()}
+    stack, seen, out = [""], set(), {}
+
+    def pre(module, _args):
+        stack.append(".".join(paths.get(id(module), stack[-1]).split(".")[:depth]))
+
+    def post(module, _args, _out):
+        stack.pop()
+
+    def pack(t):
+        key = _key(t)
+        if not isinstance(t, nn.Parameter) and key not in params and key not in seen:
+            seen.add(key)
+            out[stack[-1] or "<model>"] = out.get(stack[-1] or "<model>", 0) + t.untyped_storage().nbytes()
+        return t
+
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre),
+                                                    m.register_forward_hook(post, always_call=True))]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def _key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return (s.data_ptr(), t.device.type, t.device.index) if s.data_ptr() else ("id", id(s))
