@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from opsnn_lab._checks import check_positive
-from opsnn_lab.precision.local_scaler import FP16_MAX, _mul_pow2, pow2_scale
+from opsnn_lab.precision.local_scaler import FP16_MAX, _mul_pow2, pow2_scale, tensor_amaxes
 
 __all__ = ["fp16_allreduce_hook", "Fp16AllReduceState", "allreduce_demo"]
 
@@ -52,7 +52,7 @@ def fp16_allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[
     group = state.group if isinstance(state, Fp16AllReduceState) else state
     world = dist.get_world_size(group)
     buf = bucket.buffer()
-    local = buf.detach().abs().max().float() if buf.numel() else torch.zeros((), device=buf.device)
+    local = tensor_amaxes([buf])[0] if buf.numel() else torch.zeros((), device=buf.device)
     # [amax, fault] with fault 2 = NaN, 1 = Inf: a MAX over NaN is backend-defined (gloo drops it), a flag is not
     fault = torch.where(torch.isnan(local), 2.0, torch.where(torch.isinf(local), 1.0, 0.0))
     stats = torch.stack([torch.where(fault > 0, 0.0, local), fault])

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_positive, check_range, check_type
-from opsnn_lab.precision.local_scaler import _FLUSH, FP16_MAX, FP16_MIN, flush_fraction
+from opsnn_lab.precision.local_scaler import _FLUSH, FP16_MAX, FP16_MIN, flush_fraction, tensor_amaxes
 
 __all__ = ["DynamicScaler", "ScalerHistory", "ScalerPinnedError", "StepCheck"]
 
@@ -278,7 +278,7 @@ class DynamicScaler:
         check.numel = sum(g.numel() for g in grads)
         if not pairs:
             return check
-        amaxes = torch.stack([a.float() for a in torch._foreach_norm([g for _, g in pairs], float("inf"))])
+        amaxes = tensor_amaxes([g for _, g in pairs])
         finite = torch.isfinite(amaxes)
         check.found_inf = not bool(finite.all())
         if check.found_inf:
