@@ -17,7 +17,7 @@ from torch import nn
 from opsnn_lab._checks import check_choice, check_positive, check_range, check_type
 from opsnn_lab.kernels.fused_update import adamw_update_, sgd_update_
 from opsnn_lab.precision.dynamic_scaler import DynamicScaler
-from opsnn_lab.precision.local_scaler import amax_of
+from opsnn_lab.precision.local_scaler import amax_of, tensor_amaxes
 
 __all__ = ["MasterWeightOptimizer"]
 
@@ -150,8 +150,9 @@ class MasterWeightOptimizer:
             skip = scaler._skip_this_step()
             self.last_nonfinite = list(check.nonfinite)
         else:
-            per = [float(amax_of([g])) for g in grads]
-            self.last_nonfinite = [n for n, a in zip(names, per) if not math.isfinite(a)]
+            live = [(n, g) for n, g in zip(names, grads) if g.numel()]
+            per = tensor_amaxes([g for _, g in live]).tolist() if live else []
+            self.last_nonfinite = [n for (n, _), a in zip(live, per) if not math.isfinite(a)]
             skip = bool(self.last_nonfinite)
         if skip or not idx:
             self.skipped_steps += int(skip)
