@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from opsnn_lab._checks import check_tensor, check_type
@@ -149,6 +150,7 @@ class ConvBNReLUFunction(torch.autograd.Function):
         return _like_input(out, x)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         if ctx.empty:
             return _empty_grads(ctx, *ctx.saved_tensors)
