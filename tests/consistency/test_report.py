@@ -106,3 +106,20 @@ def test_report_views():
     ok = ConsistencyReport(rows=[_row(0, "forward", False, 0.0)])
     assert ok.ok and ok.first_divergence is None and ok.max_abs_err == 0.0
     assert ">ok<" in ok._repr_html_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_fast_path_agrees_with_the_float64_path(dtype):
+    ref = torch.randn(37, 11, generator=torch.Generator().manual_seed(0)).to(dtype)
+    run = (ref.double() * (1 + 1e-3 * torch.randn(37, 11, generator=torch.Generator().manual_seed(1)).double())
+           ).to(dtype)
+    run[0, 0], run[0, 1] = -ref[0, 0], 0.0     # a sign flip and a zero
+    slow = tensor_errors(run, ref, 1e-4, 1e-3)
+    fast = tensor_errors(run, ref, 1e-4, 1e-3, finite=True)
+    assert fast["ulp"] == slow["ulp"] and fast["exact"] == slow["exact"] is False
+    assert fast["max_abs_err"] == pytest.approx(slow["max_abs_err"], rel=1e-6)
+    assert fast["frac_beyond"] == pytest.approx(slow["frac_beyond"], abs=2 / run.numel())
+    assert fast["cosine"] == pytest.approx(slow["cosine"], abs=1e-5)
+    assert fast["max_rel_err"] == pytest.approx(slow["max_rel_err"], rel=1e-5)
+    same = tensor_errors(ref.clone(), ref, 0.0, 0.0, finite=True)
+    assert same["exact"] and same["ulp"] == 0 and same["cosine"] == 1.0
