@@ -6,10 +6,11 @@ a loss scale of ``2**k`` an exact shift by ``k`` bins, so a recorded ``GradientT
 fraction would underflow / land in subnormals / overflow in fp16 or bf16 at scale s" for any
 power-of-two scale without the gradients (fractional log2 scales interpolate inside one bin).
 
-The bin of an element comes from ``torch.frexp`` (exact, no log rounding at powers of two) over the
-float32 view of all gradients concatenated, and every parameter's histogram comes out of ONE
-``torch.bincount`` over ``param_id * n_bins + bin``: about ten passes over the gradient bytes and
-a fixed number of kernel launches per step, whatever the number of parameters.
+The bin of an element is the exponent field of its float32 bits (exact, no log rounding at powers of
+two; Inf/NaN fall in the non-finite bin by construction; the rare float32 subnormals are re-binned
+with ``torch.frexp``), and every parameter's histogram comes out of ONE ``torch.bincount`` over
+``param_id * n_bins + bin`` of all gradients concatenated: about eight passes over the gradient bytes
+and a fixed number of kernel launches per step, whatever the number of parameters.
 
 Range thresholds (the value after scaling, ``|g * s|``):
 
@@ -43,7 +44,8 @@ __all__ = ["GradientStats", "GradientTrace", "FORMATS", "EXP_MIN", "EXP_MAX"]
 
 EXP_MIN, EXP_MAX = -149, 127  # floor(log2|x|) of the smallest float32 subnormal and of float32 max
 N_EXP = EXP_MAX - EXP_MIN + 1  # 277 octave bins
-ZERO_BIN, NONFINITE_BIN = N_EXP, N_EXP + 1
+NONFINITE_BIN, ZERO_BIN = N_EXP, N_EXP + 1  # float32 exponent field 255 lands on N_EXP by itself
+_BIAS = 127 + EXP_MIN  # bin of a normal float32 = exponent field - _BIAS; field 0 (subnormal) -> bin 22
 N_BINS = N_EXP + 2
 
 
@@ -305,8 +307,7 @@ class GradientStats(Callback):
         if self._layout_key != (present, device):
             sizes = torch.tensor([p.numel() if ok else 0 for p, ok in zip(self.params, present)], device=device)
             pidx = torch.repeat_interleave(torch.arange(len(self.params), device=device), sizes)
-            # frexp's exponent e gives floor(log2|g|) = e - 1, i.e. bin e - 1 - EXP_MIN
-            self._cached = (pidx, (pidx * N_BINS + (-1 - EXP_MIN)).int())
+            self._cached = (pidx, (pidx * N_BINS - _BIAS).int())
             self._layout_key = (present, device)
         return self._cached
 
@@ -324,12 +325,14 @@ class GradientStats(Callback):
             flat.div_(s)  # cat made a fresh buffer: dividing in place touches no .grad
         pidx, offset = self._layout(present, device)
         pamax = torch.zeros(P, device=device).scatter_reduce_(0, pidx, flat.abs(), "amax")  # NaN/Inf propagate
-        exp = torch.frexp(flat).exponent  # int32; 0 for zeros and non-finite values
-        exp.masked_fill_(flat == 0, ZERO_BIN + 1 + EXP_MIN)
-        # isfinite is a full pass; on CPU take it only when some amax says a non-finite value is there
-        if flat.is_cuda or not bool(torch.isfinite(pamax).all()):
-            exp.masked_fill_(~torch.isfinite(flat), NONFINITE_BIN + 1 + EXP_MIN)
-        full = torch.bincount(exp.add_(offset), minlength=P * N_BINS).view(P, N_BINS)
+        field = torch.bitwise_right_shift(flat.view(torch.int32), 23).bitwise_and_(255)  # biased exponent
+        zero = flat == 0
+        field.masked_fill_(zero, ZERO_BIN + _BIAS)
+        full = torch.bincount(field.add_(offset), minlength=P * N_BINS).view(P, N_BINS)
+        if bool(full[:, -_BIAS].any()):  # float32 subnormals (field 0): take their octave from frexp
+            sub = field == offset  # exponent field 0 after the offset; zeros sit in ZERO_BIN already
+            field[sub] = torch.frexp(flat[sub]).exponent - 1 - EXP_MIN + offset[sub] + _BIAS
+            full = torch.bincount(field, minlength=P * N_BINS).view(P, N_BINS)
         lo, hi = self.bins[0] - EXP_MIN, self.bins[1] - EXP_MIN
         hist = torch.cat([full[:, :lo].sum(1, keepdim=True), full[:, lo:hi],
                           full[:, hi:N_EXP].sum(1, keepdim=True)], dim=1).int()
