@@ -1,0 +1,128 @@
+"""``python -m opsnn_lab.bench gpu_check``: everything that needs a CUDA GPU, in one command and one JSON.
+
+1. ``pytest -m gpu`` (Triton kernels and fused ops against the reference on the device);
+2. achieved GB/s of each Triton kernel (bytes each kernel must move, over its median time) against the
+   device's copy bandwidth measured in the same run (and its nominal peak when the model is known);
+3. the ops benchmark (``python -m opsnn_lab.bench ops``) on the GPU: fused vs eager vs torch.compile.
+
+Writes ``build/bench/gpu_check.json``. On a machine without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from opsnn_lab.bench.common import median_time, write_json
+
+__all__ = ["main", "kernel_bandwidth"]
+
+NOMINAL_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0, "L4": 300.0}
+
+
+def _nominal(name: str) -> float | None:
+    return next((v for k, v in NOMINAL_GBS.items() if k in name), None)
+
+
+def _copy_gbs(device) -> float:
+    x = torch.empty(256 * 2**20 // 4, device=device)
+    y = torch.empty_like(x)
+    t = median_time(lambda: y.copy_(x), warmup=3, repeat=10, device=device)
+    return 2 * x.nbytes / t / 1e9
+
+
+def _rows_for(m: int, n: int, dtype: torch.dtype, device, timing: dict) -> list[dict]:
+    from opsnn_lab.kernels import gelu_dropout as gd
+
+    s = torch.finfo(dtype).bits // 8
+    h = torch.randn(m, n, device=device, dtype=dtype)
+    b = torch.randn(n, device=device, dtype=dtype) * 1e-3  # added into h in place on every timed call
+    g = torch.randn(m, n, device=device, dtype=dtype)
+    partial = 2 * 4 * ((m + 15) // 16) * n  # fp32 bias partials, written then read
+    cases = {
+        "gelu_dropout_fwd(bias)": (lambda: gd.gelu_dropout_fwd(h, 0.1, 1, 0, bias=b), 3 * s * m * n + s * n),
+        "gelu_dropout_bwd(bias,out)": (lambda: gd.gelu_dropout_bwd(g, h, 0.1, 1, 0, want_bias=True, want_out=True),
+                                       4 * s * m * n + partial),
+    }
+    rows = []
+    for name, (fn, nbytes) in cases.items():
+        t = median_time(fn, device=device, **timing)
+        rows.append({"kernel": name, "shape": [m, n], "dtype": str(dtype).replace("torch.", ""),
+                     "bytes": nbytes, "ms": t * 1e3, "gbs": nbytes / t / 1e9})
+    return rows
+
+
+def _rng_row(m: int, n: int, device, timing: dict) -> dict:
+    from opsnn_lab.kernels import rng
+
+    t = median_time(lambda: rng.random_bits16_triton(0, 0, m * n, device), device=device, **timing)
+    return {"kernel": "rng_bits16", "shape": [m, n], "dtype": "int32", "bytes": 4 * m * n, "ms": t * 1e3,
+            "gbs": 4 * m * n / t / 1e9}
+
+
+def kernel_bandwidth(device="cuda", shapes=((1024, 3072), (16384, 3072)),
+                     dtypes=(torch.float32, torch.bfloat16), warmup: int = 3, repeat: int = 20) -> list[dict]:
+    """One row per (kernel, shape, dtype): bytes it must move, median seconds, GB/s."""
+    rows, timing = [], {"warmup": warmup, "repeat": repeat}
+    for m, n in shapes:
+        for dtype in dtypes:
+            rows += _rows_for(m, n, dtype, device, timing)
+        rows.append(_rng_row(m, n, device, timing))
+    return rows
+
+
+def _pytest(timeout: int) -> dict:
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests"], capture_output=True,
+                              text=True, timeout=timeout)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        return {"returncode": proc.returncode, "summary": tail[-1] if tail else "", "tail": tail,
+                "seconds": time.perf_counter() - t0}
+    except subprocess.TimeoutExpired:
+        return {"returncode": None, "summary": f"timed out after {timeout} s", "seconds": timeout}
+
+
+def _ops_bench(no_compile: bool) -> dict:
+    from opsnn_lab.bench import ops
+
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = ["--device", "cuda", "--out", tmp] + (["--no-compile"] if no_compile else [])
+        code = ops.main(argv)
+        data = json.loads((Path(tmp) / "ops.json").read_text())
+    return {"returncode": code, "rows": data["rows"], "skipped": data["skipped"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench gpu_check", description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
+    ap.add_argument("--no-compile", action="store_true", help="ops benchmark without the torch.compile column")
+    ap.add_argument("--test-timeout", type=int, default=180)
+    ap.add_argument("--out", default=None, help="directory for gpu_check.json (default build/bench)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU present; nothing to check here "
+              "(CPU figures: python -m opsnn_lab.bench ops)")
+        return 0
+    name = torch.cuda.get_device_name()
+    result = {"device": name, "copy_gbs": _copy_gbs("cuda"), "nominal_gbs": _nominal(name)}
+    if not args.skip_tests:
+        result["tests"] = _pytest(args.test_timeout)
+        print(f"pytest -m gpu: {result['tests']['summary']}")
+    result["kernels"] = kernel_bandwidth("cuda")
+    for row in result["kernels"]:
+        row["of_copy"] = row["gbs"] / result["copy_gbs"]
+        print(f"{row['kernel']:28s} {str(row['shape']):14s} {row['dtype']:9s} {row['gbs']:8.1f} GB/s "
+              f"({row['of_copy']:.0%} of copy {result['copy_gbs']:.0f} GB/s)")
+    result["ops"] = _ops_bench(args.no_compile)
+    path = write_json("gpu_check", result, args.out)
+    print(f"wrote {path}")
+    failed = result.get("tests", {"returncode": 0})["returncode"] != 0 or result["ops"]["returncode"] != 0
+    return 1 if failed else 0

@@ -1,0 +1,256 @@
+"""``python -m opsnn_lab.bench ops [--quick]``: fused chains vs eager vs torch.compile.
+
+Per chain (MLP, Linear+GELU+Dropout, Conv+BN+ReLU+MaxPool stem, QKV, attention core, one BERT encoder
+layer fused by hand): forward+backward time ratio (interleaved medians, one process), activation bytes
+saved for backward (``activation_bytes``), and first-call latency (torch.compile compiles there; the
+fused ops do not). BERT-base shapes by default (8 x 128 tokens, 768 -> 3072, 12 heads; stem 8 x 3 x 224 x
+224); ``--quick`` uses CI-sized shapes. Writes ``build/bench/ops.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from opsnn_lab.bench.common import format_table, interleaved_medians, sync, write_json
+from opsnn_lab.bench.memory import activation_bytes
+
+__all__ = ["main", "build_chains", "measure", "FusedEncoderLayer", "CHAINS", "FULL", "QUICK"]
+
+FULL = dict(batch=8, tokens=128, hidden=768, inter=3072, heads=12, image=224, channels=64, p=0.1)
+QUICK = dict(batch=2, tokens=16, hidden=64, inter=256, heads=4, image=32, channels=8, p=0.1)
+TARGETS = {"time_fused_vs_eager": 1.05, "time_fused_vs_eager[qkv]": 1.0, "bytes_fused_vs_eager[mlp]": 0.45,
+           "bytes_fused_vs_eager[conv_bn_relu_maxpool]": 0.6, "bytes_fused_vs_eager[encoder_layer]": 0.5}
+
+
+@dataclass
+class Chain:
+    """One benchmark case: the eager callable, its fused twin, inputs, and upstream gradients."""
+
+    name: str
+    eager: Callable
+    fused: Callable
+    inputs: tuple
+    note: str = ""
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _step(fn: Callable, inputs: tuple, grads: list[torch.Tensor]) -> Callable[[], None]:
+    def run():
+        torch.autograd.backward(_outputs(fn(*inputs)), grads)
+    return run
+
+
+# --------------------------------------------------------------------------- the fused encoder layer
+class FusedEncoderLayer(nn.Module):
+    """``models.EncoderLayer`` with every chain fused by hand through ``from_modules`` (shared parameters)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        from opsnn_lab import ops
+
+        att, mlp = layer.attention, layer.mlp
+        self.heads, self.head_dim = att.heads, att.head_dim
+        self.qkv = ops.FusedQKV.from_modules(att.query, att.key, att.value)
+        self.core = ops.FusedAttention.from_modules(att.attn_dropout, scale=1.0 / math.sqrt(att.head_dim))
+        self.output = att.output
+        self.attn_out_dropout = ops.Dropout.from_module(layer.attn_out_dropout)
+        self.attn_norm = layer.attn_norm
+        self.mlp = ops.FusedLinearGELUDropoutLinear.from_modules(mlp.fc1, mlp.act, mlp.dropout, mlp.fc2)
+        self.mlp_out_dropout = ops.Dropout.from_module(layer.mlp_out_dropout)
+        self.mlp_norm = layer.mlp_norm
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = (self._split(t) for t in self.qkv(x))
+        ctx = self.core(q, k, v, mask).transpose(1, 2).flatten(2)
+        x = self.attn_norm(x + self.attn_out_dropout(self.output(ctx)))
+        return self.mlp_norm(x + self.mlp_out_dropout(self.mlp(x)))
+
+
+# --------------------------------------------------------------------------- chains
+def _mlp_chains(s, device, dtype):
+    from opsnn_lab import ops
+
+    fc1, fc2 = nn.Linear(s["hidden"], s["inter"]), nn.Linear(s["inter"], s["hidden"])
+    gelu, drop = nn.GELU(), nn.Dropout(s["p"])
+    for m in (fc1, fc2):
+        m.to(device, dtype)
+    x = torch.randn(s["batch"], s["tokens"], s["hidden"], device=device, dtype=dtype, requires_grad=True)
+    mlp = ops.FusedLinearGELUDropoutLinear.from_modules(fc1, gelu, drop, fc2)
+    single = ops.FusedLinearGELUDropout.from_modules(fc1, gelu, drop)
+    return [Chain("mlp", nn.Sequential(fc1, gelu, drop, fc2), mlp, (x,)),
+            Chain("linear_gelu_dropout", nn.Sequential(fc1, gelu, drop), single, (x,))]
+
+
+def _stem_chain(s, device, dtype):
+    from opsnn_lab import ops
+
+    try:
+        fused_cls = ops.FusedConvBNReLU
+    except (ImportError, AttributeError) as exc:
+        return None, f"conv_bn_relu_maxpool skipped: ol.ops.FusedConvBNReLU unavailable ({exc})"
+    conv, bn = nn.Conv2d(3, s["channels"], 7, 2, 3, bias=False), nn.BatchNorm2d(s["channels"])
+    relu, pool = nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+    eager = nn.Sequential(conv, bn, relu, pool).to(device, dtype)
+    try:
+        fused = fused_cls.from_modules(conv, bn, relu, pool)
+    except Exception as exc:  # the op belongs to another chain's owner: report, don't crash the bench
+        return None, f"conv_bn_relu_maxpool skipped: from_modules failed ({type(exc).__name__}: {exc})"
+    x = torch.randn(s["batch"], 3, s["image"], s["image"], device=device, dtype=dtype, requires_grad=True)
+    return Chain("conv_bn_relu_maxpool", eager, fused, (x,)), ""
+
+
+def _qkv_chain(s, device, dtype):
+    from opsnn_lab import ops
+
+    lins = [nn.Linear(s["hidden"], s["hidden"]).to(device, dtype) for _ in range(3)]
+    x = torch.randn(s["batch"], s["tokens"], s["hidden"], device=device, dtype=dtype, requires_grad=True)
+    fused = ops.FusedQKV.from_modules(*lins)
+
+    def eager(x):
+        return tuple(lin(x) for lin in lins)
+    return Chain("qkv", eager, fused, (x,))
+
+
+def _attention_chain(s, device, dtype):
+    from opsnn_lab import ops
+
+    b, t, h = s["batch"], s["tokens"], s["heads"]
+    d = s["hidden"] // h
+    q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    keep = torch.ones(b, t, device=device, dtype=dtype)
+    keep[0, -t // 4:] = 0  # some padding, as in a real batch
+    mask = (1.0 - keep[:, None, None, :]) * torch.finfo(dtype).min
+    drop, scale = nn.Dropout(s["p"]), 1.0 / math.sqrt(d)
+
+    def eager(q, k, v, mask):
+        probs = drop(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale + mask, dim=-1))
+        return torch.matmul(probs, v)
+    return Chain("attention", eager, ops.FusedAttention.from_modules(drop, scale=scale), (q, k, v, mask))
+
+
+def _encoder_chain(s, device, dtype):
+    from opsnn_lab.models import EncoderConfig, EncoderLayer
+
+    cfg = EncoderConfig(vocab_size=128, hidden=s["hidden"], heads=s["heads"], intermediate=s["inter"],
+                        max_len=s["tokens"], dropout=s["p"], attn_dropout=s["p"])
+    layer = EncoderLayer(cfg).to(device, dtype)
+    fused = FusedEncoderLayer(layer)
+    x = torch.randn(s["batch"], s["tokens"], s["hidden"], device=device, dtype=dtype, requires_grad=True)
+    return Chain("encoder_layer", layer, fused, (x,), note="QKV+attention+MLP+dropouts fused by hand")
+
+
+CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "encoder_layer")
+
+
+def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str] | None = None):
+    """``(chains, skipped)``: the benchmark cases for ``shapes`` (``FULL`` or ``QUICK``), optionally ``only`` some."""
+    wanted = list(only or CHAINS)
+    unknown = [c for c in wanted if c not in CHAINS]
+    if unknown:
+        raise ValueError(f"only must name chains from {CHAINS}, got {unknown}")
+    torch.manual_seed(0)
+    chains, skipped = [], []
+    if "mlp" in wanted or "linear_gelu_dropout" in wanted:
+        chains += [c for c in _mlp_chains(shapes, device, dtype) if c.name in wanted]
+    if "conv_bn_relu_maxpool" in wanted:
+        stem, why = _stem_chain(shapes, device, dtype)
+        chains.append(stem) if stem is not None else skipped.append(why)
+    builders = {"qkv": _qkv_chain, "attention": _attention_chain, "encoder_layer": _encoder_chain}
+    chains += [build(shapes, device, dtype) for name, build in builders.items() if name in wanted]
+    return chains, skipped
+
+
+# --------------------------------------------------------------------------- measuring
+def _first_call(fn: Callable[[], None], device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def _bytes(fn: Callable, inputs: tuple) -> int | None:
+    try:
+        return activation_bytes(lambda: fn(*inputs))
+    except Exception:  # torch.compile may refuse saved-tensor hooks; report the figure as missing
+        return None
+
+
+def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device) -> dict:
+    grads = [torch.randn_like(o) for o in _outputs(chain.eager(*chain.inputs))]
+    steps = {"eager": _step(chain.eager, chain.inputs, grads), "fused": _step(chain.fused, chain.inputs, grads)}
+    row = {"chain": chain.name, "fused_first_call_s": _first_call(steps["fused"], device)}
+    if compile_:
+        compiled = torch.compile(chain.eager)
+        steps["compile"] = _step(compiled, chain.inputs, grads)
+        row["compile_first_call_s"] = _first_call(steps["compile"], device)
+    times = interleaved_medians(steps, warmup=warmup, repeat=repeat, device=device)
+    byt = {k: _bytes(f, chain.inputs) for k, f in
+           [("eager", chain.eager), ("fused", chain.fused)] + ([("compile", compiled)] if compile_ else [])}
+    for k, v in times.items():
+        row[f"{k}_ms"] = v * 1e3
+        row[f"{k}_bytes"] = byt[k]
+    for k in steps:
+        if k != "eager":
+            row[f"time_{k}_vs_eager"] = times[k] / times["eager"]
+            row[f"bytes_{k}_vs_eager"] = byt[k] / byt["eager"] if byt[k] is not None and byt["eager"] else None
+    return row
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench ops", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CI-sized shapes")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--chains", nargs="*", choices=CHAINS, help="only these chains")
+    ap.add_argument("--repeat", type=int, default=None, help="timed rounds per variant (default 7, quick 5)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed rounds per variant (default 2, quick 1)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads for the run (1 gives steadier ratios on a shared, loaded CPU)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None, help="directory for ops.json (default build/bench)")
+    return ap.parse_args(argv)
+
+
+def _default(value, fallback):
+    return fallback if value is None else value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = QUICK if args.quick else FULL
+    repeat = _default(args.repeat, 5 if args.quick else 7)
+    chains, skipped = build_chains(shapes, args.device, only=args.chains)
+    for why in skipped:
+        print(why)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        def tqdm(x, **_):
+            return x
+    warmup = _default(args.warmup, 1 if args.quick else 2)
+    rows = [measure(c, compile_=not args.no_compile, repeat=repeat, warmup=warmup, device=args.device)
+            for c in tqdm(chains, desc="ops", unit="chain")]
+    cols = ["chain", "time_fused_vs_eager", "time_compile_vs_eager", "bytes_fused_vs_eager",
+            "bytes_compile_vs_eager", "eager_ms", "fused_first_call_s", "compile_first_call_s"]
+    print(format_table(rows, [c for c in cols if any(c in r for r in rows)]))
+    path = write_json("ops", {"quick": args.quick, "device": args.device, "threads": torch.get_num_threads(),
+                              "shapes": shapes, "repeat": repeat, "warmup": warmup, "compile": not args.no_compile,
+                              "rows": rows, "skipped": skipped, "targets": TARGETS}, args.out)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,95 @@
+import importlib
+import json
+
+import pytest
+import torch
+
+from opsnn_lab.bench import activation_bytes, gpu_check, ops
+from opsnn_lab.kernels import triton_available
+from opsnn_lab.models import EncoderConfig, EncoderLayer
+from opsnn_lab.testing import assert_close_dtype, seeded
+
+
+def test_quick_run_writes_every_chain_to_json(tmp_path, capsys):
+    code = ops.main(["--quick", "--no-compile", "--warmup", "0", "--repeat", "1", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "ops.json").read_text())
+    assert data["benchmark"] == "ops" and data["quick"] and "machine" in data
+    names = [r["chain"] for r in data["rows"]]
+    expected = [c for c in ops.CHAINS if c != "conv_bn_relu_maxpool" or not data["skipped"]]
+    assert names == expected
+    for row in data["rows"]:
+        assert row["eager_ms"] > 0 and row["fused_ms"] > 0 and row["time_fused_vs_eager"] > 0
+        # every fused chain saves less than eager; QKV saves the same (x), its gain is one GEMM for three
+        assert 0 < row["bytes_fused_vs_eager"] <= (1 if row["chain"] == "qkv" else 0.99), row
+    by = {r["chain"]: r for r in data["rows"]}
+    # x + h against eager's x, h, dropout noise and dropout output: (1 + 4) / (1 + 3 * 4) with 4x expansion
+    assert by["mlp"]["bytes_fused_vs_eager"] <= 0.45
+    assert "time_fused_vs_eager" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_quick_run_with_torch_compile(tmp_path):
+    assert ops.main(["--quick", "--chains", "qkv", "--warmup", "0", "--repeat", "1", "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "ops.json").read_text())["rows"][0]
+    assert row["compile_first_call_s"] > 0 and row["time_compile_vs_eager"] > 0
+
+
+def test_bad_chain_name_is_rejected():
+    with pytest.raises(ValueError, match="only"):
+        ops.build_chains(ops.QUICK, only=["nope"])
+
+
+def test_fused_encoder_layer_matches_eager_without_dropout():
+    layer = EncoderLayer(EncoderConfig.tiny(dropout=0.0, attn_dropout=0.0))
+    fused = ops.FusedEncoderLayer(layer)
+    x = seeded(2, 9, 64, seed=1, requires_grad=True)
+    mask = torch.zeros(2, 1, 1, 9)
+    mask[0, ..., -3:] = torch.finfo(torch.float32).min
+    out = fused(x, mask)
+    g = seeded(*out.shape, seed=2)
+    grads = torch.autograd.grad(out, [x, *layer.parameters()], g)
+    ref = layer(x, mask)
+    ref_grads = torch.autograd.grad(ref, [x, *layer.parameters()], g)
+    assert_close_dtype(out, ref)
+    for a, b in zip(grads, ref_grads):
+        assert_close_dtype(a, b)
+
+
+def test_fused_encoder_layer_at_bert_base_saves_at_most_half():
+    torch.manual_seed(0)
+    cfg = EncoderConfig.bert_base(dropout=0.1, attn_dropout=0.1)
+    layer = EncoderLayer(cfg)
+    fused = ops.FusedEncoderLayer(layer)
+    x = torch.randn(8, 128, 768, requires_grad=True)
+    ratio = activation_bytes(lambda: fused(x)) / activation_bytes(lambda: layer(x))
+    assert ratio <= 0.5, ratio
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_gpu_check_without_cuda_exits_zero(tmp_path, capsys):
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+    assert "no CUDA GPU" in capsys.readouterr().out
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    if not triton_available():
+        pytest.skip("triton not installed")
+    from opsnn_lab.kernels import gelu_dropout, rng
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("OPSNN_BACKEND", "triton")
+    importlib.reload(rng)
+    importlib.reload(gelu_dropout)
+    yield
+    monkeypatch.undo()
+    importlib.reload(rng)
+    importlib.reload(gelu_dropout)
+
+
+def test_kernel_bandwidth_rows_under_the_interpreter(interpreted):
+    rows = gpu_check.kernel_bandwidth("cpu", shapes=((3, 8),), dtypes=(torch.float32,), warmup=0, repeat=1)
+    assert [r["kernel"] for r in rows] == ["gelu_dropout_fwd(bias)", "gelu_dropout_bwd(bias,out)", "rng_bits16"]
+    assert all(r["bytes"] > 0 and r["gbs"] > 0 for r in rows)
