@@ -53,6 +53,7 @@ __all__ = [
 
 ROW_BLOCK = 64  # rows per GEMM: >= 8 keeps MKL on its blocked kernel; 64 costs nothing against one big GEMM
 K_BLOCK = 4096  # longest reduction one GEMM performs; longer ones are blocked and summed in order
+CHUNKED_GEMM = False  # True: one batched call of fixed-shape GEMMs; False: one padded GEMM (see _mm_rows)
 SUM_BLOCK = 4096  # longest row one sum reduces; far below TensorIterator's 32768-element parallel grain
 _ELEMENTWISE_ALIGN = 64  # pad elementwise ops to whole AVX-512 double-vectors (2 x 16 fp32) per thread
 
@@ -95,15 +96,36 @@ def _cols_layout(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous()
 
 
-def _mm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(M, K) @ (K, N) as ceil(M / ROW_BLOCK) fixed-shape GEMMs in one batched call."""
+def _mm_rows(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta=1, alpha=1) -> torch.Tensor:
+    """``beta * bias + alpha * (a @ b)`` for (M, K) @ (K, N), M zero padded to whole ROW_BLOCKs.
+
+    Padding matters: MKL runs fewer than 8 rows through other kernels than 8 or more. Beyond that,
+    ``CHUNKED_GEMM`` runs one batched call of ceil(M / ROW_BLOCK) GEMMs of exactly ROW_BLOCK rows, so
+    the library cannot pick its kernel by M at all; the default runs one GEMM over the padded rows,
+    which costs the same as the native call: on MKL every row of any multiple of 64 rows (64 to 4096
+    checked, 1 and 2 threads) gets the same bits, which tests/consistency/test_strict.py keeps checking.
+    """
     m, k = a.shape
     n = b.shape[1]
     chunks = -(-m // ROW_BLOCK)
-    a = _pad_rows(_rows_layout(a), chunks * ROW_BLOCK)
+    rows = chunks * ROW_BLOCK
+    a = _pad_rows(_rows_layout(a), rows)
+    b = _cols_layout(b)
+    if not CHUNKED_GEMM:
+        out = a.new_empty(rows, n)
+        if bias is None:
+            return torch.mm(a, b, out=out)[:m]
+        if bias.dim() == 2 and bias.shape[0] == m and m not in (1, rows):  # a full (M, N) bias
+            bias = _pad_rows(bias.contiguous(), rows)
+        return torch.addmm(bias.expand(rows, n), a, b, beta=beta, alpha=alpha, out=out)[:m]
     out = a.new_empty(chunks, ROW_BLOCK, n)
-    torch.bmm(a.unflatten(0, (chunks, ROW_BLOCK)), _cols_layout(b).unsqueeze(0).expand(chunks, k, n), out=out)
-    return out.view(chunks * ROW_BLOCK, n)[:m]
+    torch.bmm(a.unflatten(0, (chunks, ROW_BLOCK)), b.unsqueeze(0).expand(chunks, k, n), out=out)
+    out = out.view(rows, n)[:m]
+    if bias is None:
+        return out
+    if alpha != 1:
+        out = out.mul_(alpha)
+    return out if beta == 0 else out.add_(bias if beta == 1 else bias * beta)
 
 
 def fixed_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -122,13 +144,16 @@ def fixed_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def fixed_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    prod = fixed_mm(a, b)
-    if alpha != 1:
-        prod = prod.mul_(alpha)
+    m, k = a.shape
+    n = b.shape[1]
+    if m == 0 or n == 0 or k > K_BLOCK or k == 0:
+        prod = fixed_mm(a, b)
+        if alpha != 1:
+            prod = prod.mul_(alpha)
+        return prod.contiguous() if beta == 0 else torch.add(prod, bias if beta == 1 else bias * beta)
     if beta == 0:
-        return prod.contiguous()
-    scaled = bias if beta == 1 else bias * beta
-    return torch.add(prod, scaled)
+        bias = bias.new_zeros(())  # addmm ignores bias values when beta is 0, NaN included
+    return _mm_rows(a, b, bias, beta, alpha)
 
 
 def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

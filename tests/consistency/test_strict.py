@@ -34,16 +34,23 @@ def _never_leak_strict():
 
 
 # --------------------------------------------------------------------------- the CPU fact
-def test_plain_matmul_row_bits_depend_on_batch_size():
+@pytest.fixture(params=[False, True], ids=["one-gemm", "chunked"])
+def gemm_mode(request, monkeypatch):
+    monkeypatch.setattr(fo, "CHUNKED_GEMM", request.param)
+    return request.param
+
+
+def test_plain_matmul_row_bits_depend_on_batch_size(gemm_mode):
     # The fact strict() exists for: on this build, a row's bits depend on how many rows share the GEMM.
     x, w = seeded(64, 64, seed=1), seeded(64, 64, seed=2)
     ref = F.linear(x[:8], w)[0]
     assert any(not torch.equal(F.linear(x[:m], w)[0], ref) for m in range(1, 8))
     with strict():
-        ref = F.linear(x[:8], w)[0]
-        assert all(torch.equal(F.linear(x[:m], w)[0], ref) for m in (1, 2, 3, 5, 7, 9, 17, 64))
-        full = F.linear(x, w)
-        assert all(torch.equal(F.linear(x[i:i + 3], w)[0], full[i]) for i in range(0, 61, 6))
+        for bias in (None, seeded(64, seed=3)):
+            ref = F.linear(x[:8], w, bias)[0]
+            assert all(torch.equal(F.linear(x[:m], w, bias)[0], ref) for m in (1, 2, 3, 5, 7, 9, 17, 64))
+            full = F.linear(x, w, bias)
+            assert all(torch.equal(F.linear(x[i:i + 3], w, bias)[0], full[i]) for i in range(0, 61, 6))
 
 
 # --------------------------------------------------------------------------- the encoder
@@ -236,14 +243,17 @@ def test_strict_from_several_threads():
 
 # --------------------------------------------------------------------------- the fixed-order ops
 @pytest.mark.parametrize("m, k, n", [(1, 5, 3), (65, 33, 17), (130, 64, 1), (0, 4, 4), (4, 0, 3)])
-def test_fixed_mm_matches_mm(m, k, n):
+def test_fixed_mm_matches_mm(m, k, n, gemm_mode):
     a, b = seeded(m, k, seed=1), seeded(k, n, seed=2)
     torch.testing.assert_close(fo.fixed_mm(a, b), a @ b, atol=FP32[0], rtol=FP32[1])
     torch.testing.assert_close(fo.fixed_mm(a.t().contiguous().t(), b.t().contiguous().t()), a @ b,
                                atol=FP32[0], rtol=FP32[1])
-    bias = seeded(n, seed=3)
-    torch.testing.assert_close(fo.fixed_addmm(bias, a, b, beta=0.5, alpha=2.0),
-                               torch.addmm(bias, a, b, beta=0.5, alpha=2.0), atol=FP32[0], rtol=FP32[1])
+    for bias in (seeded(n, seed=3), seeded(m, n, seed=4), seeded(1, n, seed=5)):
+        for beta, alpha in ((1, 1), (0.5, 2.0)):
+            torch.testing.assert_close(fo.fixed_addmm(bias, a, b, beta=beta, alpha=alpha),
+                                       torch.addmm(bias, a, b, beta=beta, alpha=alpha), atol=FP32[0], rtol=FP32[1])
+    nan_bias = torch.full((n,), float("nan"))
+    assert not fo.fixed_addmm(nan_bias, a, b, beta=0).isnan().any()
 
 
 def test_k_blocked_reduction_is_thread_invariant(monkeypatch):
@@ -322,3 +332,15 @@ def test_gelu_bits_do_not_depend_on_tensor_size_under_strict():
     with strict():
         single = torch.stack([F.gelu(x[i:i + 1])[0] for i in range(100)])
         assert torch.equal(single, F.gelu(x))
+
+
+def test_one_gemm_rows_have_the_same_bits_for_any_multiple_of_64_rows():
+    # The assumption behind CHUNKED_GEMM = False (the default), checked on the build under test.
+    x, w = seeded(1024, 96, seed=7), seeded(160, 96, seed=8)
+    ref = fo.fixed_mm(x[:64], w.t())
+    for n in (1, 2):
+        with threads(n):
+            for m in (128, 320, 1024):
+                out = fo.fixed_mm(x[:m], w.t())
+                assert torch.equal(out[:64], ref), (n, m)
+                assert torch.equal(fo.fixed_mm(x[m - 64:m], w.t()), out[m - 64:]), (n, m)
