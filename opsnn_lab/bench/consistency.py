@@ -1,0 +1,163 @@
+"""``python -m opsnn_lab.bench consistency``: what strict() and the checker's trace() cost per training step.
+
+Both figures are ratios of median step times measured round-robin in the same process on the
+embedded encoder (masked-token task; one step = zero_grad, forward, loss, backward, SGD update):
+
+* ``strict``: the step inside ``with strict():`` (entered and left every step, so the switch's own cost
+  is included) over the plain step. The seed puts full consistency at 5-15%; required <= 1.15.
+* ``trace``: the step inside ``with ConsistencyChecker(...).trace(model):`` (operator-level statistics
+  and hashes, compared with the first traced step) over the plain step; aim <= 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from opsnn_lab.bench.common import format_table, write_json
+from opsnn_lab.consistency.strict import strict
+from opsnn_lab.models import EncoderConfig, MaskedTokenTask
+
+
+def _checker():
+    """A ConsistencyChecker without dumps, or None where the checker is not available."""
+    try:
+        from opsnn_lab.consistency import ConsistencyChecker
+    except (ImportError, AttributeError):
+        return None
+    return ConsistencyChecker(precision=None, check_gradients=True, dump_on_failure=False)
+
+
+def _setup(args):
+    task = MaskedTokenTask(vocab_size=args.vocab, seq_len=args.seq, batch_size=args.batch)
+    torch.manual_seed(0)
+    cfg = EncoderConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                        intermediate=4 * args.hidden, max_len=max(args.seq, 64))
+    model = task.model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = task.batch(0)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        task.loss(model, batch).backward()
+        opt.step()
+
+    return model, step
+
+
+def _switch_cost(repeat: int = 50) -> float:
+    """Seconds to enter and leave strict() once (registering and removing the kernels)."""
+    with strict():
+        pass  # the first entry pays one-off imports inside torch.use_deterministic_algorithms
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        with strict():
+            pass
+    return (time.perf_counter() - t0) / repeat
+
+
+def _interleaved(fns: dict, repeat: dict, warmup: int = 2) -> dict:
+    """Median wall and CPU (process) seconds per variant, measured round-robin.
+
+    CPU time is reported next to wall time because on a shared machine other processes' load
+    stretches wall time far more than the work the step does.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    wall = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
+    for i in tqdm(range(max(repeat.values())), desc="consistency bench", leave=False):
+        for k, fn in fns.items():
+            if i >= repeat[k]:
+                continue
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            cpu[k].append(time.process_time() - c0)
+            wall[k].append(time.perf_counter() - w0)
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench consistency", description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=15, help="timed steps per variant")
+    ap.add_argument("--trace-repeat", type=int, default=5, help="timed traced steps (they are slow)")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
+    ap.add_argument("--quick", action="store_true", help="CI size: tiny model, few steps")
+    ap.add_argument("--out", default=None, help="directory for consistency.json (default build/bench)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batch, args.seq, args.hidden, args.layers, args.vocab, args.repeat = 4, 16, 64, 2, 128, 3
+        args.trace_repeat = 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    threads = torch.get_num_threads()
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args) -> int:
+    model, step = _setup(args)
+    checker = _checker()
+
+    def strict_step():
+        with strict():
+            step()
+
+    def traced_step():
+        with checker.trace(model):
+            step()
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    variants = {"default": step, "strict": strict_step}
+    repeat = {"default": args.repeat, "strict": args.repeat}
+    if checker is not None:
+        traced_step()  # the first trace becomes the reference; timed traces are compared with it
+        variants["trace"] = traced_step
+        repeat["trace"] = args.trace_repeat
+    switch = _switch_cost()
+    times = _interleaved(variants, repeat)
+    (base_wall, base_cpu) = times["default"]
+    rows = [{"variant": k, "step_ms": w * 1e3, "ratio": w / base_wall, "cpu_ms": c * 1e3, "cpu_ratio": c / base_cpu}
+            for k, (w, c) in times.items()]
+    print(f"encoder: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}; "
+          f"threads {torch.get_num_threads()}")
+    print(format_table(rows, ["variant", "step_ms", "ratio", "cpu_ms", "cpu_ratio"]))
+    print(f"strict() enter+exit: {switch * 1e3:.3f} ms (included in the strict step)")
+    if checker is None:
+        print("trace: ConsistencyChecker not available in this build; trace overhead not measured")
+
+    def ratio(name, col):
+        return next((r[col] for r in rows if r["variant"] == name), None)
+
+    data = {
+        "config": {k: getattr(args, k) for k in ("batch", "seq", "hidden", "heads", "layers", "vocab", "repeat",
+                                                 "trace_repeat")},
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+        "strict_ratio": ratio("strict", "ratio"),
+        "strict_cpu_ratio": ratio("strict", "cpu_ratio"),
+        "trace_ratio": ratio("trace", "ratio"),
+        "trace_cpu_ratio": ratio("trace", "cpu_ratio"),
+        "strict_switch_ms": switch * 1e3,
+        "targets": {"strict_ratio": 1.15, "strict_ratio_aim": 1.10, "trace_ratio_aim": 2.0},
+    }
+    path = write_json("consistency", data, args.out)
+    print(f"wrote {path}")
+    return 0

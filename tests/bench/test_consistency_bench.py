@@ -1,0 +1,24 @@
+"""The consistency benchmark runs CI-sized and writes both ratios (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+from opsnn_lab.bench import consistency
+from opsnn_lab.consistency import is_strict
+
+
+def test_quick_run_writes_json(tmp_path, capsys):
+    assert consistency.main(["--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "consistency.json").read_text())
+    variants = [r["variant"] for r in data["rows"]]
+    assert variants[:2] == ["default", "strict"]
+    assert data["strict_ratio"] > 0 and data["strict_cpu_ratio"] > 0 and data["strict_switch_ms"] > 0
+    if "trace" in variants:  # the checker is part of this build
+        assert data["trace_ratio"] > 0
+    else:
+        assert data["trace_ratio"] is None
+    assert data["threads"] == 1 and data["config"]["layers"] == 2
+    out = capsys.readouterr().out
+    assert "strict" in out and "cpu_ratio" in out
+    assert not is_strict()
