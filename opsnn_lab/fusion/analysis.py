@@ -113,8 +113,9 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     # buffer (BatchNorm running stats) and the global RNG are restored afterwards.
     flags = {m: m.training for m in model.modules()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=devices):
             model.train()
             trace = trace_runtime(model, args, kwargs)
             regions = find_regions(model, trace.calls)

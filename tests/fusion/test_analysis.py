@@ -117,3 +117,16 @@ def test_bad_arguments():
         ol.fusion.analyze(_tiny_encoder(), _ids(), patterns=["conv_bn_gelu"])
     with pytest.raises(TypeError, match="patterns"):
         ol.fusion.analyze(_tiny_encoder(), _ids(), patterns="qkv")
+
+
+def test_no_candidates_and_empty_batch():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    plan = ol.fusion.analyze(model, seeded(3, 4))
+    assert plan.decisions == [] and plan.summary() == {} and plan.saved_bytes == 0
+    fused = ol.fusion.apply(model, plan)
+    torch.testing.assert_close(fused(seeded(3, 4)), model(seeded(3, 4)))
+    empty = ol.fusion.analyze(_tiny_encoder(), torch.zeros(0, 8, dtype=torch.long))
+    assert empty.summary()["qkv"] == {"fused": 1 + 1, "rejected": 0}
+    assert all(d.saved_bytes == 0 for d in empty.decisions)  # nothing to save for nothing
+    fused_empty = ol.fusion.apply(_tiny_encoder(), empty)
+    assert fused_empty(torch.zeros(0, 8, dtype=torch.long)).shape == (0, 8, 128)
