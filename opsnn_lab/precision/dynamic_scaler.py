@@ -151,6 +151,7 @@ class DynamicScaler:
             if underflow:
                 self.scale = self._grown(self.scale)
         self._record(used, check, underflow)
+        self._raise_if_pinned(check)
         return not (check.found_inf or underflow)
 
     # ------------------------------------------------------------------ GradScaler-style loop
@@ -222,6 +223,7 @@ class DynamicScaler:
         self._record(used, check, underflow)
         self._check = None
         self._unscaled.clear()
+        self._raise_if_pinned(check)
 
     # ------------------------------------------------------------------ internals
     def _scan(self, grads: Sequence[torch.Tensor], names: Sequence[str]) -> StepCheck:
@@ -245,9 +247,12 @@ class DynamicScaler:
     def _count_pinned(self, check: StepCheck) -> None:
         if self.scale > self.min_scale:
             self._pinned = 0
-            return
-        self._pinned += 1
-        if self._pinned >= self.min_scale_patience:
+        else:
+            self._pinned += 1
+
+    def _raise_if_pinned(self, check: StepCheck) -> None:
+        """After the step is in the history: stop once overflow at ``min_scale`` has lasted too long."""
+        if check.found_inf and self._pinned >= self.min_scale_patience:
             names = ", ".join(check.nonfinite[:8]) + (" ..." if len(check.nonfinite) > 8 else "")
             raise ScalerPinnedError(
                 f"loss scale is pinned at min_scale={self.min_scale:g} and gradients still overflowed for "

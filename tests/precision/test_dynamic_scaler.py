@@ -132,7 +132,8 @@ def test_pinned_at_min_scale_raises_with_names():
             model.bias.grad = torch.ones(1)
             s.step(opt)
             s.update()
-    assert s.scale == 1.0 and len(s.history) == 4  # 4 -> 2 -> 1, then 3 overflows at 1 raise
+    assert s.scale == 1.0 and len(s.history) == 5  # 4 -> 2 -> 1, then the 3rd overflow at 1 raises
+    assert s.history[-1]["overflow"] and s.history[-1]["scale"] == 1.0
     assert s.history[0]["nonfinite"] == ["weight"]
 
 
@@ -233,3 +234,14 @@ def test_bad_calls():
     p.grad = torch.ones(2, dtype=torch.float16)
     with pytest.raises(ValueError, match="fp16"):
         s.unscale_(torch.optim.SGD([p], lr=0.1))
+
+
+def test_adjust_pinned_raises_after_patience():
+    s = DynamicScaler(init_scale=2.0, min_scale=1.0, min_scale_patience=2)
+    assert s.adjust(torch.tensor([INF])) is False  # 2 -> 1
+    assert s.adjust(torch.tensor([INF])) is False  # first overflow at the floor
+    assert s.adjust(torch.ones(1)) is True  # a clean step resets the count
+    s.adjust(torch.tensor([INF]))
+    with pytest.raises(ScalerPinnedError, match="min_scale_patience=2"):
+        s.adjust(torch.tensor([INF]))
+    assert len(s.history) == 5
