@@ -222,7 +222,7 @@ class ConsistencyChecker:
             from opsnn_lab.consistency.distributed import compare_with_rank0
 
             self.report, records = compare_with_rank0(trace, self.precision)
-            self._dump(records, trace, None)
+            self._dump(records, trace, None, sub=f"rank{self.report.rank}")
         elif self.reference is None:
             self.reference = trace
             self.report = ConsistencyReport(precision=self.precision, reference_only=True,
@@ -281,14 +281,14 @@ class ConsistencyChecker:
         """Forget the reference; the next trace becomes the new one."""
         self.reference = self.last_trace = self.report = None
 
-    def _dump(self, records: dict, run: Trace, ref: Trace | None) -> None:
+    def _dump(self, records: dict, run: Trace, ref: Trace | None, sub: str = "") -> None:
         report = self.report
         if report is None or report.ok or not self.dump_on_failure:
             return
         from opsnn_lab.consistency.dump import write_dump
 
         try:
-            report.dump_path = str(write_dump(self.dump_dir, report, records, run, ref))
+            report.dump_path = str(write_dump(os.path.join(self.dump_dir, sub), report, records, run, ref))
         except Exception as exc:  # a failed dump (read-only dir, disk full) must never lose the report
             report.dump_error = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"consistency dump under {self.dump_dir!r} failed ({report.dump_error}); "

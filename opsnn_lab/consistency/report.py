@@ -221,6 +221,7 @@ class ConsistencyReport:
     dump_path: str | None = None
     dump_error: str | None = None
     rank: int | None = None
+    exchanged: list = field(default_factory=list)   # distributed: ops whose tensors were fetched from rank 0
 
     @property
     def ok(self) -> bool:
@@ -240,7 +241,7 @@ class ConsistencyReport:
     def to_dict(self) -> dict:
         d = {"ok": self.ok, "precision": self.precision, "reference_only": self.reference_only,
              "unaligned": self.unaligned, "dump_path": self.dump_path, "dump_error": self.dump_error,
-             "rank": self.rank,
+             "rank": self.rank, "exchanged": self.exchanged,
              "forward_divergence": asdict(self.forward_divergence) if self.forward_divergence else None,
              "backward_divergence": asdict(self.backward_divergence) if self.backward_divergence else None,
              "rows": [asdict(r) for r in self.rows]}
