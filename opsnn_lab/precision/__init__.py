@@ -9,6 +9,9 @@ _EXPORTS = {
     "DynamicScaler": "dynamic_scaler",
     "MasterWeightOptimizer": "master",
     "fp16_allreduce_hook": "comm_hook",
+    "Fp16AllReduceState": "comm_hook",
+    "ScalerPinnedError": "dynamic_scaler",
+    "NonFiniteGradientError": "local_scaler",
     "GradientStats": "grad_stats",
     "GradientTrace": "grad_stats",
 }
