@@ -93,6 +93,7 @@ def _parse(argv):
     ap.add_argument("--repeat", type=int, default=15, help="timed steps per variant")
     ap.add_argument("--trace-repeat", type=int, default=5, help="timed traced steps (they are slow)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
+    ap.add_argument("--no-trace", action="store_true", help="time strict() only")
     ap.add_argument("--quick", action="store_true", help="CI size: tiny model, few steps")
     ap.add_argument("--out", default=None, help="directory for consistency.json (default build/bench)")
     args = ap.parse_args(argv)
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     model, step = _setup(args)
-    checker = _checker()
+    checker = None if args.no_trace else _checker()
 
     def strict_step():
         with strict():
@@ -140,7 +141,7 @@ def _run(args) -> int:
           f"threads {torch.get_num_threads()}")
     print(format_table(rows, ["variant", "step_ms", "ratio", "cpu_ms", "cpu_ratio"]))
     print(f"strict() enter+exit: {switch * 1e3:.3f} ms (included in the strict step)")
-    if checker is None:
+    if checker is None and not args.no_trace:
         print("trace: ConsistencyChecker not available in this build; trace overhead not measured")
 
     def ratio(name, col):

@@ -2,13 +2,17 @@
 
 Why each op is here (all measured bitwise on the CPU build this package is tested on, MKL + AVX-512):
 
-* ``mm``/``addmm``: MKL picks its GEMM kernel from the problem shape, so row 0 of ``x @ W.T`` has
-  different bits for 1-7 rows than for 8+. Here every GEMM runs in chunks of exactly
-  ``ROW_BLOCK`` rows (zero padded) through one batched call, so a row always meets the same kernel,
-  the same K order and the same neighbours' layout whatever the batch size or its position. A
-  reduction longer than ``K_BLOCK`` is cut into fixed blocks summed left to right, so no library
-  heuristic can split it across threads.
-* ``bmm``: each matrix of a batch is already one fixed-shape GEMM; only the K blocking is added.
+* ``mm``/``addmm``: MKL picks its GEMM kernel from the problem shape and the operands' layouts, so
+  row 0 of ``x @ W.T`` has different bits for 1-7 rows than for 8+, and a gradient that arrives
+  transposed for one batch size and row-major for another changes bits too. Here the left operand is
+  always packed row-major and its rows are zero padded to whole ``ROW_BLOCK`` s; the padded rows then
+  go through one GEMM (default: on MKL every row of any multiple of 64 rows gets the same bits) or,
+  with ``CHUNKED_GEMM``, through one batched call of GEMMs of exactly ``ROW_BLOCK`` rows, so the
+  library cannot choose by M at all. A reduction longer than ``K_BLOCK`` is cut into fixed blocks
+  summed left to right, so no library heuristic can split it across threads.
+* ``bmm``: each matrix of a batch is one fixed-shape GEMM, but ``matmul`` hands it views whose
+  layout depends on the batch size (``(B, H, T, d) -> (B*H, T, d)`` is a view for B = 1, a copy for
+  B > 1), so both operands are packed row-major; plus the K blocking.
 * ``sum``/``mean``: a full reduction over more than 32768 elements is split across threads by
   TensorIterator (two-pass reduction), so its bits depend on ``torch.set_num_threads``. Here the
   reduced axes go last and are summed in fixed blocks of ``SUM_BLOCK`` (each block by one thread),
@@ -207,6 +211,14 @@ def fixed_sum(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None) -
     out_shape = [x.shape[d] for d in keep]
     outer = math.prod(out_shape)
     length = math.prod(x.shape[d] for d in red)
+    if (red == list(range(len(red))) and x.is_floating_point() and x.is_contiguous()
+            and 0 < length <= SUM_BLOCK and outer > 1):
+        # Leading axes of a contiguous tensor (bias gradients): the native column sum adds each column
+        # top to bottom and splits threads over columns only, so no transposing copy is needed.
+        result = torch.sum(x.view(length, outer), 0, out=x.new_empty(outer)).view(out_shape)
+        for d in red if keepdim else ():
+            result = result.unsqueeze(d)
+        return result
     rows = x.permute(*keep, *red).reshape(outer, length)
     if length == 0:
         result = x.new_zeros(outer)

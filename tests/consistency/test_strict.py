@@ -283,6 +283,18 @@ def test_fixed_sum_and_mean(shape, dim, keepdim):
     assert fo.fixed_sum(torch.ones(3, dtype=torch.bool)).item() == 3
 
 
+def test_column_sums_are_thread_invariant():
+    for shape in ((4096, 8), (4096, 2), (512, 1024)):
+        x = seeded(*shape, seed=6)
+        with threads(1):
+            one = fo.fixed_sum(x, [0])
+        with threads(2):
+            assert torch.equal(fo.fixed_sum(x, [0]), one), shape
+        torch.testing.assert_close(one, x.sum(0), atol=1e-3, rtol=1e-5)
+    y = seeded(6, 5, 4, seed=7)
+    torch.testing.assert_close(fo.fixed_sum(y, [0, 1], True), y.sum((0, 1), keepdim=True), atol=1e-5, rtol=1e-5)
+
+
 def test_full_sum_is_thread_invariant_only_under_strict():
     x = seeded(200_000, seed=5)
     with threads(1):
