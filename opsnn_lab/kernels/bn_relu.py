@@ -133,7 +133,8 @@ def _relu_grad_torch(grad_out, y, weight, bias, mean, invstd, idx, pool, in_shap
         scale, shift = _scale_shift(y.shape[1], weight, bias, mean, invstd, y.device)
         # fp32 by type promotion, then rounded as the forward output was, so the mask is eager's.
         a = torch.addcmul(shift.view(-1, 1, 1), y, scale.view(-1, 1, 1)).to(grad_out.dtype)
-        return torch.ops.aten.threshold_backward(grad_out, a, 0)  # eager ReLU's own backward op
+        # Eager ReLU's own backward op, written over ``a`` (element-wise, so safe): one full-size buffer less.
+        return torch.ops.aten.threshold_backward.grad_input(grad_out, a, 0, grad_input=a)
     # Zero the sentinel windows and move to the index's layout in one pass.
     masked = torch.empty(idx.shape, dtype=grad_out.dtype, device=idx.device,
                          memory_format=torch.channels_last if _channels_last(idx) else torch.contiguous_format)
