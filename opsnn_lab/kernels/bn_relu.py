@@ -328,6 +328,7 @@ def _bn_relu_bwd_kernel(
     POOL: tl.constexpr, NEED_Y: tl.constexpr, PHASE: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,  # pool window, stride
     PH: tl.constexpr, PW: tl.constexpr,  # pool padding
+    NH: tl.constexpr, NW: tl.constexpr,  # windows that can cover one element: ceil(KH / SH), ceil(KW / SW)
     BLOCK: tl.constexpr,  # elements of one channel per program
 ):
     # g = dL/d(pre-ReLU) is recomputed in both phases instead of stored: with POOL it is gathered from the
@@ -349,8 +350,6 @@ def _bn_relu_bwd_kernel(
         y = tl.zeros([BLOCK], dtype=tl.float32)
     if POOL:
         g = tl.zeros([BLOCK], dtype=tl.float32)
-        NH: tl.constexpr = (KH + SH - 1) // SH
-        NW: tl.constexpr = (KW + SW - 1) // SW
         for ih in tl.static_range(NH):
             oh = (h + PH) // SH - (NH - 1 - ih)  # ascending window order, as aten's scatter adds them
             kh = h + PH - oh * SH
@@ -452,7 +451,9 @@ def bn_relu_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, tra
     chunks = _cdiv(m, block)
     part = torch.empty(2, c, chunks, device=dev, dtype=torch.float32)
     idx_t = idx if idx is not None else grad_out
-    common = dict(POOL=pool is not None, NEED_Y=need_y, BLOCK=block, num_warps=warps, **_pool_consts(pool))
+    pc = _pool_consts(pool)
+    cover = dict(NH=_cdiv(pc["KH"], pc["SH"]), NW=_cdiv(pc["KW"], pc["SW"]))
+    common = dict(POOL=pool is not None, NEED_Y=need_y, BLOCK=block, num_warps=warps, **pc, **cover)
     ph = pool.out_size(h, w) if pool else (h, w)
 
     def launch(phase, ca, cb, cd):
