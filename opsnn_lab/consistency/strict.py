@@ -32,7 +32,9 @@ and counted, so blocks nest and may be entered from several threads.
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import types
 import warnings
 
 import torch
@@ -243,3 +245,22 @@ strict = _Strict()
 def is_strict() -> bool:
     """True while strict mode is on (some ``with strict():`` block is open or ``strict(True)``)."""
     return _STATE.active
+
+
+enable = strict.enable
+disable = strict.disable
+
+
+class _CallableModule(types.ModuleType):
+    """This module answers to ``strict(...)`` too.
+
+    Importing ``opsnn_lab.consistency.strict`` binds the package attribute ``strict`` to this module,
+    shadowing the ``strict`` object the package exports; making the module callable keeps
+    ``ol.consistency.strict()`` / ``.enable()`` / ``.disable()`` working in either import order.
+    """
+
+    def __call__(self, enabled: bool | None = None) -> _StrictBlock:
+        return strict(enabled)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -221,6 +221,19 @@ def test_global_switch():
         strict("yes")
 
 
+def test_package_attribute_works_whichever_import_came_first():
+    import opsnn_lab as ol
+
+    # `from opsnn_lab.consistency.strict import ...` (above) binds the package attribute to the module
+    switch = ol.consistency.strict
+    with switch():
+        assert ol.consistency.is_strict()
+    switch.enable()
+    assert is_strict()
+    switch.disable()
+    assert not is_strict()
+
+
 def test_strict_from_several_threads():
     errors = []
 
