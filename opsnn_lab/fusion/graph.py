@@ -34,9 +34,11 @@ ACTIVATIONS = frozenset({"relu", "relu6", "leaky_relu", "gelu", "silu", "tanh", 
 def canonical_function(fn) -> str:
     """``F.gelu``, ``torch.relu``, ``Tensor.__mul__``, ``operator.mul``, ``"softmax"`` -> one lower-case name."""
     name = fn if isinstance(fn, str) else getattr(fn, "__name__", None) or type(fn).__name__
+    if name == "__get__" and hasattr(fn, "__self__"):  # a property such as Tensor.mT
+        name = getattr(fn.__self__, "__name__", name)
     if fn is operator.getitem:
         return "getitem"
-    name = name.strip("_")
+    name = name.strip("_") if name not in ("T", "mT") else name
     return _ALIASES.get(name, name)
 
 

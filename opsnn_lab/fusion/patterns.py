@@ -239,8 +239,9 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
         s, mk = (a, b) if a.op in ("mul", "div", "matmul") else (b, a)
         chain.insert(0, x)
         mask, x = mk, s
-    if x is not None and x.op in ("mul", "div") and len(x.inputs) == 1 and isinstance(x.args[0], Ref):
-        c = next((a for a in x.args[1:] if not isinstance(a, Ref)), None)
+    scaled = x is not None and x.op in ("mul", "div") and len(x.inputs) == 1
+    if scaled and (x.op == "mul" or isinstance(x.args[0], Ref)):
+        c = next((a for a in x.args[:2] if not isinstance(a, Ref)), None)  # 0.125 * s or s * 0.125
         if c is not None and not isinstance(c, (int, float)):
             return None
         # None: computed from shapes in the code (fx sees the formula); the run-time trace knows its value
@@ -256,7 +257,9 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     if dim not in (-1, None if sm.shape is None else len(sm.shape) - 1):
         m.reason = f"softmax over dim {dim}, not the last one"
         return m
-    if kt.op != "transpose" or sorted(a for a in kt.args[1:3] if isinstance(a, int)) not in ([-2, -1], [2, 3]):
+    transposed = kt.op == "mT" or (kt.op == "transpose" and sorted(a for a in kt.args[1:3] if isinstance(a, int))
+                                   in ([-2, -1], [2, 3]))
+    if not transposed:
         m.reason = f"the key operand of `{x.label}` is `{kt.op}`, not a transpose of the last two dims"
         return m
     for a, b in zip(chain, chain[1:]):

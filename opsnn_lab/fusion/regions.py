@@ -167,8 +167,8 @@ def fx_graph(gm: fx.GraphModule, prefix: str) -> Graph:
         elif n.op == "output":
             node = Node(n.name, "output", "output", [x.name for x in _tensor_nodes(n.args[0]) if x.name not in meta])
         else:
-            node = Node(n.name, "function", canonical_function(n.target), ins, ref(n.args), ref(dict(n.kwargs)),
-                        scope=_scope(n, prefix, False))
+            op = n.args[1] if n.target is getattr and n.args[1] in ("T", "mT") else canonical_function(n.target)
+            node = Node(n.name, "function", op, ins, ref(n.args), ref(dict(n.kwargs)), scope=_scope(n, prefix, False))
         node.ref = n
         nodes.append(node)
     return Graph(nodes)

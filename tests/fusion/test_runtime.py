@@ -1,0 +1,60 @@
+"""The run-time dataflow trace: producers, consumers, scopes and saved bytes, in code no tracer accepts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from opsnn_lab.bench import activation_bytes
+from opsnn_lab.fusion.runtime import flatten_tensors, trace_runtime
+from opsnn_lab.testing import seeded
+
+
+@dataclass
+class Out:
+    y: torch.Tensor
+    extra: dict
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = nn.Linear(4, 4), nn.GELU()
+
+    def forward(self, x, scale=2.0):
+        h = self.act(self.fc(x))
+        if h.sum() > 0:  # data-dependent
+            h = h * scale
+        h[:, 0] = 0.0  # item assignment
+        z = self.fc(h)  # the same module again
+        return Out(z, {"h": h})
+
+
+def test_graph_of_a_model_no_tracer_accepts():
+    model = Odd()
+    tr = trace_runtime(model, (seeded(3, 4),), {"scale": 3.0})
+    g = tr.graph
+    names = [n.name for n in g.nodes]
+    assert names[:3] == ["input0", "fc", "act"] and "fc#2" in names and "setitem" in names
+    assert g["act"].inputs == ["fc"] and g["act"].module == "act" and g["act"].op == "gelu"
+    assert {u.name for u in g.users["mul"]} >= {"setitem", "fc#2"}
+    assert g["output"].inputs == ["fc#2", "mul"]  # tensors inside a dataclass and a dict
+    assert tr.calls["fc"][0][0][0].shape == (3, 4) and len(tr.calls["fc"]) == 2
+    assert tr.calls[""][0][1] == {"scale": 3.0}
+
+
+def test_saved_bytes_are_attributed_and_complete():
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.5), nn.Linear(8, 2))
+    x = seeded(5, 4)
+    tr = trace_runtime(model, (x,))
+    total = sum(dict((k, b) for _, k, b in tr.saved).values())
+    assert total == activation_bytes(lambda: model(x), exclude=tuple(model.parameters()))
+    by_node = {n for n, _, _ in tr.saved}
+    assert {"1", "2", "3"} <= by_node  # GELU saves its input, Dropout its mask, the last Linear its input
+
+
+def test_flatten_tensors_walks_structures():
+    t = torch.ones(1)
+    assert len(flatten_tensors([t, (t, {"a": t}), Out(t, {"b": [t]}), 3, None])) == 5
