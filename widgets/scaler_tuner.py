@@ -108,6 +108,17 @@ class ScalerTuner(StaticFigureMixin, W.VBox):
                 f"max_scale={_pow2(s['max_scale'])}, "
                 f"underflow_threshold={'FP16_MIN' if s['underflow_threshold'] is not None else 'None'})")
 
+    def _wrapped_call(self, width: int = 88) -> str:
+        """``call`` broken between arguments, so the label never splits a name across lines."""
+        head, args = self.call[:-1].split("(", 1)
+        lines, line = [], ""
+        for arg in args.split(", "):
+            if line and len(line) + len(arg) + 2 > width - 4:
+                lines.append(line + ",")
+                line = ""
+            line = f"{line}, {arg}" if line else arg
+        return head + "(\n    " + "\n    ".join([*lines, line]) + ",\n)"
+
     def _make_figure(self, height: int) -> go.FigureWidget:
         fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35], vertical_spacing=0.06)
         steps = self.trace.step
@@ -124,7 +135,7 @@ class ScalerTuner(StaticFigureMixin, W.VBox):
         fig.add_trace(go.Scatter(name="fp16 underflow fraction", mode="lines", line=dict(color="#00CC96")),
                       row=2, col=1)
         fig.update_yaxes(title_text="log2 loss scale", row=1, col=1)
-        fig.update_yaxes(title_text="underflow", tickformat=".1%", rangemode="tozero", row=2, col=1)
+        fig.update_yaxes(title_text="underflow", tickformat=".3~%", rangemode="tozero", row=2, col=1)
         fig.update_xaxes(title_text="step", row=2, col=1)
         fig.update_layout(height=height, margin=dict(l=60, r=20, t=30, b=40), legend=dict(orientation="h", y=1.08))
         return go.FigureWidget(fig)
@@ -147,7 +158,7 @@ class ScalerTuner(StaticFigureMixin, W.VBox):
             d[2].x, d[2].y = steps[over], log2s[over]
             d[3].x, d[3].y = steps[under], log2s[under]
             d[4].x, d[4].y = steps, r["underflow_fraction"]
-        self.code.value = f"<pre><code>{html.escape(self.call)}</code></pre>"
+        self.code.value = f"<pre><code>{html.escape(self._wrapped_call())}</code></pre>"
         self.summary.value = self._summary(r)
 
     def _summary(self, r: dict) -> str:
