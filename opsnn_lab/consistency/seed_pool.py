@@ -262,9 +262,12 @@ def make_reproducible(model: nn.Module, seed: int | SeedPool = 0, *, functional:
     """Make every dropout of ``model`` draw masks that depend only on (seed, module name, step, offset).
 
     In place; returns ``model``. ``seed`` is an int or a ``SeedPool``. ``functional=False`` skips the
-    interception of ``F.dropout`` calls (it costs a Python call per torch function in training
-    forwards). Calling it again re-seeds the model and resets its step to 0. See the module docstring
-    for the step semantics; ``set_step(model, n)`` resumes at step ``n``.
+    interception of ``F.dropout`` calls: it costs a Python call per torch function and two hooks per
+    module call in training forwards, ~7% of a training step of the 2-layer encoder (hidden 256,
+    8 x 64 tokens, one CPU thread); the module part alone costs nothing measurable.
+
+    Calling it again re-seeds the model and resets its step to 0. See the module docstring for the
+    step semantics; ``set_step(model, n)`` resumes at step ``n``.
     """
     check_type("model", model, nn.Module)
     pool = seed if isinstance(seed, SeedPool) else SeedPool(_check_seed("seed", seed))

@@ -16,7 +16,14 @@ While strict mode is on:
 
 A sample's outputs and input gradients then have the same bits whatever the batch size and its
 position in the batch, and all outputs and gradients the same bits whatever ``torch.set_num_threads``
-says. Every setting is restored when the last user leaves.
+says. Every setting is restored when the last user leaves. Outputs stay within the fp32 tolerance of
+the default mode (the reductions are reordered, not approximated).
+
+Cost (``python -m opsnn_lab.bench consistency --threads 1 --no-trace --repeat 30``: 4-layer encoder,
+hidden 256, 8 x 64 tokens, on a 2-core CPU shared with other jobs): CPU time 1.10-1.14x the default
+step, wall time 1.16-1.34x (wall is at the mercy of the machine's load). Most of it is the linear
+layers' GEMMs (+10%: the left operand is copied to row-major, which the weight gradient's transposed
+activation always needs); entering and leaving costs about 1 ms.
 
 Usage::
 
