@@ -326,12 +326,18 @@ class GradientStats(Callback):
         pidx, offset = self._layout(present, device)
         pamax = torch.zeros(P, device=device).scatter_reduce_(0, pidx, flat.abs(), "amax")  # NaN/Inf propagate
         field = torch.bitwise_right_shift(flat.view(torch.int32), 23).bitwise_and_(255)  # biased exponent
-        zero = flat == 0
-        field.masked_fill_(zero, ZERO_BIN + _BIAS)
         full = torch.bincount(field.add_(offset), minlength=P * N_BINS).view(P, N_BINS)
-        if bool(full[:, -_BIAS].any()):  # float32 subnormals (field 0): take their octave from frexp
-            sub = field == offset  # exponent field 0 after the offset; zeros sit in ZERO_BIN already
-            field[sub] = torch.frexp(flat[sub]).exponent - 1 - EXP_MIN + offset[sub] + _BIAS
+        # Exponent field 0 (bin -_BIAS) holds the zeros and any float32 subnormals. One read-only count
+        # tells them apart; with no subnormals (the usual case) the bin is simply the zero count.
+        if bool(full[:, -_BIAS].sum() + torch.count_nonzero(flat) == flat.numel()):
+            full[:, ZERO_BIN] = full[:, -_BIAS]
+            full[:, -_BIAS] = 0
+        else:
+            field0 = field == offset
+            field[field0 & (flat == 0)] = ZERO_BIN + _BIAS  # the offset is added below
+            sub = field0 & (flat != 0)
+            field[sub] = torch.frexp(flat[sub]).exponent - 1 - EXP_MIN + _BIAS
+            field[field0] += offset[field0]
             full = torch.bincount(field, minlength=P * N_BINS).view(P, N_BINS)
         lo, hi = self.bins[0] - EXP_MIN, self.bins[1] - EXP_MIN
         hist = torch.cat([full[:, :lo].sum(1, keepdim=True), full[:, lo:hi],

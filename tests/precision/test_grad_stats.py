@@ -53,10 +53,14 @@ def direct_fractions(g: torch.Tensor, s: float, under: float, normal: float, ove
             (nz >= over).sum().item() / n)
 
 
-def test_histogram_bins_are_exact_floor_log2():
+@pytest.mark.parametrize("subnormal", [False, True], ids=["zeros", "zeros+float32-subnormals"])
+def test_histogram_bins_are_exact_floor_log2(subnormal):
     a = log_uniform(37 * 29, -60, 30, seed=1)
-    a[:5] = torch.tensor([1.0, 2.0**-24, 2.0**-14, 65504.0, 2.0**-140])  # edges and a float32 subnormal
-    a[5:9] = 0.0
+    a[:5] = torch.tensor([1.0, 2.0**-24, 2.0**-14, 65504.0, 2.0**-140 if subnormal else -(2.0**-126)])
+    if subnormal:
+        a[9:12] = torch.tensor([2.0**-149, -(2.0**-127), 1.5 * 2.0**-130])
+    a[5:8] = 0.0
+    a[8] = -0.0
     b = -log_uniform(513, -20, 5, seed=2)
     stats = GradientStats(with_grads(a, b), bins=(-40, 20))
     stats.record(0)
