@@ -19,6 +19,9 @@ its input once instead of three times and accumulates one input gradient instead
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 
 from opsnn_lab.fusion.patterns import Match
@@ -72,6 +75,10 @@ class CostModel:
 
     def _measure(self, m: Match) -> list[tuple[tuple, int]]:
         """Run the op once on copies of the chain's inputs; each saved storage as (role, bytes)."""
+        # The op is built on copies of the chain's modules: building may repack weights (FusedQKV), and
+        # the analysed model must not change.
+        m = dataclasses.replace(m, params={k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v
+                                           for k, v in m.params.items()})
         op = self.build(m).train()
         xs = [self.trace.tensors[i].detach().clone().requires_grad_(self.trace.tensors[i].requires_grad)
               for i in m.inputs]

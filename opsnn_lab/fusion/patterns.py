@@ -202,7 +202,7 @@ def find_qkv(g: Graph) -> list[Match]:
         m = Match("qkv", sibs, False, "", inputs=[x.name], outputs=list(sibs),
                   params={"q": sibs[0].obj, "k": sibs[1].obj, "v": sibs[2].obj})
         biases = {s.obj.bias is not None for s in sibs}
-        m.reason = _op_support("FusedQKV", build=lambda m=m: build_qkv(m)) or _common_checks(g, sibs) or (
+        m.reason = _op_support("FusedQKV", build=lambda m=m: build_qkv(m, pack=False)) or _common_checks(g, sibs) or (
             "some siblings have a bias and some do not" if len(biases) > 1 else "")
         m.ok = not m.reason
         out.append(m)
@@ -303,8 +303,11 @@ def build_linear_gelu_dropout(m: Match) -> nn.Module:
     return op_class("FusedLinearGELUDropout").from_modules(p["linear"], p["gelu"], p["dropout"])
 
 
-def build_qkv(m: Match) -> nn.Module:
-    return op_class("FusedQKV").from_modules(m.params["q"], m.params["k"], m.params["v"])
+def build_qkv(m: Match, pack: bool = True) -> nn.Module:
+    # pack=True moves the three weights into one buffer (values and Parameter identity kept): done on the
+    # model apply() returns, never on the model being analysed (validation builds with pack=False).
+    return op_class("FusedQKV").from_modules(m.params["q"], m.params["k"], m.params["v"], pack=pack,
+                                             register=False)
 
 
 def build_attention(m: Match) -> nn.Module:

@@ -52,6 +52,7 @@ def test_resnet_decisions_and_reasons():
 def test_model_rng_and_buffers_untouched():
     model = _tiny_encoder()
     state = {k: v.clone() for k, v in model.state_dict().items()}
+    storages = {n: p.data_ptr() for n, p in model.named_parameters()}
     model.eval()
     torch.manual_seed(5)
     expected = torch.rand(3)
@@ -62,6 +63,7 @@ def test_model_rng_and_buffers_untouched():
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k])
     assert not any(type(m).__name__ == "FusedSlot" for m in model.modules())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == storages  # no weight was repacked
 
 
 class Functional(nn.Module):
