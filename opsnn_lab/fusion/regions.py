@@ -11,6 +11,7 @@ When a module still fails, its children are tried; the reason is kept for the pl
 from __future__ import annotations
 
 import inspect
+import os
 import traceback
 import types
 from dataclasses import dataclass, field
@@ -92,8 +93,13 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) 
 
 
 def _reason(exc: BaseException) -> str:
+    """The error and the line of model code that stopped the tracer (the last frame outside torch)."""
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {msg[:160]}"
+    user = [f for f in traceback.extract_tb(exc.__traceback__)
+            if f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.startswith("<")]
+    where = f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno} `{(user[-1].line or '').strip()}`" \
+        if user and user[-1].filename != __file__ else ""
+    return f"{type(exc).__name__}: {msg[:160]}{where}"
 
 
 def find_regions(model: nn.Module, calls: dict) -> list[Region]:

@@ -235,6 +235,7 @@ def test_gated_cnn_decisions():
     assert "track_running_stats" in d[("nostats.conv", "nostats.bn", "nostats.act")].reason
     top = d[("top_conv", "top_bn", "top_act")]
     assert not top.fused and "not traceable by torch.fx" in top.reason and "control flow" in top.reason
+    assert "`if x.mean() > 0:`" in top.reason  # the line that stopped the tracer
     root = next(r for r in plan.routes if r["path"] == "")
     assert root["route"] == "untraceable" and "control flow" in root["reason"]
     assert {r["path"] for r in plan.routes if r["route"] == "fx"} >= {"stem", "body"}
@@ -264,7 +265,8 @@ def test_cross_model_decisions():
     assert "modified in place by `probe.setitem`" in d[("probe.fc", "probe.act")].reason
     assert "runs 2 times" in d[("probe.shared", "probe.shared")].reason
     assert "LeakyReLU" in d[("probe.leaky_fc", "probe.leaky")].reason
-    assert "mixed dtypes" not in d[("probe.half_fc",)].reason  # float64 end to end is one dtype
+    half = d[("probe.half_fc",)]  # fusable (float64 throughout), but Probe.forward does not trace
+    assert not half.fused and "`probe` is not traceable" in half.reason and "item assignment" in half.reason
 
 
 @pytest.mark.parametrize("case", list(CASES))
