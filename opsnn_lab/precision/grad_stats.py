@@ -47,6 +47,7 @@ N_EXP = EXP_MAX - EXP_MIN + 1  # 277 octave bins
 NONFINITE_BIN, ZERO_BIN = N_EXP, N_EXP + 1  # float32 exponent field 255 lands on N_EXP by itself
 _BIAS = 127 + EXP_MIN  # bin of a normal float32 = exponent field - _BIAS; field 0 (subnormal) -> bin 22
 N_BINS = N_EXP + 2
+DEFAULT_BINS = (-48, 20)  # display octaves kept per parameter: fp16 stays exact for scales 2**-4 .. 2**24
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class GradientTrace:
     """Gradient statistics of a run, one row per recorded step (numpy arrays; save/load as npz).
 
     ``counts[s]`` is the whole model's exponent histogram (``N_BINS``: octaves ``EXP_MIN..EXP_MAX``,
-    then zeros, then non-finite); ``param_hist[s, p]`` is parameter p's histogram on the display bins
+    then non-finite, then zeros); ``param_hist[s, p]`` is parameter p's histogram on the display bins
     ``bins`` (``[< lo, lo..hi-1, >= hi]``); ``amax`` is the unscaled max |g| (inf/nan on a non-finite
     step); ``scale`` the loss scale in effect when the step was recorded.
     """
@@ -222,7 +223,7 @@ class GradientTrace:
             raise ValueError(f"counts must have shape ({S}, {N_BINS}), got {counts.shape}")
         counts[~np.isfinite(amax), NONFINITE_BIN] = np.maximum(counts[~np.isfinite(amax), NONFINITE_BIN], 1)
         scale = np.broadcast_to(np.asarray(scale, dtype=np.float64), (S,)).copy()
-        lo, hi = -48, 20
+        lo, hi = DEFAULT_BINS
         hist = np.concatenate([counts[:, :lo - EXP_MIN].sum(1, keepdims=True), counts[:, lo - EXP_MIN:hi - EXP_MIN],
                                counts[:, hi - EXP_MIN:N_EXP].sum(1, keepdims=True)], axis=1)
         return cls(names=[name], bins=(lo, hi), step=np.arange(S), scale=scale, counts=counts, amax=amax,
@@ -270,7 +271,7 @@ class GradientStats(Callback):
     histogram always spans every float32 exponent.
     """
 
-    def __init__(self, model: nn.Module, bins: tuple[int, int] = (-48, 20), scale=1.0, every: int = 1,
+    def __init__(self, model: nn.Module, bins: tuple[int, int] = DEFAULT_BINS, scale=1.0, every: int = 1,
                  scaled: bool = False):
         check_type("model", model, nn.Module)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -325,20 +326,20 @@ class GradientStats(Callback):
             flat.div_(s)  # cat made a fresh buffer: dividing in place touches no .grad
         pidx, offset = self._layout(present, device)
         pamax = torch.zeros(P, device=device).scatter_reduce_(0, pidx, flat.abs(), "amax")  # NaN/Inf propagate
-        field = torch.bitwise_right_shift(flat.view(torch.int32), 23).bitwise_and_(255)  # biased exponent
-        full = torch.bincount(field.add_(offset), minlength=P * N_BINS).view(P, N_BINS)
-        # Exponent field 0 (bin -_BIAS) holds the zeros and any float32 subnormals. One read-only count
+        expo = torch.bitwise_right_shift(flat.view(torch.int32), 23).bitwise_and_(255)  # biased exponent
+        full = torch.bincount(expo.add_(offset), minlength=P * N_BINS).view(P, N_BINS)
+        # Exponent expo 0 (bin -_BIAS) holds the zeros and any float32 subnormals. One read-only count
         # tells them apart; with no subnormals (the usual case) the bin is simply the zero count.
         if bool(full[:, -_BIAS].sum() + torch.count_nonzero(flat) == flat.numel()):
             full[:, ZERO_BIN] = full[:, -_BIAS]
             full[:, -_BIAS] = 0
         else:
-            field0 = field == offset
-            field[field0 & (flat == 0)] = ZERO_BIN + _BIAS  # the offset is added below
-            sub = field0 & (flat != 0)
-            field[sub] = torch.frexp(flat[sub]).exponent - 1 - EXP_MIN + _BIAS
-            field[field0] += offset[field0]
-            full = torch.bincount(field, minlength=P * N_BINS).view(P, N_BINS)
+            expo0 = expo == offset
+            expo[expo0 & (flat == 0)] = ZERO_BIN + _BIAS  # the offset is added below
+            sub = expo0 & (flat != 0)
+            expo[sub] = torch.frexp(flat[sub]).exponent - 1 - EXP_MIN + _BIAS
+            expo[expo0] += offset[expo0]
+            full = torch.bincount(expo, minlength=P * N_BINS).view(P, N_BINS)
         lo, hi = self.bins[0] - EXP_MIN, self.bins[1] - EXP_MIN
         hist = torch.cat([full[:, :lo].sum(1, keepdim=True), full[:, lo:hi],
                           full[:, hi:N_EXP].sum(1, keepdim=True)], dim=1).int()
