@@ -160,7 +160,9 @@ class _FunctionalDropout(TorchFunctionMode):
         seed = self.state.functional_seed()
         if p == 0.0:
             return x
-        return DropoutFunction.apply(x, p, seed, 0)
+        out = DropoutFunction.apply(x, p, seed, 0)
+        inplace = kwargs.get("inplace", args[3] if func is F.dropout and len(args) > 3 else False)
+        return x.copy_(out) if inplace else out  # the Function saves nothing, so x may be overwritten
 
 
 class _ForwardScope:
@@ -170,6 +172,7 @@ class _ForwardScope:
         self.stack: list[str] | None = None
         self.calls: dict[str, int] = {}
         self.mode: _FunctionalDropout | None = None
+        self.active = False  # between begin_forward and end_forward
 
 
 class _ReproducibleState:
@@ -193,6 +196,7 @@ class _ReproducibleState:
                 yield name or ROOT, module
 
     def begin_forward(self) -> None:
+        self.local.active = True
         for name, module in self.seeded_modules():
             module.set_rng(self.pool.seed_for(name, self.step), 0)
         self.local.stack = [ROOT]
@@ -202,6 +206,9 @@ class _ReproducibleState:
             self.local.mode.__enter__()
 
     def end_forward(self) -> None:
+        if not self.local.active:  # the forward switched to eval mode on its way: nothing began
+            return
+        self.local.active = False
         mode = self.local.mode
         if mode is not None:
             self.local.mode = None
@@ -245,8 +252,7 @@ def _install_hooks(model: nn.Module, state: _ReproducibleState) -> None:
             state.begin_forward()
 
     def post(module, args, output):
-        if module.training:
-            state.end_forward()
+        state.end_forward()
 
     state.handles.append(model.register_forward_pre_hook(pre))
     state.handles.append(model.register_forward_hook(post, always_call=True))

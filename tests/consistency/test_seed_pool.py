@@ -214,6 +214,18 @@ def test_functional_dropout_is_keyed_by_module_path_and_call_index():
     assert torch.equal(outs[0], expected)
 
 
+def test_functional_inplace_dropout_writes_its_input():
+    class Inplace(nn.Module):
+        def forward(self, x):
+            F.dropout(x, 0.5, self.training, True)  # result ignored: the input itself must change
+            return x
+
+    x = torch.ones(4, 16)
+    make_reproducible(Inplace(), seed=1)(x)
+    expected = DropoutFunction.apply(torch.ones(4, 16), 0.5, SeedPool(1).seed_for(f"{ROOT}:dropout.0", 0), 0)
+    assert torch.equal(x, expected) and (x == 0).any()
+
+
 def test_functional_dropout_identity_in_eval_and_off_switch():
     torch.manual_seed(0)
     model = make_reproducible(_Functional(), seed=5).eval()
