@@ -97,3 +97,10 @@ def test_bad_arguments():
         GradientHistogram(recorded(), fmt="fp8")
     with pytest.raises(ValueError, match="stats_or_trace"):
         GradientHistogram(GradientTrace.from_amax([]))
+
+
+def test_static_renderers_get_the_figure():
+    from opsnn_lab.widgets._base import PLOTLY_MIME
+
+    bundle = GradientHistogram(recorded())._repr_mimebundle_()
+    assert [t["type"] for t in bundle[PLOTLY_MIME]["data"]] == ["heatmap", "bar", "bar", "bar"]

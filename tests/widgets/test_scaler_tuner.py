@@ -132,3 +132,11 @@ def test_bad_arguments():
         ScalerTuner(trace(np.ones(3)), init_scale=2.0**30)
     with pytest.raises(ValueError, match="min_scale"):
         ScalerTuner(trace(np.ones(3)), min_scale=0.0)
+
+
+def test_static_renderers_get_the_figure():
+    from opsnn_lab.widgets._base import PLOTLY_MIME
+
+    tuner = ScalerTuner(trace(np.full(10, 2.0**-4)))
+    data = tuner._repr_mimebundle_()[PLOTLY_MIME]["data"]
+    assert [d["name"] for d in data][:2] == ["overflow ceiling", "log2 scale"] and len(data) == 5
