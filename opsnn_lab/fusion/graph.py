@@ -46,14 +46,16 @@ def canonical_module(module: nn.Module) -> str:
     for cls in type(module).__mro__:
         if cls in _MODULE_OPS:
             return _MODULE_OPS[cls]
+    if type(module).__module__.startswith("opsnn_lab.ops") and type(module).__name__ == "Dropout":
+        return "dropout"  # the counter-based dropout ol.consistency.make_reproducible swaps in
     return type(module).__name__.lower()
 
 
 def is_leaf_module(module: nn.Module) -> bool:
-    """fx's rule: built-in torch.nn modules are called as a unit; user modules are looked into."""
+    """fx's rule, plus opsnn_lab's own ops: built-in modules run as a unit; user modules are looked into."""
     mod = type(module).__module__
-    return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(
-        module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+    builtin = mod.startswith("torch.nn") or mod.startswith("torch.ao.nn") or mod.startswith("opsnn_lab.ops")
+    return builtin and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,13 @@ def _blocker(exc: BaseException, module: nn.Module):
     return None
 
 
+class _Tracer(fx.Tracer):
+    """Keeps opsnn_lab.ops modules (e.g. the counter-based Dropout) as calls, as the run-time trace does."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return is_leaf_module(m) or super().is_leaf_module(m, module_qualified_name)
+
+
 def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) -> tuple[fx.GraphModule, list]:
     """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer."""
     flags = {m: m.training for m in module.modules()}
@@ -77,7 +84,7 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) 
     wrapped = list(wrapped)
     try:
         for _ in range(4):
-            tracer = fx.Tracer(autowrap_functions=tuple(wrapped))
+            tracer = _Tracer(autowrap_functions=tuple(wrapped))
             try:
                 graph = tracer.trace(module, concrete_args=dict(concrete) or None)
                 return fx.GraphModule(tracer.root, graph, type(module).__name__), wrapped

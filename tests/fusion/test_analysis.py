@@ -132,3 +132,14 @@ def test_no_candidates_and_empty_batch():
     assert all(d.saved_bytes == 0 for d in empty.decisions)  # nothing to save for nothing
     fused_empty = ol.fusion.apply(_tiny_encoder(), empty)
     assert fused_empty(torch.zeros(0, 8, dtype=torch.long)).shape == (0, 8, 128)
+
+
+def test_reproducible_models_keep_their_patterns():
+    model = ol.consistency.make_reproducible(_tiny_encoder(), seed=0)
+    assert any(type(m).__module__.startswith("opsnn_lab.ops") for m in model.modules())
+    fused, plan = ol.fusion.fuse(model, _ids())
+    assert plan.summary()["linear_gelu_dropout_linear"] == {"fused": 2, "rejected": 0}
+    assert plan.summary()["attention"] == {"fused": 2, "rejected": 0}
+    model.eval()
+    fused.eval()
+    torch.testing.assert_close(fused(_ids()), model(_ids()), atol=1e-5, rtol=1e-5)
