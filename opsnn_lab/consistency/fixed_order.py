@@ -17,8 +17,9 @@ Why each op is here (all measured bitwise on the CPU build this package is teste
   TensorIterator (two-pass reduction), so its bits depend on ``torch.set_num_threads``. Here the
   reduced axes go last and are summed in fixed blocks of ``SUM_BLOCK`` (each block by one thread),
   then the block sums the same way, recursively.
-* ``_softmax_backward_data``/``_log_softmax_backward_data``: the native kernels change bits with the
-  thread count; rewritten as row-local formulas over the fixed sum.
+* ``_softmax_backward_data``: the native kernel changes bits with the thread count (rows of 33 or 37
+  elements; rows of whole vectors do not); rewritten as ``y * (g - sum(g * y))`` over the fixed sum.
+  The log_softmax backward stays native (thread- and batch-invariant, checked in the tests).
 * ``native_layer_norm_backward``: the weight/bias gradients are reduced through per-thread buffers;
   all three gradients are rewritten as formulas over the fixed sum (the native kernel's ``out=``
   overload calls back into the functional one, so it cannot be reused from inside the override).
@@ -26,8 +27,9 @@ Why each op is here (all measured bitwise on the CPU build this package is teste
   approximations (27 of 100 elements differ), and where the tail falls depends on the tensor size and
   on how threads split it; the input is padded so every element takes the vectorised path.
 
-Forward softmax/log_softmax and layer_norm are row-local with a per-row order fixed by the row length
-on this build, so the native kernels are kept (``tests/consistency/test_strict.py`` checks it).
+Forward softmax/log_softmax, the log_softmax backward and the layer_norm forward are row-local with a
+per-row order fixed by the row length on this build, so the native kernels are kept
+(``tests/consistency/test_strict.py`` checks each bitwise across batch sizes and thread counts).
 Each function calls only ``out=`` overloads of the ops it replaces, which are not overridden.
 """
 
@@ -49,7 +51,6 @@ __all__ = [
     "fixed_mean",
     "fixed_mean_default",
     "softmax_backward",
-    "log_softmax_backward",
     "layer_norm_backward",
     "gelu",
     "gelu_backward",
@@ -280,21 +281,11 @@ def gelu_backward(grad: torch.Tensor, x: torch.Tensor, *, approximate: str = "no
         g, v, approximate=approximate, grad_input=out), grad, x, approximate=approximate)
 
 
-def _exp(x: torch.Tensor) -> torch.Tensor:
-    return _padded_elementwise(torch.ops.aten.exp.out, x)
-
-
 # --------------------------------------------------------------------------- softmax / layer norm
 def softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int, input_dtype) -> torch.Tensor:
     """d softmax: ``y * (g - sum(g * y, dim))`` with the fixed row sum."""
     gy = grad * output
     grad_in = output * (grad - fixed_sum(gy, [dim], True))
-    return grad_in.to(input_dtype)
-
-
-def log_softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int, input_dtype) -> torch.Tensor:
-    """d log_softmax: ``g - exp(y) * sum(g, dim)`` with the fixed row sum."""
-    grad_in = grad - _exp(output) * fixed_sum(grad, [dim], True)
     return grad_in.to(input_dtype)
 
 

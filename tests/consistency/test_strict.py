@@ -349,6 +349,25 @@ def test_strict_ops_match_native_forward_and_backward(name, fn, shapes):
         torch.testing.assert_close(a, b, atol=FP32[0], rtol=FP32[1], msg=name)
 
 
+@pytest.mark.parametrize("shape", [(64, 8, 37), (16, 4, 8, 8), (512, 160), (3, 17, 33)])
+def test_kept_native_kernels_are_row_local(shape):
+    # strict() keeps these natively: a row's bits must not depend on the other rows or thread count.
+    x, g = seeded(*shape, seed=1), seeded(*shape, seed=2)
+    w, b = seeded(shape[-1], seed=3), seeded(shape[-1], seed=4)
+
+    def ops(n):
+        ly = torch.log_softmax(x[:n], -1)
+        return (torch.softmax(x[:n], -1), ly, F.layer_norm(x[:n], shape[-1:], w, b),
+                torch.ops.aten._log_softmax_backward_data(g[:n], ly, -1, torch.float32))
+
+    with threads(1):
+        ref = ops(shape[0])
+    with threads(2):
+        for n in (1, 2, shape[0]):
+            for got, want in zip(ops(n), ref):
+                assert torch.equal(got, want[:n]), (shape, n)
+
+
 def test_gelu_bits_do_not_depend_on_tensor_size_under_strict():
     x = seeded(100, seed=6)
     with nullcontext():
