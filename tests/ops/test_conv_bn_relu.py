@@ -237,6 +237,25 @@ def test_activation_bytes_small_stem():
     assert len(full) == 1  # the conv output only; the ReLU output before the pool is never kept
 
 
+def test_activation_bytes_without_pool():
+    """Conv+BN+ReLU saves the conv input and output only (eager adds the ReLU output): (x + y) / (x + 2y)."""
+    mods = make_chain(3, 16, 3, 1, 1, None, bias=False)
+    eager, _, fused = pair(mods)
+    x = seeded(2, 3, 32, 32)
+    assert activation_bytes(lambda: fused(x)) / activation_bytes(lambda: eager(x)) <= 0.6
+
+
+@pytest.mark.parametrize("padding", ["same", "valid"])
+def test_string_padding(padding):
+    mods = make_chain(3, 4, 3, 1, padding, None)
+    eager, eager_mods, fused = pair(mods)
+    x = seeded(2, 3, 7, 6, seed=8)
+    compare(fwd_bwd(eager, eager_mods, x), fwd_bwd(fused, mods, x))
+    even = nn.Conv2d(3, 4, 2, padding="same")
+    ok, reason = FusedConvBNReLU.supports(even, nn.BatchNorm2d(4), nn.ReLU())
+    assert not ok and "conv.padding" in reason
+
+
 def test_eval_saves_no_conv_output_with_pool():
     mods = make_chain(3, 8, 3, 1, 1, (2, 2, 0))
     _, _, fused = pair(mods, train=False)
