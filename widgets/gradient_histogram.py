@@ -23,40 +23,48 @@ _BANDS = {"fp16": ("rgba(0,204,150,0.10)", "rgba(254,203,82,0.16)", "#00CC96"),
 
 
 class GradientHistogram(StaticFigureMixin, W.VBox):
-    """Per-parameter histograms of log2|g| for one recorded step, and where fp16/bf16 would cut them.
+    """Per-module (or per-parameter) histograms of log2|g| for one recorded step, and where fp16/bf16
+    would cut them.
 
-    Left: a heatmap, one row per parameter, one column per octave of the UNSCALED gradient (the two
-    outer columns hold everything below / above the display bins); each row is the share of that
-    parameter's nonzero elements. The fp16 and bf16 ranges at the loss scale are drawn as bands in the
-    same unscaled coordinates: scaling by ``2**k`` moves the bands ``k`` octaves left. Right: per
-    parameter underflow / subnormal / overflow fractions in the chosen format at that scale.
+    Left: a heatmap, one row per module (``by="module"``: weight and bias merged) or per parameter, one
+    column per octave of the UNSCALED gradient (the two outer columns hold everything below / above the
+    display bins); each row is the share of that row's nonzero elements. The fp16 and bf16 ranges at
+    the loss scale are drawn as bands in the same unscaled coordinates: scaling by ``2**k`` moves the
+    bands ``k`` octaves left. Right: per row underflow / subnormal / overflow fractions in the chosen
+    format at that scale.
 
     Controls: ``step`` (row of the trace), ``fmt`` (fp16/bf16), ``recorded_scale`` (use the scale
-    recorded with the step) and ``scale_log2`` (the scale to use otherwise).
+    recorded with the step), ``scale_log2`` (the scale to use otherwise), ``by`` (module/parameter).
     """
 
-    def __init__(self, stats_or_trace, *, fmt: str = "fp16", height: int | None = None):
-        self.trace = as_trace(stats_or_trace, "stats_or_trace")
+    def __init__(self, stats_or_trace, *, fmt: str = "fp16", by: str = "module", height: int | None = None):
+        source = as_trace(stats_or_trace, "stats_or_trace")
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+        if by not in ("module", "parameter"):
+            raise ValueError(f"by must be 'module' or 'parameter', got {by!r}")
+        self._views = {"module": source.by_module(), "parameter": source}
+        self.trace = self._views[by]
         n = len(self.trace)
         if n == 0:
             raise ValueError("stats_or_trace holds no recorded steps; record at least one step first")
         self.step = W.IntSlider(value=n - 1, min=0, max=n - 1, description="recorded step #", style=_WIDE,
                                 continuous_update=False, layout=W.Layout(width="420px"))
         self.fmt = W.ToggleButtons(options=list(FORMATS), value=fmt, description="format", style=_WIDE)
+        self.by = W.ToggleButtons(options=["module", "parameter"], value=by, description="rows", style=_WIDE)
         self.recorded_scale = W.Checkbox(value=True, description="use the recorded loss scale", style=_WIDE)
         self.scale_log2 = W.IntSlider(value=int(round(math.log2(self.trace.scale[-1]))), min=-16, max=40,
                                       description="loss scale (log2)", style=_WIDE, continuous_update=False,
                                       disabled=True)
-        rows = len(self.trace.names)
+        rows = len(source.names)
         self.figure = self._make_figure(height or max(320, 60 + 18 * rows))
         self.summary = W.HTML()
         self.recorded_scale.observe(self._toggle_scale, names="value")
         for control in (self.step, self.fmt, self.scale_log2):
             control.observe(self._redraw, names="value")
+        self.by.observe(self._switch_rows, names="value")
         self._redraw()
-        super().__init__([W.HBox([self.step, self.fmt]), W.HBox([self.recorded_scale, self.scale_log2]),
+        super().__init__([W.HBox([self.step, self.fmt]), W.HBox([self.recorded_scale, self.scale_log2, self.by]),
                           self.figure, self.summary])
 
     # ---------------------------------------------------------------- state
@@ -73,6 +81,14 @@ class GradientHistogram(StaticFigureMixin, W.VBox):
         self.scale_log2.disabled = bool(change["new"])
         if change["new"]:
             self.scale_log2.value = int(round(math.log2(self.trace.scale[self.index])))
+        self._redraw()
+
+    def _switch_rows(self, change):
+        self.trace = self._views[change["new"]]
+        names = self.trace.names
+        with self.figure.batch_update():
+            for trace_ in self.figure.data:
+                trace_.y = names
         self._redraw()
 
     # ---------------------------------------------------------------- drawing
@@ -126,7 +142,7 @@ class GradientHistogram(StaticFigureMixin, W.VBox):
             for trace_ in self.figure.data[1:]:
                 trace_.x = frac[trace_.name]
             self.figure.layout.shapes = self._band_shapes(k)
-            self.figure.layout.title = (f"step {int(self.trace.step[i])}: log2|g| per parameter; {fmt} ranges at "
+            self.figure.layout.title = (f"step {int(self.trace.step[i])}: log2|g| per {self.by.value}; {fmt} ranges at "
                                         f"loss scale 2**{k:.3g} (bands: green normal, yellow subnormal)")
         self.summary.value = self._summary(i, s, fmt, frac)
 

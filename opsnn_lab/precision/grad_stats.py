@@ -231,6 +231,20 @@ class GradientTrace:
                    param_zeros=counts[:, None, ZERO_BIN], param_nonfinite=counts[:, None, NONFINITE_BIN],
                    param_numel=np.array([int(counts[0].sum()) if S else 0]))
 
+    def by_module(self) -> GradientTrace:
+        """The same trace with parameters merged per module (``layers.0.mlp.fc1.weight`` and ``.bias``
+        -> ``layers.0.mlp.fc1``): histograms, zeros and non-finite counts summed, amax maxed."""
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(self.names):
+            groups.setdefault(name.rsplit(".", 1)[0] if "." in name else name, []).append(i)
+        idx = list(groups.values())
+        merge = lambda a, op: np.stack([op(a[:, ix], axis=1) for ix in idx], axis=1) if idx else a
+        return GradientTrace(
+            names=list(groups), bins=self.bins, step=self.step, scale=self.scale, counts=self.counts, amax=self.amax,
+            param_hist=merge(self.param_hist, np.sum), param_amax=merge(self.param_amax, np.max),
+            param_zeros=merge(self.param_zeros, np.sum), param_nonfinite=merge(self.param_nonfinite, np.sum),
+            param_numel=np.array([self.param_numel[ix].sum() for ix in idx], dtype=np.int64))
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         if path.suffix != ".npz":

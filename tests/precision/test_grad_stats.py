@@ -200,6 +200,22 @@ def test_scaled_gradients_are_divided_back_to_true_gradients():
         GradientStats(Two(), scaled=1)
 
 
+def test_by_module_merges_parameters_of_one_module():
+    task = MaskedTokenTask(seq_len=8, batch_size=2)
+    model = task.model(EncoderConfig.tiny(hidden=16, intermediate=32, layers=1, heads=2))
+    stats = GradientStats(model)
+    ol.train(model, task, 2, callbacks=[stats], progress=False)
+    tr = stats.trace()
+    mod = tr.by_module()
+    assert "layers.0.mlp.fc1" in mod.names and len(mod.names) < len(tr.names)
+    i = mod.names.index("layers.0.mlp.fc1")
+    parts = [tr.names.index("layers.0.mlp.fc1.weight"), tr.names.index("layers.0.mlp.fc1.bias")]
+    np.testing.assert_array_equal(mod.param_hist[:, i], tr.param_hist[:, parts].sum(1))
+    np.testing.assert_array_equal(mod.param_amax[:, i], tr.param_amax[:, parts].max(1))
+    assert mod.param_numel[i] == 16 * 32 + 32 and mod.param_numel.sum() == tr.param_numel.sum()
+    np.testing.assert_array_equal(mod.counts, tr.counts)  # the whole-model view is unchanged
+
+
 def test_save_load_roundtrip(tmp_path):
     stats = GradientStats(with_grads(log_uniform(37 * 29, -30, 0), None), bins=(-30, 10))
     for step in range(3):

@@ -104,3 +104,25 @@ def test_static_renderers_get_the_figure():
 
     bundle = GradientHistogram(recorded())._repr_mimebundle_()
     assert [t["type"] for t in bundle[PLOTLY_MIME]["data"]] == ["heatmap", "bar", "bar", "bar"]
+
+
+def test_rows_per_module_merge_weight_and_bias():
+    model = nn.Linear(4, 3)
+    model.extra = nn.Linear(2, 2)
+    stats = GradientStats(model)
+    model.weight.grad = torch.full((3, 4), 2.0**-3)
+    model.bias.grad = torch.full((3,), 2.0**5)
+    model.extra.weight.grad = torch.full((2, 2), 2.0**-30)
+    model.extra.bias.grad = torch.zeros(2)
+    stats.record(0)
+    w = GradientHistogram(stats)  # by="module" is the default
+    # top-level parameters keep their own names; extra.weight and extra.bias become one row
+    assert list(w.figure.data[0].y) == w.trace.names == ["weight", "bias", "extra"]
+    assert w.trace.param_numel.tolist() == [12, 3, 6] and w.trace.param_zeros[0].tolist() == [0, 0, 2]
+    extra = np.array(w.figure.data[0].z, dtype=float)[2]
+    assert np.nansum(extra) == pytest.approx(1.0)  # share of the module's 4 nonzero elements, all at 2**-30
+    w.by.value = "parameter"
+    assert list(w.figure.data[0].y) == ["weight", "bias", "extra.weight", "extra.bias"]
+    assert list(w.figure.data[1].y) == list(w.figure.data[0].y) and "per parameter" in w.figure.layout.title.text
+    with pytest.raises(ValueError, match="by"):
+        GradientHistogram(stats, by="layer")
