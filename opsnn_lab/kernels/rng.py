@@ -134,6 +134,32 @@ def _hash_segment(s1: int, s2: int, hi: int, lo: int, n: int, device) -> torch.T
     return _xorshift16_(x)
 
 
+_SERIAL_MAX_NUMEL = 1 << 24  # up to 16 M elements (8 M words, ~10 ms on one core) the hash runs serially
+
+
+class _serial:
+    """Run the hash passes of a CPU draw of up to ``_SERIAL_MAX_NUMEL`` elements on one thread.
+
+    Each pass is a few hundred microseconds of cached integer work, so a fork-join per pass costs more
+    than it saves, and on a loaded machine a pass can stall waiting for a descheduled worker (measured:
+    the attention core's fused fwd+bwd 1.9x eager with parallel hash passes, 1.2x serial, 2 threads,
+    load ~7). Restores the thread count on exit.
+    """
+
+    def __init__(self, device, numel: int):
+        self.active = (torch.device(device).type == "cpu" and numel <= _SERIAL_MAX_NUMEL
+                       and torch.get_num_threads() > 1)
+
+    def __enter__(self):
+        if self.active:
+            self.threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.active:
+            torch.set_num_threads(self.threads)
+
+
 def _hashed_words(seed: int, offset: int, numel: int, device) -> torch.Tensor:
     """int32 words covering counters ``[offset, offset + numel)`` (split where the high word changes)."""
     s1, s2 = seed_keys(seed)
@@ -186,7 +212,8 @@ def dropout_mask(seed: int, offset: int, shape: Sequence[int] | int, p: float, d
     if thr == 65536:
         return torch.zeros(shape, dtype=dtype, device=device)
     out = torch.empty(numel, dtype=dtype, device=device)
-    return torch.ge(_signed16(seed, offset, numel, device), thr - 32768, out=out).view(shape)
+    with _serial(device, numel):
+        return torch.ge(_signed16(seed, offset, numel, device), thr - 32768, out=out).view(shape)
 
 
 def _words_reference(seed: int, offset: int, numel: int) -> torch.Tensor:

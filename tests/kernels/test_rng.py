@@ -145,3 +145,13 @@ def test_bad_probability():
         rng.dropout_mask(0, 0, 4, 1.5)
     with pytest.raises(TypeError, match="p"):
         rng.dropout_mask(0, 0, 4, "0.1")
+
+
+def test_serial_hash_restores_the_thread_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rng.dropout_mask(0, 0, 1000, 0.5, dtype=torch.float32)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
