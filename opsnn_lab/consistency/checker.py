@@ -67,8 +67,14 @@ def _dtype(stats) -> torch.dtype:
     return getattr(torch, stats.dtype, torch.float32) if stats else torch.float32
 
 
+def _tolerance(a: torch.dtype, b: torch.dtype, precision) -> tuple[float, float]:
+    # two dtypes (fp32 against bf16): the looser of the two defaults
+    return max(tolerance_for(a, precision), tolerance_for(b, precision))
+
+
 def _errors(run: OpRecord, ref: OpRecord, precision) -> tuple[dict, float, float, str]:
-    atol, rtol = tolerance_for(_dtype(ref.output_stats[0] if ref.output_stats else None), precision)
+    first = (run.output_stats[0] if run.output_stats else None), (ref.output_stats[0] if ref.output_stats else None)
+    atol, rtol = _tolerance(_dtype(first[0]), _dtype(first[1]), precision)
     same_hash = len(run.output_stats) == len(ref.output_stats) and all(
         a.hash == b.hash and a.shape == b.shape and a.dtype == b.dtype
         for a, b in zip(run.output_stats, ref.output_stats))
@@ -80,7 +86,7 @@ def _errors(run: OpRecord, ref: OpRecord, precision) -> tuple[dict, float, float
                  "exact": False}, atol, rtol, "hash")
     errs = []
     for a, b, sa, sb in zip(run.outputs, ref.outputs, run.output_stats, ref.output_stats):
-        ta, tr_ = tolerance_for(b.dtype, precision)
+        ta, tr_ = _tolerance(a.dtype, b.dtype, precision)
         finite = sa.nan == sa.inf == sb.nan == sb.inf == 0
         errs.append(tensor_errors(a, b, ta, tr_, finite=finite))
     return merge_errors(errs), atol, rtol, "elementwise"
@@ -101,7 +107,8 @@ _RANDOM = tuple(f"aten.{n}" for n in ("rand.", "rand_like", "randn", "randint", 
 
 
 def _origin(row: Row, run: OpRecord, ref: OpRecord, differs_at: dict, seen_difference: bool) -> str:
-    """Why a row's output differs (bitwise): a leaf input differs, nothing upstream differs, or it inherits."""
+    """Why a row's output differs (bitwise): a leaf input differs ("input"), nothing upstream differs ("op"),
+    an upstream row differs ("propagated"), or an input comes from a restructured module ("unaligned")."""
     if row.exact:
         return ""
     if row.kind != "op":
@@ -111,8 +118,11 @@ def _origin(row: Row, run: OpRecord, ref: OpRecord, differs_at: dict, seen_diffe
     for a, b in zip(run.input_stats, ref.input_stats):
         if a is not None and b is not None and (a.hash != b.hash or a.shape != b.shape):
             return "input"
-    if any(p is not None and p >= 0 and differs_at.get(p, True) for p in run.input_producers):
+    produced = [p for p in run.input_producers if p is not None and p >= 0]
+    if any(differs_at.get(p, False) for p in produced):
         return "propagated"
+    if any(p not in differs_at for p in produced):
+        return "unaligned"   # the difference enters from a module whose ops have no counterpart (fused)
     return "op"
 
 
@@ -128,7 +138,7 @@ def _backward_root(rows: list[Row], records: dict) -> Row | None:
         if row.index in seen:
             continue
         seen.add(row.index)
-        if row.origin in ("input", "op"):
+        if row.origin in ("input", "op", "unaligned"):
             roots.append(row)
         for p in records[row.index][0].input_producers:
             up = by_run.get(p) if p is not None else None
