@@ -5,6 +5,9 @@ from opsnn_lab._lazy import lazy_exports
 _EXPORTS = {
     "SeedPool": "seed_pool",
     "make_reproducible": "seed_pool",
+    "set_step": "seed_pool",
+    "get_step": "seed_pool",
+    "SeedStream": "seed_pool",
     "strict": "strict",
     "is_strict": "strict",
     "ConsistencyChecker": "checker",
