@@ -134,7 +134,8 @@ class GradientHistogram(StaticFigureMixin, W.VBox):
         i, s, fmt = self.index, self.scale, self.fmt.value
         hist = self.trace.param_hist[i].astype(np.float64)
         share = hist / np.maximum(hist.sum(1, keepdims=True), 1)
-        share[share == 0] = np.nan  # empty octaves stay transparent, so the range bands show through
+        # empty octaves stay transparent (None: JSON has no NaN), so the range bands show through
+        share = np.where(share == 0, None, share).tolist()
         frac = self.trace.layer_fractions(i, scale=s, fmt=fmt)
         k = math.log2(s)
         with self.figure.batch_update():

@@ -124,7 +124,8 @@ class ScalerTuner(StaticFigureMixin, W.VBox):
         steps = self.trace.step
         with np.errstate(divide="ignore"):
             ceiling = np.log2(self.trace.max_safe_scale("fp16"))
-        fig.add_trace(go.Scatter(x=steps, y=np.where(np.isfinite(ceiling), ceiling, np.nan), name="overflow ceiling",
+        ceiling = np.where(np.isfinite(ceiling), ceiling, None)  # gaps at non-finite steps (JSON has no NaN)
+        fig.add_trace(go.Scatter(x=steps, y=ceiling, name="overflow ceiling",
                                  mode="lines", line=dict(color="rgba(150,150,150,0.6)", width=1)), row=1, col=1)
         fig.add_trace(go.Scatter(name="log2 scale", mode="lines", line=dict(color="#636EFA", width=2, shape="hv")),
                       row=1, col=1)

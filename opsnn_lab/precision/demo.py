@@ -171,8 +171,10 @@ def _allreduce_worker(rank: int, world_size: int, port: int, magnitudes: Sequenc
                 got = model.weight.grad.reshape(-1).double()
                 err = (got - exact).abs().max() / exact.abs().max()
                 out[(name, mag)] = float(err) if torch.isfinite(err) else math.inf
+                del ddp
         if rank == 0:
             queue.put(out)
+        dist.barrier()  # no rank tears down its gloo pairs while a peer still uses them
     finally:
         dist.destroy_process_group()
 
@@ -191,8 +193,14 @@ def allreduce_demo(magnitudes: Sequence[float] = (1e-9, 1.0, 1e5), world_size: i
     check_positive("numel", numel, integer=True)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_allreduce_worker, args=(world_size, _free_port(), list(magnitudes), numel, queue),
-             nprocs=world_size, join=True)
+    for attempt in range(2):  # a free port can be taken by another process before gloo binds it: retry once
+        try:
+            mp.spawn(_allreduce_worker, args=(world_size, _free_port(), list(magnitudes), numel, queue),
+                     nprocs=world_size, join=True)
+            break
+        except mp.ProcessExitedException:
+            if attempt:
+                raise
     flat = queue.get()
     out: dict[str, dict[float, float]] = {}
     for (name, mag), err in flat.items():
