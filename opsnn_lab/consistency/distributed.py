@@ -30,13 +30,13 @@ def _meta_records(trace: Trace) -> list[dict]:
 
 
 def _remote_trace(metas: list[dict]) -> Trace:
-    from opsnn_lab.consistency.tracer import _stats_from_dict
+    from opsnn_lab.consistency.stats import stats_from_dict
 
     recs = []
     for d in metas:
         d = dict(d)
-        d["input_stats"] = [None if s is None else _stats_from_dict(s) for s in d["input_stats"]]
-        d["output_stats"] = [_stats_from_dict(s) for s in d["output_stats"]]
+        d["input_stats"] = [None if s is None else stats_from_dict(s) for s in d["input_stats"]]
+        d["output_stats"] = [stats_from_dict(s) for s in d["output_stats"]]
         recs.append(OpRecord(**d))
     return Trace(recs, rank=0)
 

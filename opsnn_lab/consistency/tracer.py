@@ -9,12 +9,11 @@ names the node, so a backward op lands on the same module path as its forward op
 Tensors are held by reference while tracing (no copies on the hot path); an in-place op on a held
 tensor first swaps the held one for a copy (copy-on-write), and at exit the leaves (parameters, user
 inputs) and parameter gradients are copied because an optimizer step mutates them later. Statistics and
-the bitwise hash are computed once per tensor at exit (``summarize``), in float64 with four reductions.
+the bitwise hash are computed once per tensor at exit (``stats.summarize``).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections import defaultdict
@@ -24,6 +23,8 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from opsnn_lab.consistency.stats import TensorStats, stats_from_dict, summarize, tensor_hash
 
 __all__ = ["TensorStats", "OpRecord", "Trace", "OpTracer", "summarize", "tensor_hash", "flatten", "unflatten",
            "portable", "restore"]
@@ -42,26 +43,6 @@ _SKIP = {
 _FRESH = {_aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
           _aten.new_empty.default, _aten.new_empty_strided.default}
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-@dataclass
-class TensorStats:
-    """Summary of one tensor: what two runs exchange before (or instead of) the tensor itself."""
-
-    shape: tuple
-    dtype: str
-    min: float
-    max: float
-    mean: float
-    std: float
-    norm: float
-    nan: int
-    inf: int
-    hash: str
-
-    def as_dict(self) -> dict:
-        return {k: (list(v) if k == "shape" else v) for k, v in self.__dict__.items()}
 
 
 @dataclass
@@ -133,8 +114,8 @@ class Trace:
         records = []
         for d in data["records"]:
             d = dict(d)
-            d["input_stats"] = [None if s is None else _stats_from_dict(s) for s in d["input_stats"]]
-            d["output_stats"] = [_stats_from_dict(s) for s in d["output_stats"]]
+            d["input_stats"] = [None if s is None else stats_from_dict(s) for s in d["input_stats"]]
+            d["output_stats"] = [stats_from_dict(s) for s in d["output_stats"]]
             if d.get("flat_args") is not None:
                 d["flat_args"] = [restore(a) for a in d["flat_args"]]
             records.append(OpRecord(**d))
@@ -157,82 +138,6 @@ def restore(a):
     if isinstance(a, tuple) and len(a) == 2 and a[0] == _MARK:
         return getattr(torch, a[1])
     return a
-
-
-def _stats_from_dict(d: dict) -> TensorStats:
-    return TensorStats(**{**d, "shape": tuple(d["shape"])})
-
-
-# --------------------------------------------------------------------------- statistics and hash
-_weights: dict[tuple, torch.Tensor] = {}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.bool:
-        return t.reshape(-1).view(torch.uint8)
-    if t.is_complex():
-        return torch.view_as_real(t).reshape(-1).view(_BITS[t.element_size() // 2])
-    return t.reshape(-1).view(_BITS[t.element_size()])
-
-
-def _hash_parts(t: torch.Tensor) -> list[int]:
-    bits = _bits(t)
-    n = bits.numel()
-    key = (n, bits.device)
-    w = _weights.get(key)
-    if w is None:
-        # odd int32 multipliers: multiplying by an odd number is a bijection mod 2**32, so changing any
-        # one element changes its product and the sum; position-dependent, so a permutation shows too
-        w = (torch.arange(1, n + 1, dtype=torch.int64, device=bits.device) * 0x9E3779B1 + 0x7F4A7C15)
-        w = ((w & 0x7FFFFFFF) | 1).to(torch.int32)
-        if len(_weights) > 256:
-            _weights.clear()
-        _weights[key] = w
-    # int32 products and int32 sums wrap: exact arithmetic mod 2**32, the same on any machine and in any
-    # reduction order (a native int32 sum is ~6x faster than the int64-promoting default)
-    return torch.stack([(bits * w).sum(dtype=torch.int32), bits.sum(dtype=torch.int32)]).tolist()
-
-
-def _hex(h: list[int]) -> str:
-    return f"{h[0] & 0xFFFFFFFF:08x}{h[1] & 0xFFFFFFFF:08x}"
-
-
-def tensor_hash(t: torch.Tensor) -> str:
-    """Bitwise hash: the raw bits as integers times position weights, summed (one pass, no float math)."""
-    return _hex(_hash_parts(t.detach()))
-
-
-def summarize(t: torch.Tensor) -> TensorStats:
-    """Shape, dtype, min/max/mean/std/norm and NaN/Inf counts plus the bitwise hash.
-
-    Four passes over the tensor, no float64 copy of it: the hash, sum, norm and aminmax. Statistics
-    accumulate in float32 (float64 for float64 tensors): they are for people to read, the errors that
-    judge a divergence are computed elementwise in float64.
-    """
-    t = t.detach()
-    shape, dtype = tuple(t.shape), str(t.dtype).replace("torch.", "")
-    n = t.numel()
-    h = _hex(_hash_parts(t))
-    if n == 0:
-        return TensorStats(shape, dtype, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, h)
-    x = t.abs() if t.is_complex() else t
-    if not x.dtype.is_floating_point:
-        x = x.to(torch.float64)
-    elif x.element_size() < 4:
-        x = x.float()
-    nan = inf = 0
-    s, nrm = torch.stack([x.sum(), torch.linalg.vector_norm(x)]).tolist()
-    if not (math.isfinite(s) and math.isfinite(nrm)):
-        nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
-        x = x[torch.isfinite(x)]
-        n = x.numel()
-        if n == 0:
-            return TensorStats(shape, dtype, math.nan, math.nan, math.nan, math.nan, math.nan, nan, inf, h)
-        s, nrm = torch.stack([x.sum(), torch.linalg.vector_norm(x)]).tolist()
-    mn, mx = torch.stack(torch.aminmax(x.reshape(-1))).tolist()
-    mean = s / n
-    var = max(nrm * nrm / n - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 0.0)
-    return TensorStats(shape, dtype, float(mn), float(mx), mean, math.sqrt(var), nrm, nan, inf, h)
 
 
 # --------------------------------------------------------------------------- the tracer
