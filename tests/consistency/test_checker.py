@@ -269,3 +269,18 @@ def test_fp32_against_bf16_uses_the_looser_default_tolerance():
     # 1e-6 is meaningless for bf16: the same comparison at a fixed precision diverges at once
     strict = ConsistencyChecker(precision=1e-6, dump_on_failure=False)
     assert not strict.compare(lambda: a(x).sum().backward(), lambda: b(x.bfloat16()).float().sum().backward()).ok
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compare_cpu_against_gpu_aligns_every_op():
+    torch.manual_seed(0)
+    cpu = TASK.model(EncoderConfig.tiny(dropout=0.0, attn_dropout=0.0))
+    gpu = copy.deepcopy(cpu).cuda()
+    batch = TASK.batch(0)
+    gbatch = {k: v.cuda() for k, v in batch.items()}
+    report = ConsistencyChecker(precision=1e-4, dump_on_failure=False).compare(
+        lambda: TASK.loss(cpu, batch).backward(), lambda: TASK.loss(gpu, gbatch).backward())
+    assert report.ok, report
+    assert {r.phase for r in report.rows} == {"forward", "backward"}
+    assert report.max_abs_err < 1e-4 and any(not r.exact for r in report.rows)
