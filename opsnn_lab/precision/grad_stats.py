@@ -326,13 +326,14 @@ class GradientStats(Callback):
             self._layout_key = (present, device)
         return self._cached
 
+    @torch.no_grad()
     def record(self, step: int, scale: float | None = None) -> None:
         """Histogram the current ``.grad`` of every parameter (a missing grad counts as no elements)."""
         check_positive("step", step, allow_zero=True, integer=True)
         s = self._scale_of(self.scale if scale is None else scale)
         grads = [p.grad for p in self.params]
         present = tuple(g is not None for g in grads)
-        live = [g.detach().reshape(-1) for g in grads if g is not None]
+        live = [g.reshape(-1) for g in grads if g is not None]
         device = live[0].device if live else torch.device("cpu")
         P = len(self.params)
         flat = torch.cat([g.float() for g in live]) if live else torch.zeros(0, device=device)
@@ -342,7 +343,7 @@ class GradientStats(Callback):
         pamax = torch.zeros(P, device=device).scatter_reduce_(0, pidx, flat.abs(), "amax")  # NaN/Inf propagate
         expo = torch.bitwise_right_shift(flat.view(torch.int32), 23).bitwise_and_(255)  # biased exponent
         full = torch.bincount(expo.add_(offset), minlength=P * N_BINS).view(P, N_BINS)
-        # Exponent expo 0 (bin -_BIAS) holds the zeros and any float32 subnormals. One read-only count
+        # Exponent field 0 (bin -_BIAS) holds the zeros and any float32 subnormals. One read-only count
         # tells them apart; with no subnormals (the usual case) the bin is simply the zero count.
         if bool(full[:, -_BIAS].sum() + torch.count_nonzero(flat) == flat.numel()):
             full[:, ZERO_BIN] = full[:, -_BIAS]
