@@ -128,11 +128,13 @@ class NotebookPage:
 
     def run_all(self, timeout_s: float = 240) -> None:
         page = self.page
-        page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+        page.wait_for_function("(name) => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                               " && window.jupyterapp.shell.currentWidget.context"
+                               " && window.jupyterapp.shell.currentWidget.context.path.endsWith(name)"
                                " && window.jupyterapp.shell.currentWidget.sessionContext"
                                " && window.jupyterapp.shell.currentWidget.sessionContext.session"
                                " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel",
-                               timeout=90_000)
+                               arg=self.name, timeout=90_000)
         page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext"
                                ".session.kernel.status === 'idle'", timeout=90_000)
         page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
@@ -168,10 +170,21 @@ class NotebookPage:
         self.page.keyboard.press("Enter")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+
+
 @pytest.fixture
-def lab_notebook(lab, browser):
-    """``open(name_or_path=None, cells=None) -> NotebookPage`` with all cells run."""
+def lab_notebook(lab, browser, request):
+    """``open(name_or_path=None, cells=None) -> NotebookPage`` with all cells run.
+
+    A failing test leaves a screenshot of each page it opened in ``build/screenshots/``.
+    """
     pages = []
+    opened: list[NotebookPage] = []
 
     def open_(source: str | Path | None = None, cells: list[str] | None = None, run: bool = True,
               timeout_s: float = 240) -> NotebookPage:
@@ -179,13 +192,23 @@ def lab_notebook(lab, browser):
         context = browser.new_context(viewport={"width": 1400, "height": 1000})
         page = context.new_page()
         pages.append(context)
-        page.goto(lab.url(f"lab/tree/{name}"), wait_until="domcontentloaded", timeout=90_000)
+        # A workspace of its own per page: JupyterLab otherwise restores the tabs earlier tests opened,
+        # and "run all" could land on one of those instead of this notebook.
+        workspace = f"t{secrets.token_hex(4)}"
+        page.goto(lab.url(f"lab/workspaces/{workspace}/tree/{name}"), wait_until="domcontentloaded", timeout=90_000)
         page.wait_for_selector(".jp-Notebook", timeout=90_000)
         nb = NotebookPage(page, lab, name)
+        opened.append(nb)
         if run:
             nb.run_all(timeout_s)
         return nb
 
     yield open_
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for i, nb in enumerate(opened):
+            nb.screenshot(f"FAILED_{request.node.name}_{i}")
+    for nb in opened:  # shut the kernel down: a kernel left running holds a CPU the next test needs
+        nb.page.evaluate("() => window.jupyterapp.shell.currentWidget?.sessionContext?.shutdown()")
     for context in pages:
         context.close()
