@@ -124,11 +124,22 @@ def _bench_rows(bench_dir: Path) -> list[tuple[str, str]]:
 _NO_BENCH = "<p>No benchmark results in build/bench/ yet: run <code>make bench</code>.</p>"
 
 
+def _fmt(value) -> str:
+    """Figures as a person reads them: 4 significant digits, lists and dicts likewise."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v) for v in value[:8]) + (", ..." if len(value) > 8 else "") + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in list(value.items())[:8]) + "}"
+    return json.dumps(value)
+
+
 def _index(pages: list[dict], bench: list[tuple[str, str]]) -> str:
     items = []
     for p in pages:
         status = "failed" if p["error"] else "ok"
-        figs = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(json.dumps(v))[:120]}</td></tr>"
+        figs = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(_fmt(v))[:120]}</td></tr>"
                        for k, v in p["figures"].items())
         items.append(f'<section><h2><a href="{p["stem"]}.html">{html.escape(p["stem"])}</a> '
                      f'<small class="{status}">{status}, {p["n_figs"]} figures</small></h2>'
