@@ -156,8 +156,17 @@ class Encoder(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                target_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, vocab)``; with ``target_mask`` (bool ``(B, T)``) only the selected positions'
+        logits ``(N, vocab)``, in row-major order: BERT's pretraining gathers the masked positions before
+        the vocabulary head, so the ``B x T x vocab`` logits are neither computed nor saved."""
         check_tensor("input_ids", input_ids, dtypes=(torch.int64, torch.int32), dim=2)
+        if target_mask is not None:
+            check_tensor("target_mask", target_mask, dtypes=(torch.bool,), dim=2)
+            if target_mask.shape != input_ids.shape:
+                raise ValueError(f"target_mask has shape {tuple(target_mask.shape)}, input_ids "
+                                 f"{tuple(input_ids.shape)}; they must match")
         b, t = input_ids.shape
         if t > self.config.max_len:
             raise ValueError(f"input_ids has sequence length {t}, more than max_len={self.config.max_len}")
@@ -170,6 +179,8 @@ class Encoder(nn.Module):
             mask = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
         for layer in self.layers:
             x = layer(x, mask)
+        if target_mask is not None:
+            x = x[target_mask]
         return self.head(x)
 
 
@@ -290,8 +301,11 @@ class MaskedTokenTask:
         return (batch["input_ids"],)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(batch["input_ids"])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
+        """Cross-entropy over the masked positions only (the head runs on those rows alone)."""
+        labels = batch["labels"]
+        targets = labels != -100
+        logits = model(batch["input_ids"], target_mask=targets)
+        return F.cross_entropy(logits.float(), labels[targets])
 
     def model(self, cfg: EncoderConfig | None = None, **overrides) -> Encoder:
         """An ``Encoder`` sized for this task (vocabulary and length filled in)."""

@@ -106,3 +106,19 @@ def test_masked_token_loss_starts_at_chance():
     model = task.model(EncoderConfig.tiny(dropout=0.0, attn_dropout=0.0))
     loss = task.loss(model, task.batch(0))
     assert abs(loss.item() - math.log(64)) < 0.15
+
+
+def test_target_mask_gives_the_selected_rows_of_the_full_logits():
+    model = Encoder(EncoderConfig.tiny(dropout=0.0, attn_dropout=0.0)).eval()
+    task = MaskedTokenTask(vocab_size=model.config.vocab_size, seq_len=12, batch_size=3)
+    batch = task.batch(0)
+    targets = batch["labels"] != -100
+    full = model(batch["input_ids"])
+    torch.testing.assert_close(model(batch["input_ids"], target_mask=targets), full[targets])
+    # the loss over masked rows equals cross-entropy with ignore_index over the full logits
+    ref = torch.nn.functional.cross_entropy(full.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    torch.testing.assert_close(task.loss(model, batch), ref)
+    with pytest.raises(ValueError, match="target_mask"):
+        model(batch["input_ids"], target_mask=targets[:, :5])
+    with pytest.raises(TypeError, match="target_mask"):
+        model(batch["input_ids"], target_mask=targets.long())
