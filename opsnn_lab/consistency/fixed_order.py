@@ -85,6 +85,13 @@ def _rows_layout(a: torch.Tensor) -> torch.Tensor:
     return a.contiguous()
 
 
+_COLUMN_MAJOR_MIN_N = 32  # narrower outputs take other MKL kernels, whose bits depend on A's layout
+
+
+def _is_column_major(a: torch.Tensor) -> bool:
+    return a.dim() == 2 and a.stride(-2) == 1 and a.stride(-1) == a.shape[-2] and a.shape[-1] > 1
+
+
 def _cols_layout(b: torch.Tensor) -> torch.Tensor:
     """The right operand of ``mm`` packed, keeping its orientation.
 
@@ -114,7 +121,11 @@ def _mm_rows(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     n = b.shape[1]
     chunks = -(-m // ROW_BLOCK)
     rows = chunks * ROW_BLOCK
-    a = _pad_rows(_rows_layout(a), rows)
+    if not (rows == m and n >= _COLUMN_MAJOR_MIN_N and not CHUNKED_GEMM and _is_column_major(a)):
+        a = _pad_rows(_rows_layout(a), rows)
+    # else: a packed column-major left operand (the weight gradient's transposed activation) goes to
+    # MKL as it is: for whole ROW_BLOCKs of rows and N >= _COLUMN_MAJOR_MIN_N its bits equal those of
+    # the row-major copy (tests/consistency/test_strict.py checks it), so the copy buys nothing.
     b = _cols_layout(b)
     if not CHUNKED_GEMM:
         out = a.new_empty(rows, n)
@@ -285,7 +296,12 @@ def gelu_backward(grad: torch.Tensor, x: torch.Tensor, *, approximate: str = "no
 def softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int, input_dtype) -> torch.Tensor:
     """d softmax: ``y * (g - sum(g * y, dim))`` with the fixed row sum."""
     gy = grad * output
-    grad_in = output * (grad - fixed_sum(gy, [dim], True))
+    total = fixed_sum(gy, [dim], True)
+    if gy.dtype == grad.dtype == output.dtype and gy.shape == grad.shape:
+        # gy's buffer is reused: every fresh full-size temporary costs page faults, the same bits
+        grad_in = torch.sub(grad, total, out=gy).mul_(output)
+    else:
+        grad_in = output * (grad - total)
     return grad_in.to(input_dtype)
 
 
@@ -300,15 +316,26 @@ def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias,
     rows = list(range(x.dim() - n_norm))
     cols = list(range(x.dim() - n_norm, x.dim()))
     count = math.prod(normalized_shape)
-    xhat = (x - mean) * rstd
+    # The same elementwise ops as the formulas above, in place or into one scratch buffer where the
+    # dtypes allow it: each fresh full-size temporary costs page faults, and the bits are the same.
+    xhat = (x - mean).mul_(rstd)
+    same = xhat.dtype == grad_out.dtype and xhat.shape == grad_out.shape
+    scratch = None
     dx = dw = db = None
     if want_dx:
         g = grad_out if weight is None else grad_out * weight
         mean_g = fixed_sum(g, cols, True).div_(count)
-        mean_gx = fixed_sum(g * xhat, cols, True).div_(count)
-        dx = (g - mean_g - xhat * mean_gx) * rstd
+        if same and g.dtype == xhat.dtype:
+            scratch = torch.mul(g, xhat, out=torch.empty_like(xhat))
+            mean_gx = fixed_sum(scratch, cols, True).div_(count)
+            torch.mul(xhat, mean_gx, out=scratch)
+            dx = (g - mean_g if g is grad_out else g.sub_(mean_g)).sub_(scratch).mul_(rstd)
+        else:
+            mean_gx = fixed_sum(g * xhat, cols, True).div_(count)
+            dx = (g - mean_g - xhat * mean_gx) * rstd
     if want_dw and weight is not None:
-        dw = fixed_sum(grad_out * xhat, rows, False).to(weight.dtype)
+        prod = torch.mul(grad_out, xhat, out=scratch) if scratch is not None else grad_out * xhat
+        dw = fixed_sum(prod, rows, False).to(weight.dtype)
     if want_db and bias is not None:
         db = fixed_sum(grad_out, rows, False).to(bias.dtype)
     return dx, dw, db

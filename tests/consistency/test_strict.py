@@ -388,3 +388,13 @@ def test_one_gemm_rows_have_the_same_bits_for_any_multiple_of_64_rows():
                 out = fo.fixed_mm(x[:m], w.t())
                 assert torch.equal(out[:64], ref), (n, m)
                 assert torch.equal(fo.fixed_mm(x[m - 64:m], w.t()), out[m - 64:]), (n, m)
+
+
+def test_column_major_left_operand_has_the_row_major_bits():
+    # The assumption behind passing a column-major left operand (the weight gradient's dY^T) uncopied.
+    for m, k, n in ((256, 512, 1024), (1024, 512, 256), (64, 33, 32), (640, 2000, 257)):
+        a, b = seeded(k, m, seed=1).t(), seeded(k, n, seed=2)
+        for n_threads in (1, 2):
+            with threads(n_threads):
+                for rhs in (b, b.t().contiguous().t()):
+                    assert torch.equal(fo.fixed_mm(a, rhs), fo.fixed_mm(a.contiguous(), rhs)), (m, k, n)
