@@ -5,7 +5,8 @@ Why each op is here (all measured bitwise on the CPU build this package is teste
 * ``mm``/``addmm``: MKL picks its GEMM kernel from the problem shape and the operands' layouts, so
   row 0 of ``x @ W.T`` has different bits for 1-7 rows than for 8+, and a gradient that arrives
   transposed for one batch size and row-major for another changes bits too. Here the left operand is
-  always packed row-major and its rows are zero padded to whole ``ROW_BLOCK`` s; the padded rows then
+  packed row-major (or kept packed column-major where that gives the same bits: whole ``ROW_BLOCK`` s
+  of rows, N >= 32) and its rows are zero padded to whole ``ROW_BLOCK`` s; the padded rows then
   go through one GEMM (default: on MKL every row of any multiple of 64 rows gets the same bits) or,
   with ``CHUNKED_GEMM``, through one batched call of GEMMs of exactly ``ROW_BLOCK`` rows, so the
   library cannot choose by M at all. A reduction longer than ``K_BLOCK`` is cut into fixed blocks
@@ -172,13 +173,33 @@ def fixed_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1,
     return _mm_rows(a, b, bias, beta, alpha)
 
 
+_BMM_COLUMN_MAJOR_MIN = 16  # below it (M = 1: the GEMV path) a column-major operand changes bits
+
+
+def _bmm_layout(x: torch.Tensor) -> torch.Tensor:
+    """A bmm operand kept as packed row-major or packed column-major matrices, else made row-major."""
+    rows, cols = x.shape[-2], x.shape[-1]
+    if x.stride(0) == rows * cols or x.shape[0] == 1:
+        if x.stride(-1) == 1 and x.stride(-2) == cols:
+            return x
+        if x.stride(-2) == 1 and x.stride(-1) == rows:
+            return x
+    return x.contiguous()
+
+
 def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     bsz, m, k = a.shape
     n = b.shape[2]
     # Both bmm operands are activations whose orientation can depend on the batch size (matmul's
     # reshape of a transposed (B, H, d, T) view is a transposed view for B = 1, a row-major copy
     # for B > 1), so both are made row-major.
-    a, b = _rows_layout(a), _rows_layout(b)
+    if m >= _BMM_COLUMN_MAJOR_MIN and n >= _BMM_COLUMN_MAJOR_MIN and k <= K_BLOCK:
+        # packed column-major matrices give MKL's batched GEMM the row-major bits at these sizes
+        # (attention's K^T and the backward's transposed operands; tests/consistency/test_strict.py
+        # checks it), so only other layouts are copied
+        a, b = _bmm_layout(a), _bmm_layout(b)
+    else:
+        a, b = _rows_layout(a), _rows_layout(b)
     out = a.new_empty(bsz, m, n)
     if k <= K_BLOCK or out.numel() == 0:
         return torch.bmm(a, b, out=out)

@@ -20,11 +20,11 @@ position in the batch, and all outputs and gradients the same bits whatever ``to
 says. Every setting is restored when the last user leaves. Outputs stay within the fp32 tolerance of
 the default mode (the reductions are reordered, not approximated).
 
-Cost (``python -m opsnn_lab.bench consistency --threads 1 --no-trace --repeat 30``: 4-layer encoder,
-hidden 256, 8 x 64 tokens, on a 2-core CPU shared with other jobs): CPU time 1.10-1.14x the default
-step, wall time 1.16-1.34x (wall is at the mercy of the machine's load). Most of it is the linear
-layers' GEMMs (+10%: the left operand is copied to row-major, which the weight gradient's transposed
-activation always needs); entering and leaving costs about 1 ms.
+Cost (``python -m opsnn_lab.bench consistency --no-trace``: 4-layer encoder, hidden 256, 8 x 64
+tokens, 2 threads, on a 2-core CPU shared with other jobs): 1.06-1.08x the default step, wall and CPU
+time (1.10-1.17x before GEMM operands whose column-major layout gives the row-major bits stopped being
+copied and the layer_norm/softmax backward stopped allocating a fresh temporary per elementwise op);
+entering and leaving costs about 0.1 ms.
 
 Usage::
 

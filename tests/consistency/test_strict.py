@@ -398,3 +398,17 @@ def test_column_major_left_operand_has_the_row_major_bits():
             with threads(n_threads):
                 for rhs in (b, b.t().contiguous().t()):
                     assert torch.equal(fo.fixed_mm(a, rhs), fo.fixed_mm(a.contiguous(), rhs)), (m, k, n)
+
+
+def test_column_major_bmm_operands_have_the_row_major_bits():
+    # The assumption behind fixed_bmm passing packed column-major operands (M, N >= 16) uncopied.
+    def col(x):
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    for bsz, m, k, n in ((32, 64, 64, 64), (1, 16, 300, 17), (7, 100, 33, 128), (3, 256, 8, 16)):
+        a, b = seeded(bsz, m, k, seed=1), seeded(bsz, k, n, seed=2)
+        for n_threads in (1, 2):
+            with threads(n_threads):
+                ref = fo.fixed_bmm(a, b)
+                for x, y in ((col(a), b), (a, col(b)), (col(a), col(b))):
+                    assert torch.equal(fo.fixed_bmm(x, y), ref), (bsz, m, k, n)
