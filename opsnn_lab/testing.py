@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,6 +26,7 @@ __all__ = [
     "assert_within_eager_error",
     "run_fwd_bwd",
     "non_contiguous",
+    "triton_interpreter_ready",
 ]
 
 # (atol, rtol) per dtype. fp32: 1e-5 relative is what the fused ops promise against eager.
@@ -96,3 +100,21 @@ def run_fwd_bwd(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
         t.grad = None
     out.backward(grad_out)
     return out.detach(), [None if t.grad is None else t.grad.detach().clone() for t in leaves]
+
+
+def triton_interpreter_ready() -> bool:
+    """True when triton's interpreter can run opsnn_lab's kernels on this CPU.
+
+    Triton picks interpreter or compiler when first imported (``tests/conftest.py`` sets
+    ``TRITON_INTERPRET=1`` before that). If triton was imported earlier anyway, its jit'd standard
+    library (``tl.sum``, ``tl.zeros``) was built for the compiler; rebuilding those two modules under
+    the interpreter fixes that for the rest of the process.
+    """
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    import triton.language as tl
+
+    if type(tl.sum).__name__ != "InterpretedFunction":
+        importlib.reload(tl.standard)
+        importlib.reload(tl)
+    return type(tl.sum).__name__ == "InterpretedFunction"

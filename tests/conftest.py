@@ -5,17 +5,34 @@ interpreter switch must be set before any test module imports it: without a GPU 
 kernel is tested under ``TRITON_INTERPRET=1`` against its torch reference.
 """
 
+import importlib
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def pytest_collection_modifyitems(config, items):
-    import pytest
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The GELU-dropout and RNG kernels forced onto the Triton interpreter for one test."""
+    from opsnn_lab.kernels import gelu_dropout, rng, triton_available
 
+    if not triton_available():
+        pytest.skip("triton not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("OPSNN_BACKEND", "triton")
+    importlib.reload(rng)
+    importlib.reload(gelu_dropout)  # the ops call into this module's globals, so they see the new kernels
+    yield
+    monkeypatch.undo()
+    importlib.reload(rng)
+    importlib.reload(gelu_dropout)
+
+
+def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,11 +1,9 @@
-import importlib
 import json
 
 import pytest
 import torch
 
 from opsnn_lab.bench import activation_bytes, gpu_check, ops
-from opsnn_lab.kernels import triton_available
 from opsnn_lab.models import EncoderConfig, EncoderLayer
 from opsnn_lab.testing import assert_close_dtype, seeded
 
@@ -71,22 +69,6 @@ def test_gpu_check_without_cuda_exits_zero(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path)]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
     assert not (tmp_path / "gpu_check.json").exists()
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    if not triton_available():
-        pytest.skip("triton not installed")
-    from opsnn_lab.kernels import gelu_dropout, rng
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("OPSNN_BACKEND", "triton")
-    importlib.reload(rng)
-    importlib.reload(gelu_dropout)
-    yield
-    monkeypatch.undo()
-    importlib.reload(rng)
-    importlib.reload(gelu_dropout)
 
 
 def test_kernel_bandwidth_rows_under_the_interpreter(interpreted):

@@ -3,35 +3,13 @@ against the torch reference, window-index round trips against aten's int64 indic
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from opsnn_lab.kernels import bn_relu as K
-from opsnn_lab.testing import assert_close_dtype, seeded
+from opsnn_lab.testing import assert_close_dtype, seeded, triton_interpreter_ready
 
-# Triton picks interpreter or compiler when it is first imported: ask for the interpreter before that.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def _interpreter_ready() -> bool:
-    """True when triton's interpreter can run our kernels. If another test imported triton before
-    TRITON_INTERPRET=1 was set, its jit'd standard library (tl.sum, tl.zeros) was built for the compiler;
-    rebuilding those two modules under the interpreter fixes that for the rest of the session."""
-    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    import triton.language as tl
-
-    if type(tl.sum).__name__ != "InterpretedFunction":
-        importlib.reload(tl.standard)
-        importlib.reload(tl)
-    return type(tl.sum).__name__ == "InterpretedFunction"
-
-
-needs_interpreter = pytest.mark.skipif(not _interpreter_ready(),
+needs_interpreter = pytest.mark.skipif(not triton_interpreter_ready(),
                                        reason="triton missing, or imported before TRITON_INTERPRET=1")
 
 POOLS = [None, K.PoolSpec((3, 3), (2, 2), (1, 1)), K.PoolSpec((2, 2), (2, 2), (1, 1)),

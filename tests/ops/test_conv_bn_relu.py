@@ -4,8 +4,6 @@ statistics, layouts, empty batch, bad arguments and the activation bytes it save
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -13,26 +11,7 @@ from torch import nn
 
 from opsnn_lab.bench.memory import activation_bytes, saved_tensors_report
 from opsnn_lab.ops.conv_bn_relu import FusedConvBNReLU
-from opsnn_lab.testing import assert_within_eager_error, non_contiguous, seeded
-
-# Triton picks interpreter or compiler when it is first imported, so without a GPU ask for the
-# interpreter before anything imports it.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def _interpreter_ready() -> bool:
-    """True when triton's interpreter can run our kernels. If another test imported triton before
-    TRITON_INTERPRET=1 was set, its jit'd standard library (tl.sum, tl.zeros) was built for the compiler;
-    rebuilding those two modules under the interpreter fixes that for the rest of the session."""
-    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    import triton.language as tl
-
-    if type(tl.sum).__name__ != "InterpretedFunction":
-        importlib.reload(tl.standard)
-        importlib.reload(tl)
-    return type(tl.sum).__name__ == "InterpretedFunction"
+from opsnn_lab.testing import assert_within_eager_error, non_contiguous, seeded, triton_interpreter_ready
 
 # (N, Cin, H, W, Cout, kernel, stride, padding, pool (k, s, p) or None, conv bias, groups)
 SHAPES = [
@@ -310,7 +289,7 @@ def test_bad_inputs_name_the_argument():
         fused([1.0, 2.0])
 
 
-@pytest.mark.skipif(not _interpreter_ready(), reason="triton missing, or imported before TRITON_INTERPRET=1")
+@pytest.mark.skipif(not triton_interpreter_ready(), reason="triton missing, or imported before TRITON_INTERPRET=1")
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("pool", [None, (3, 2, 1)])
 def test_triton_interpreter_path_matches_eager(monkeypatch, pool, train):

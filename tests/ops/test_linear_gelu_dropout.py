@@ -1,4 +1,3 @@
-import importlib
 
 import pytest
 import torch
@@ -6,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opsnn_lab.bench import activation_bytes
-from opsnn_lab.kernels import rng, triton_available
+from opsnn_lab.kernels import rng
 from opsnn_lab.ops import FusedLinearGELUDropout, FusedLinearGELUDropoutLinear
 from opsnn_lab.testing import assert_close_dtype, assert_within_eager_error, non_contiguous, run_fwd_bwd, seeded
 
@@ -191,22 +190,6 @@ def test_bad_arguments_name_the_argument():
 
 
 # --------------------------------------------------------------------------- Triton paths
-@pytest.fixture
-def interpreted(monkeypatch):
-    if not triton_available():
-        pytest.skip("triton not installed")
-    from opsnn_lab.kernels import gelu_dropout
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("OPSNN_BACKEND", "triton")
-    importlib.reload(rng)
-    importlib.reload(gelu_dropout)  # the ops call into this module's globals, so they see the new kernels
-    yield
-    monkeypatch.undo()
-    importlib.reload(rng)
-    importlib.reload(gelu_dropout)
-
-
 @pytest.mark.parametrize("chain, recompute", [("mlp", False), ("single", True)])
 def test_triton_interpreter_matches_eager(interpreted, chain, recompute):
     mods = _modules(k=8, hidden=20, out=6, p=0.3)
