@@ -127,7 +127,8 @@ def test_no_import_cycle_inside_a_pillar(pillar):
     graph = _graph()
     # the pillar's modules, not its __init__: that one only re-exports them lazily (``_lazy.lazy_exports``)
     nodes = {m for m in graph if m.startswith(f"opsnn_lab.{pillar}.")}
-    assert not _cycles(graph, nodes)
+    cycles = _cycles(graph, nodes)
+    assert not cycles, "modules that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
 def _notebook_imports() -> list[tuple[str, str, list[str]]]:
@@ -145,11 +146,19 @@ def _notebook_imports() -> list[tuple[str, str, list[str]]]:
     return out
 
 
+def _resolves(module: str, name: str) -> bool:
+    try:
+        if hasattr(importlib.import_module(module), name):
+            return True
+        return importlib.util.find_spec(f"{module}.{name}") is not None
+    except ImportError:
+        return False
+
+
 def test_every_notebook_import_resolves():
     # the notebooks run as slow tests; a stale import path after a move should fail fast, here
     found = _notebook_imports()
     assert any(mod == "opsnn_lab.demos.precision" for _, mod, _ in found)
     missing = [f"{nb}: from {mod} import {name}" for nb, mod, names in found for name in names
-               if not hasattr(importlib.import_module(mod), name)
-               and importlib.util.find_spec(f"{mod}.{name}") is None]
+               if not _resolves(mod, name)]
     assert not missing, "\n".join(missing)

@@ -7,8 +7,6 @@ import math
 import pytest
 import torch
 
-from opsnn_lab.models import EncoderConfig, MaskedTokenTask
-from opsnn_lab.precision import DynamicScaler, GradientStats, MasterWeightOptimizer
 from opsnn_lab.demos.precision import (
     RoundWeights,
     allreduce_demo,
@@ -17,6 +15,8 @@ from opsnn_lab.demos.precision import (
     train_scaled,
     update_cosine,
 )
+from opsnn_lab.models import EncoderConfig, MaskedTokenTask
+from opsnn_lab.precision import DynamicScaler, GradientStats, MasterWeightOptimizer
 
 
 @pytest.fixture
