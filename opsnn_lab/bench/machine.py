@@ -187,4 +187,5 @@ def emulated_note(dtype: torch.dtype) -> str | None:
     if verdict["decided_by"].startswith("cpuinfo: no"):
         return f"{key} emulated on this CPU: no {name}"
     limits = " ".join(f"{k}={v}" for k in ENV_VARS[:3] if (v := os.environ.get(k)))
-    return f"{key} emulated on this CPU: GEMM {verdict['time_vs_fp32']:.0f}x fp32" + (f" ({limits})" if limits else "")
+    note = f"{key} emulated on this CPU: GEMM {verdict['time_vs_fp32']:.0f}x fp32"
+    return f"{note} under {limits}" if limits else note

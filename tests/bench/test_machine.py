@@ -161,4 +161,5 @@ def test_emulated_note(monkeypatch, fake_cpu):
     assert machine.emulated_note(torch.bfloat16) is None
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     fake_cpu(XEON, {"bf16": 36.0, "fp16": 45.0})
-    assert machine.emulated_note(torch.bfloat16) == "bf16 emulated on this CPU: GEMM 36x fp32 (ONEDNN_MAX_CPU_ISA=AVX2)"
+    note = machine.emulated_note(torch.bfloat16)
+    assert note == "bf16 emulated on this CPU: GEMM 36x fp32 under ONEDNN_MAX_CPU_ISA=AVX2"
