@@ -5,6 +5,6 @@ Every benchmark prints ratios against a baseline measured in the same process an
 writes JSON under ``build/bench/``; none asserts on time.
 """
 
-from opsnn_lab.bench.memory import activation_bytes, saved_tensors_report
+from opsnn_lab.measuring import activation_bytes, saved_tensors_report
 
 __all__ = ["activation_bytes", "saved_tensors_report"]

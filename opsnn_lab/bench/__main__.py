@@ -8,7 +8,7 @@ import sys
 
 import opsnn_lab.bench as _bench
 
-_NOT_BENCHMARKS = {"common", "memory"}
+_NOT_BENCHMARKS = {"common", "machine", "memory"}
 
 
 def available() -> list[str]:

@@ -1,56 +1,18 @@
-"""Timing, tables and JSON output shared by every benchmark."""
+"""Timing, tables and JSON output shared by every benchmark; each JSON says where it ran (``machine``)."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
-import statistics
 import time
-from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+from opsnn_lab.bench.machine import machine_info, machine_line
+from opsnn_lab.measuring import interleaved_medians, median_time, sync
 
-__all__ = ["median_time", "Timer", "machine_info", "write_json", "format_table", "bench_dir", "sync"]
-
-
-def sync(device: torch.device | str | None = None) -> None:
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_time(fn: Callable[[], object], *, warmup: int = 2, repeat: int = 7,
-                device: torch.device | str | None = None) -> float:
-    """Median wall time of ``fn()`` in seconds after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def interleaved_medians(fns: dict[str, Callable[[], object]], *, warmup: int = 2, repeat: int = 7,
-                        device=None) -> dict[str, float]:
-    """Median times of several variants, measured round-robin so load drift hits all alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    sync(device)
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+__all__ = ["median_time", "interleaved_medians", "Timer", "machine_info", "machine_line", "write_json", "format_table",
+           "bench_dir", "sync"]
 
 
 class Timer:
@@ -60,21 +22,6 @@ class Timer:
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.t0
-
-
-def machine_info() -> dict:
-    info = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def bench_dir(out: str | os.PathLike | None = None) -> Path:

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 from tqdm.auto import tqdm
 
-from opsnn_lab.bench.common import format_table, write_json
+from opsnn_lab.bench.common import format_table, machine_line, write_json
 from opsnn_lab.consistency.strict import strict
 from opsnn_lab.models import EncoderConfig, MaskedTokenTask
 
@@ -151,6 +151,7 @@ def _run(args) -> int:
     base = {k: times["fwd_bwd" if k == "trace" else "default"] for k in times}
     rows = [{"variant": k, "step_ms": w * 1e3, "ratio": w / base[k][0], "cpu_ms": c * 1e3,
              "cpu_ratio": c / base[k][1]} for k, (w, c) in times.items()]
+    print(machine_line())
     print(f"encoder: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}; "
           f"threads {torch.get_num_threads()}")
     print(format_table(rows, ["variant", "step_ms", "ratio", "cpu_ms", "cpu_ratio"]))

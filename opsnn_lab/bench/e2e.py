@@ -12,7 +12,9 @@ Each variant runs twice, each run in its own process so peak memory is its own. 
 throughput against eager (samples/s, first step excluded), activation bytes of one training
 forward against eager, peak process memory, NaN losses and skipped steps, final loss (mean of
 the last five steps) against eager, and run-to-run agreement of the two runs' outputs on a fixed
-batch (bit-identical, or their cosine similarity). Writes JSON and a markdown table.
+batch (bit-identical, or their cosine similarity). Writes JSON and a markdown table, both saying
+which machine they come from; a variant whose dtype this CPU only emulates (bf16 autocast without
+AVX512-BF16/AMX runs ~26x slower than fp32) is marked as such in the table and in its JSON row.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from opsnn_lab.bench.common import bench_dir, format_table, write_json
+from opsnn_lab.bench.common import bench_dir, format_table, machine_line, write_json
+from opsnn_lab.bench.machine import emulated_note
 
 VARIANTS = ("eager", "amp", "opsnn", "opsnn-strict")
 SIZES = {  # (EncoderConfig overrides, batch, seq_len, vocab)
@@ -145,6 +148,12 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
     return torch.equal(a, b), cos
 
 
+def table_rows(rows: list[dict]) -> list[dict]:
+    """Rows as the table shows them: an emulated variant reads ``amp (bf16 emulated on this CPU: ...)``."""
+    return [{"variant": f"{r['variant']} ({r['emulated']})" if r.get("emulated") else r["variant"],
+             **{k: v for k, v in r.items() if k not in ("variant", "emulated")}} for r in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench e2e", description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=list(SIZES), default=None,
@@ -191,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
             "runs_bit_identical": identical,
             "runs_cosine": cos,
         })
-    table = format_table(rows, floatfmt=".4f")
-    print(f"size={size} steps={steps}\n{table}")
+    note = None if torch.cuda.is_available() else emulated_note(torch.bfloat16)  # amp's dtype on CPU
+    for row in rows:
+        row["emulated"] = note if row["variant"] == "amp" else None
+    table = format_table(table_rows(rows), floatfmt=".4f")
+    machine = machine_line()
+    print(f"{machine}\nsize={size} steps={steps}\n{table}")
     ops = next((r for r in rows if r["variant"] == "opsnn"), None)
     headline = {}
     if ops:
@@ -202,6 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     curves = {v: runs[v][0]["losses"] for v in variants}
     path = write_json("e2e", {"size": size, "steps": steps, "rows": rows, "loss_curves": curves,
                               "headline": headline}, args.out)
-    (bench_dir(args.out) / "e2e.md").write_text(f"# e2e ({size}, {steps} steps)\n\n{table}\n")
+    (bench_dir(args.out) / "e2e.md").write_text(f"# e2e ({size}, {steps} steps)\n\n{machine}\n\n{table}\n")
     print(f"wrote {path}")
     return 0

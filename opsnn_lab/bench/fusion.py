@@ -15,8 +15,8 @@ import torch
 from tqdm.auto import tqdm
 
 import opsnn_lab as ol
-from opsnn_lab.bench.common import format_table, write_json
-from opsnn_lab.bench.memory import activation_bytes
+from opsnn_lab.bench.common import format_table, machine_line, write_json
+from opsnn_lab.measuring import activation_bytes
 from opsnn_lab.models import Encoder, EncoderConfig, ResNet, ResNetConfig
 
 TARGET_SECONDS = 10.0
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     columns = ["model", "analysis s", "analysis cpu s", "fused", "rejected", "eager MiB", "planned saving MiB"]
     if not args.no_measure:
         columns += ["measured saving MiB", "estimate rel err", "activation ratio"]
+    print(machine_line())
     print(format_table(rows, columns))
     bert = rows[0]["analysis s"]
     print(f"BERT-base analysis: {bert:.2f} s wall, {rows[0]['analysis cpu s']:.2f} s CPU "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from opsnn_lab.bench.common import median_time, write_json
+from opsnn_lab.bench.common import machine_line, median_time, write_json
 
 __all__ = ["main", "kernel_bandwidth"]
 
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA GPU present; nothing to check here "
               "(CPU figures: python -m opsnn_lab.bench ops)")
         return 0
+    print(machine_line())
     name = torch.cuda.get_device_name()
     result = {"device": name, "copy_gbs": _copy_gbs("cuda"), "nominal_gbs": _nominal(name)}
     if not args.skip_tests:

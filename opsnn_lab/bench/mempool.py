@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from opsnn_lab.bench.common import format_table, write_json
+from opsnn_lab.bench.common import format_table, machine_line, write_json
 from opsnn_lab.memory import MemoryPool
 
 
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"variant": "torch.empty", "median_s": statistics.median(plain_t), "time_ratio": 1.0},
             {"variant": "MemoryPool", "median_s": statistics.median(pooled_t),
              "time_ratio": statistics.median(pooled_t) / statistics.median(plain_t)}]
+    print(machine_line())
     print(format_table(rows))
     print(f"pool: {s.allocations_avoided}/{s.allocations} allocations avoided, "
           f"peak reserved {s.peak_reserved_bytes / 2**20:.1f} MiB, fragmentation at peak {s.fragmentation:.1%}")

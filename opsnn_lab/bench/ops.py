@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from opsnn_lab.bench.common import format_table, interleaved_medians, sync, write_json
-from opsnn_lab.bench.memory import activation_bytes
+from opsnn_lab.bench.common import format_table, interleaved_medians, machine_line, sync, write_json
+from opsnn_lab.measuring import activation_bytes
 
 __all__ = ["main", "build_chains", "measure", "FusedEncoderLayer", "CHAINS", "FULL", "QUICK"]
 
@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in tqdm(chains, desc="ops", unit="chain")]
     cols = ["chain", "time_fused_vs_eager", "time_compile_vs_eager", "bytes_fused_vs_eager",
             "bytes_compile_vs_eager", "eager_ms", "fused_first_call_s", "compile_first_call_s"]
+    print(machine_line())
     print(format_table(rows, [c for c in cols if any(c in r for r in rows)]))
     path = write_json("ops", {"quick": args.quick, "device": args.device, "threads": torch.get_num_threads(),
                               "shapes": shapes, "repeat": repeat, "warmup": warmup, "compile": not args.no_compile,

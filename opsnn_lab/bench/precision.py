@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from opsnn_lab.bench.common import format_table, interleaved_medians, write_json
+from opsnn_lab.bench.common import format_table, interleaved_medians, machine_line, write_json
 from opsnn_lab.precision import DynamicScaler, MasterWeightOptimizer
 
 __all__ = ["main", "peak_grad_bytes", "step_time_ratio"]
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     memory = pipelined_memory()
     rows = [{"variant": k, "median_ms": v * 1e3, "ratio_vs_gradscaler": timing["ratio"][k]}
             for k, v in timing["seconds"].items()]
+    print(machine_line())
     print(f"optimizer step over {timing['numel']:,} params in {timing['tensors']} tensors on {args.device}")
     print(format_table(rows))
     print(f"\npeak gradient bytes in backward (bf16 encoder): plain {memory['plain']:,}, "

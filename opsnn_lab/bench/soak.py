@@ -22,7 +22,7 @@ import random
 
 import torch
 
-from opsnn_lab.bench.common import Timer, write_json
+from opsnn_lab.bench.common import Timer, machine_line, write_json
 from opsnn_lab.precision import FP16_MAX, DynamicScaler, MasterWeightOptimizer
 from opsnn_lab.precision.dynamic_scaler import ScalerHistory
 
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # tiny tensors: threads only add overhead
     summary = run_soak(args.steps, period=args.period, seed=args.seed)
     c = summary["counts"]
+    print(machine_line())
     print(f"{summary['steps']:,} steps in {summary['seconds']:.1f} s ({summary['steps_per_second']:.0f}/s); "
           f"faults {summary['faults']}")
     print(f"applied {c['applied']:,}, skipped {c['skipped']:,} = injected {c['injected_skips']:,} + underflow "

@@ -17,7 +17,7 @@ import copy
 import numpy as np
 import torch
 
-from opsnn_lab.bench.common import format_table, interleaved_medians, write_json
+from opsnn_lab.bench.common import format_table, interleaved_medians, machine_line, write_json
 
 TARGET_REDRAW_S = 0.200
 TARGET_OVERHEAD = 0.10
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the shared CI machine: one thread gives the least noisy ratios
     try:
         tuner_rows = bench_tuner(args.trace_steps, args.repeat)
+        print(machine_line())
         print(format_table(tuner_rows, ["case", "median_ms", "vs_replay", "vs_target"]))
         stats_rows = bench_stats(args.train_repeat)
     finally:

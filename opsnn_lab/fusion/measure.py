@@ -10,6 +10,7 @@ from torch import nn
 from opsnn_lab._checks import check_positive, check_type
 from opsnn_lab.fusion.analysis import split_inputs
 from opsnn_lab.fusion.runtime import flatten_tensors
+from opsnn_lab.measuring import activation_bytes, interleaved_medians
 
 __all__ = ["measure", "Measurement", "activation_bytes_by_module"]
 
@@ -44,13 +45,10 @@ def _step(model, args, kwargs):
 
 
 def measure(model: nn.Module, fused: nn.Module, example_inputs, repeat: int = 3) -> Measurement:
-    """Activation bytes (``bench.activation_bytes``, parameters excluded) and median step time of both models.
+    """Activation bytes (``measuring.activation_bytes``, parameters excluded) and median step time of both models.
 
     Both run in their current mode; timings are interleaved so machine load hits both alike.
     """
-    from opsnn_lab.bench.common import interleaved_medians
-    from opsnn_lab.bench.memory import activation_bytes
-
     check_type("model", model, nn.Module)
     check_type("fused", fused, nn.Module)
     check_positive("repeat", repeat, integer=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from opsnn_lab.consistency.distributed import run_rank_check
+from opsnn_lab.demos.consistency import run_rank_check
 
 pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from opsnn_lab.precision.comm_hook import allreduce_demo
+from opsnn_lab.demos.precision import allreduce_demo
 
 pytestmark = pytest.mark.distributed
 NAN = float("nan")

@@ -1,13 +1,14 @@
-"""Small runnable pieces of the mixed-precision story, shared by notebook 02 and the benchmarks.
+"""The mixed-precision pillar, runnable: the pieces notebook 02 and the tests call.
 
 * ``train_scaled``: ``ol.train``'s loop for a scaled loss, with a ``DynamicScaler`` +
   ``MasterWeightOptimizer`` or a ``torch.amp.GradScaler`` + torch optimizer, gradients optionally
   routed through fp16 (what an fp16 gradient pipeline does to them: overflow to Inf, flush to zero).
 * ``flat_weights`` / ``update_cosine``: the seed's "direction bias", the cosine between an update and
   the fp32 baseline's update from the same start.
-* ``allreduce_demo``: 2 gloo ranks on 127.0.0.1 all-reduce gradients of chosen magnitudes with plain
-  fp32, ``torch``'s ``fp16_compress_hook`` and ``fp16_allreduce_hook``. Worker functions live here
-  because the spawn start method imports them by name (a notebook cell's function cannot be pickled).
+* ``allreduce_demo`` / ``allreduce_errors``: 2 gloo ranks on 127.0.0.1 all-reduce gradients of chosen
+  magnitudes with plain fp32, ``torch``'s ``fp16_compress_hook`` and ``fp16_allreduce_hook``. Worker
+  functions live here because the spawn start method imports them by name (a notebook cell's function
+  cannot be pickled).
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ from __future__ import annotations
 import math
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from opsnn_lab._checks import check_positive, check_type
+from opsnn_lab.precision import Fp16AllReduceState, fp16_allreduce_hook
 from opsnn_lab.training import Callback, TrainResult
 
-__all__ = ["train_scaled", "RoundWeights", "flat_weights", "update_cosine", "allreduce_demo"]
+__all__ = ["train_scaled", "RoundWeights", "flat_weights", "update_cosine", "allreduce_demo", "allreduce_errors"]
 
 
 def _scale_of(scaler) -> float:
@@ -134,75 +138,105 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_grads(rank: int, magnitude: float, numel: int) -> torch.Tensor:
-    """Rank ``rank``'s gradient: magnitudes in [0.5, 1.5] * magnitude, random signs (fp64)."""
-    g = torch.Generator().manual_seed(1000 * rank + 7)
-    signs = torch.where(torch.rand(numel, generator=g) < 0.5, -1.0, 1.0).double()
-    return (torch.rand(numel, generator=g, dtype=torch.float64) + 0.5) * magnitude * signs
+def _rank_grad(rank: int, magnitude: float, numel: int, seed: int) -> torch.Tensor:
+    """Rank ``rank``'s gradient; magnitude NaN means: scale 1, and rank 1 alone holds one NaN."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    if math.isnan(magnitude):
+        out = torch.randn(numel, generator=g)
+        if rank == 1:
+            out[0] = math.nan
+        return out
+    return torch.randn(numel, generator=g) * magnitude
 
 
-def _hooks() -> dict:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+class _Vector(torch.nn.Module):
+    def __init__(self, numel: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(numel))
 
-    from opsnn_lab.precision import fp16_allreduce_hook
-
-    return {"fp32": None, "torch fp16_compress_hook": default_hooks.fp16_compress_hook,
-            "fp16_allreduce_hook": fp16_allreduce_hook}
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.w * c).sum()  # d/dw = c: each rank's gradient is exactly what it was handed
 
 
-def _allreduce_worker(rank: int, world_size: int, port: int, magnitudes: Sequence[float], numel: int, queue) -> None:
-    import torch.distributed as dist
+def _demo_worker(rank: int, world: int, port: int, magnitudes, numel: int, seed: int, out: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        out = {}
+        results = {}
         for mag in magnitudes:
-            exact = sum(_rank_grads(r, mag, numel) for r in range(world_size)) / world_size
-            x = _rank_grads(rank, mag, numel).float()
-            for name, hook in _hooks().items():
-                model = nn.Linear(numel, 1, bias=False)
-                ddp = DDP(model)
-                if hook is not None:
-                    ddp.register_comm_hook(None if name == "fp16_allreduce_hook" else dist.group.WORLD, hook)
-                ddp(x[None]).sum().backward()  # d/dw of w . x is x: the gradient is this rank's x
-                got = model.weight.grad.reshape(-1).double()
-                err = (got - exact).abs().max() / exact.abs().max()
-                out[(name, mag)] = float(err) if torch.isfinite(err) else math.inf
-                del ddp
-        if rank == 0:
-            queue.put(out)
-        dist.barrier()  # no rank tears down its gloo pairs while a peer still uses them
+            for name in ("fp32", "stock_fp16", "opsnn_fp16"):
+                ddp = DDP(_Vector(numel))
+                state = Fp16AllReduceState()
+                if name == "stock_fp16":
+                    ddp.register_comm_hook(None, fp16_compress_hook)
+                elif name == "opsnn_fp16":
+                    ddp.register_comm_hook(state, fp16_allreduce_hook)
+                ddp(_rank_grad(rank, mag, numel, seed)).backward()
+                results[(repr(mag), name)] = ddp.module.w.grad.clone()
+                if name == "opsnn_fp16":
+                    results[(repr(mag), "bytes")] = (state.bytes_reduced, state.bytes_fp32, state.scales)
+        torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def allreduce_demo(magnitudes: Sequence[float] = (1e-9, 1.0, 1e5), world_size: int = 2,
-                   numel: int = 4096) -> dict[str, dict[float, float]]:
-    """Relative max error of the averaged gradient vs the exact fp64 mean, per hook and magnitude.
+def _both_all_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.isnan(a).all() and torch.isnan(b).all())
 
-    Spawns ``world_size`` gloo ranks on 127.0.0.1 (torch.multiprocessing, spawn). Each rank's gradient
-    has elements of magnitude 0.5x..1.5x ``magnitude``; 1e-9 is below fp16's smallest subnormal and
-    1.5e5 / 2 ranks is above fp16's max, which is where a plain fp16 cast fails.
+
+def allreduce_demo(magnitudes: Sequence[float] = (1e-9, 1.0, 1e5), numel: int = 1024, world_size: int = 2,
+                   seed: int = 0) -> dict:
+    """Spawn ``world_size`` gloo ranks on 127.0.0.1 and all-reduce gradients of each magnitude three ways.
+
+    Returns ``{magnitude: {"fp32", "stock_fp16", "opsnn_fp16", "exact"}}`` of rank 0's averaged gradients
+    (``exact``: the fp64 mean), ``"bytes"``: (fp16 payload bytes, fp32 bytes, scales) of the opsnn hook and
+    ``"ranks_agree"``: every rank got the same opsnn result. A magnitude of ``nan`` gives rank 1 one NaN.
     """
+    check_positive("numel", numel, integer=True)
+    check_positive("world_size", world_size, integer=True)
     import torch.multiprocessing as mp
 
-    check_positive("world_size", world_size, integer=True)
-    check_positive("numel", numel, integer=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    for attempt in range(2):  # a free port can be taken by another process before gloo binds it: retry once
-        try:
-            mp.spawn(_allreduce_worker, args=(world_size, _free_port(), list(magnitudes), numel, queue),
-                     nprocs=world_size, join=True)
-            break
-        except mp.ProcessExitedException:
-            if attempt:
-                raise
-    flat = queue.get()
-    out: dict[str, dict[float, float]] = {}
-    for (name, mag), err in flat.items():
-        out.setdefault(name, {})[mag] = err
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "allreduce.pt")
+        for attempt in range(2):  # a free port can be taken by another process before gloo binds it: retry once
+            try:
+                mp.spawn(_demo_worker, args=(world_size, _free_port(), tuple(magnitudes), numel, seed, out),
+                         nprocs=world_size, join=True)
+                break
+            except mp.ProcessExitedException:
+                if attempt:
+                    raise
+        ranks = [torch.load(f"{out}.{r}") for r in range(world_size)]
+    raw, report = ranks[0], {}
+    for mag in magnitudes:
+        exact = torch.stack([_rank_grad(r, mag, numel, seed).double() for r in range(world_size)]).mean(0)
+        key = repr(mag)  # nan != nan: key the saved results by text
+        report[mag] = {k: raw[(key, k)] for k in ("fp32", "stock_fp16", "opsnn_fp16", "bytes")}
+        report[mag]["exact"] = exact
+        report[mag]["ranks_agree"] = all(torch.equal(raw[(key, "opsnn_fp16")], other[(key, "opsnn_fp16")],
+                                                     ) or _both_all_nan(raw[(key, "opsnn_fp16")],
+                                                                        other[(key, "opsnn_fp16")])
+                                         for other in ranks[1:])
+    return report
+
+
+# how notebook 02 names the three ways in its table
+HOOK_LABELS = {"fp32": "fp32", "stock_fp16": "torch fp16_compress_hook", "opsnn_fp16": "fp16_allreduce_hook"}
+
+
+def allreduce_errors(report: dict) -> dict[str, dict[float, float]]:
+    """``{hook label: {magnitude: max |got - exact| / max |exact|}}`` from an ``allreduce_demo`` report.
+
+    A non-finite error (an overflowed or NaN result) reads ``inf``; 1.0 means everything flushed to zero.
+    """
+    check_type("report", report, dict)
+    out: dict[str, dict[float, float]] = {label: {} for label in HOOK_LABELS.values()}
+    for mag, r in report.items():
+        exact = r["exact"]
+        for key, label in HOOK_LABELS.items():
+            err = (r[key].double() - exact).abs().max() / exact.abs().max()
+            out[label][mag] = float(err) if torch.isfinite(err) else math.inf
     return out

@@ -1,4 +1,5 @@
-"""The notebook-02 helpers: scaled training loops, naive low-precision weights, update cosine, 2-rank demo."""
+"""The precision demos notebook 02 calls: scaled training loops, naive low-precision weights, update cosine,
+2-rank all-reduce error table."""
 
 import copy
 import math
@@ -6,9 +7,16 @@ import math
 import pytest
 import torch
 
+from opsnn_lab.demos.precision import (
+    RoundWeights,
+    allreduce_demo,
+    allreduce_errors,
+    flat_weights,
+    train_scaled,
+    update_cosine,
+)
 from opsnn_lab.models import EncoderConfig, MaskedTokenTask
 from opsnn_lab.precision import DynamicScaler, GradientStats, MasterWeightOptimizer
-from opsnn_lab.precision.demo import RoundWeights, allreduce_demo, flat_weights, train_scaled, update_cosine
 
 
 @pytest.fixture
@@ -78,8 +86,27 @@ def test_update_cosine():
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_allreduce_demo_two_ranks():
-    errors = allreduce_demo(magnitudes=(1e-9, 1e5), world_size=2, numel=256)
+    errors = allreduce_errors(allreduce_demo(magnitudes=(1e-9, 1e5), world_size=2, numel=256))
+    assert set(errors) == {"fp32", "torch fp16_compress_hook", "fp16_allreduce_hook"}
+    assert all(set(per_mag) == {1e-9, 1e5} for per_mag in errors.values())
     assert max(errors["fp32"].values()) < 1e-6
     assert errors["torch fp16_compress_hook"][1e-9] == 1.0  # flushed to zero
     assert errors["torch fp16_compress_hook"][1e5] == math.inf  # overflowed
     assert max(errors["fp16_allreduce_hook"].values()) < 2.0**-10  # within fp16 precision
+
+
+def test_allreduce_errors_from_a_report():
+    # built by hand: the table is max |got - exact| / max |exact| per hook, inf where a result is not finite
+    exact = torch.tensor([1.0, -2.0, 4.0], dtype=torch.float64)
+    report = {1.0: {"exact": exact, "fp32": exact.float(), "stock_fp16": torch.tensor([1.0, -2.0, math.inf]),
+                    "opsnn_fp16": torch.tensor([1.0, -2.0, 4.5])},
+              1e-9: {"exact": exact * 1e-9, "fp32": (exact * 1e-9).float(), "stock_fp16": torch.zeros(3),
+                     "opsnn_fp16": (exact * 1e-9).float()}}
+    errors = allreduce_errors(report)
+    assert errors["fp32"][1.0] == 0.0
+    assert errors["torch fp16_compress_hook"][1.0] == math.inf
+    assert errors["fp16_allreduce_hook"][1.0] == pytest.approx(0.5 / 4.0)
+    assert errors["torch fp16_compress_hook"][1e-9] == 1.0  # everything flushed to zero
+    assert errors["fp16_allreduce_hook"][1e-9] == pytest.approx(0.0, abs=1e-7)
+    with pytest.raises(TypeError, match="report"):
+        allreduce_errors([report])

@@ -1,0 +1,133 @@
+"""Measuring, below every layer that reports a figure: activation bytes and interleaved median times.
+
+Activation memory is counted exactly: ``saved_tensors_hooks`` sees every tensor a forward saves; we
+count unique storages (two views of one buffer are one allocation) and leave out parameters and
+buffers, which exist whether or not a forward runs. The figure is the same on every device and every
+run, so it is the headline memory number on CPU.
+
+Time is a ratio of medians taken in the same process, never an absolute: ``interleaved_medians``
+measures several variants round-robin so load drift on a shared machine hits them all alike.
+
+``fusion.measure`` and the benchmarks (``opsnn_lab.bench``, which re-exports ``activation_bytes``) use
+this module; it imports nothing from opsnn_lab.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["activation_bytes", "saved_tensors_report", "SavedTensorsReport", "median_time", "interleaved_medians",
+           "sync"]
+
+
+@dataclass
+class SavedTensorsReport:
+    total_bytes: int = 0
+    tensors: list[dict] = field(default_factory=list)  # one row per unique storage
+    output: object = None
+
+    def by_dtype(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for row in self.tensors:
+            out[row["dtype"]] = out.get(row["dtype"], 0) + row["bytes"]
+        return out
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        s = t.untyped_storage()
+        return (s.data_ptr(), t.device.type, t.device.index) if s.data_ptr() else ("id", id(s))
+    except (RuntimeError, NotImplementedError):  # sparse / functional wrappers without storage
+        return ("id", id(t))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+def saved_tensors_report(fn: Callable[[], object], exclude: tuple[torch.Tensor, ...] = ()) -> SavedTensorsReport:
+    """Run ``fn()`` and describe every unique storage autograd saved for backward.
+
+    Parameters (``nn.Parameter``) and tensors in ``exclude`` (e.g. module buffers) are
+    not activations and are left out. Tensors saved as views of a parameter (``weight.t()``)
+    are recognised through their storage and left out too.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    report = SavedTensorsReport()
+    seen: set = set()
+    excluded = {_storage_key(t) for t in exclude}
+    param_storages: set = set()
+
+    def pack(t: torch.Tensor):
+        if isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter):
+            param_storages.add(_storage_key(t))
+            return t
+        key = _storage_key(t)
+        if key not in seen and key not in excluded:
+            seen.add(key)
+            report.tensors.append({"key": key, "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                                   "bytes": _nbytes(t)})
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        report.output = fn()
+    # Views of parameters (e.g. the transposed weight of a Linear) share the parameter's storage.
+    report.tensors = [r for r in report.tensors if r["key"] not in param_storages]
+    report.total_bytes = sum(r["bytes"] for r in report.tensors)
+    return report
+
+
+def activation_bytes(fn: Callable[[], object], exclude: tuple[torch.Tensor, ...] = ()) -> int:
+    """Bytes of unique storages saved for backward by ``fn()``, without parameters.
+
+    ``activation_bytes(lambda: model(x))``. Pass module buffers in ``exclude`` if the
+    model saves them (BatchNorm's running stats are not saved, so usually none are).
+    """
+    return saved_tensors_report(fn, exclude).total_bytes
+
+
+# --------------------------------------------------------------------------- time
+def sync(device: torch.device | str | None = None) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn: Callable[[], object], *, warmup: int = 2, repeat: int = 7,
+                device: torch.device | str | None = None) -> float:
+    """Median wall time of ``fn()`` in seconds after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], *, warmup: int = 2, repeat: int = 7,
+                        device=None) -> dict[str, float]:
+    """Median times of several variants, measured round-robin so load drift hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}

@@ -1,0 +1,92 @@
+"""measuring: exact bytes autograd saves (unique storages, parameters excluded) and interleaved median times."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from opsnn_lab.measuring import activation_bytes, interleaved_medians, median_time, saved_tensors_report
+
+
+def test_linear_saves_its_input_only():
+    lin = nn.Linear(16, 32)
+    x = torch.randn(8, 16, requires_grad=True)
+    # addmm saves the input (8x16 fp32); the weight is a parameter and not counted
+    assert activation_bytes(lambda: lin(x)) == 8 * 16 * 4
+
+
+def test_views_of_one_storage_count_once():
+    x = torch.randn(64, requires_grad=True)
+
+    def fn():
+        a = x * 2
+        return (a[:32] * a[32:]).sum()  # saves two views of `a`
+
+    assert activation_bytes(fn) == 64 * 4
+
+
+def test_gelu_dropout_chain_eager_bytes():
+    x = torch.randn(4, 10, requires_grad=True)
+    torch.manual_seed(0)
+    drop = nn.Dropout(0.5).train()
+    report = saved_tensors_report(lambda: drop(torch.nn.functional.gelu(x)))
+    # gelu saves x; on CPU eager dropout multiplies by a float mask and saves it (4 bytes an element,
+    # where CUDA's native_dropout keeps a bool mask): the baseline fused dropout is measured against
+    assert [r["dtype"] for r in report.tensors] == ["float32", "float32"]
+    assert report.total_bytes == 2 * 4 * 10 * 4
+    assert report.by_dtype() == {"float32": 320}
+
+
+def test_no_grad_saves_nothing():
+    lin = nn.Linear(4, 4)
+    with torch.no_grad():
+        assert activation_bytes(lambda: lin(torch.randn(2, 4))) == 0
+
+
+def test_exclude_and_bad_argument():
+    x = torch.randn(8, requires_grad=True)
+    y = x * 1.0
+    assert activation_bytes(lambda: (y * y).sum(), exclude=(y,)) == 0
+    with pytest.raises(TypeError, match="fn"):
+        activation_bytes(42)
+
+
+def test_the_documented_import_paths_are_the_same_functions():
+    import opsnn_lab.bench as bench
+    from opsnn_lab.bench import common, memory
+
+    assert bench.activation_bytes is activation_bytes and bench.saved_tensors_report is saved_tensors_report
+    assert memory.activation_bytes is activation_bytes
+    assert common.interleaved_medians is interleaved_medians and common.median_time is median_time
+
+
+def test_interleaved_medians_runs_round_robin_and_takes_medians(monkeypatch):
+    # a fake clock that advances by what each call says: the medians are exact and the order is observable
+    import opsnn_lab.measuring as measuring
+
+    now, calls = [0.0], []
+    durations = {"a": iter([9, 9, 1, 5, 3]), "b": iter([9, 2, 8, 4, 6])}  # first value: the warm-up call
+
+    def fn(name):
+        def run():
+            calls.append(name)
+            now[0] += next(durations[name])
+        return run
+
+    monkeypatch.setattr(measuring.time, "perf_counter", lambda: now[0])
+    out = interleaved_medians({"a": fn("a"), "b": fn("b")}, warmup=1, repeat=4)
+    assert out == {"a": 4.0, "b": 5.0}  # medians of (9, 1, 5, 3) and (2, 8, 4, 6)
+    assert calls == ["a", "b"] + ["a", "b"] * 4  # warm-up, then round-robin
+
+
+def test_median_time_excludes_warmup(monkeypatch):
+    import opsnn_lab.measuring as measuring
+
+    now, steps = [0.0], iter([100, 100, 1, 2, 3])
+
+    def fn():
+        now[0] += next(steps)
+
+    monkeypatch.setattr(measuring.time, "perf_counter", lambda: now[0])
+    assert median_time(fn, warmup=2, repeat=3) == 2.0
