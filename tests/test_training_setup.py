@@ -29,6 +29,9 @@ def test_fuse_trains_the_fused_copy_and_keeps_the_plan():
     assert result.model is not model
     assert set(result.model.state_dict()) == set(before)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()), "original untouched"
+    n_fused = sum(bool(d.fused) for d in plan.decisions)
+    assert repr(result) == f"TrainResult(2 steps in {result.seconds:.2f} s, loss {result.losses[0]:.4f} → " \
+                           f"{result.losses[1]:.4f}, precision fp32, {n_fused} fused)"
 
 
 def test_fp16_master_routes_grads_through_the_scaler():
