@@ -74,9 +74,11 @@ def _staticize(nb, stem: str) -> int:
 def _execute(src: Path, dst: Path, parameters: dict) -> str | None:
     import papermill as pm
 
+    from opsnn_lab.validate.execute import kernel_manager_class
+
     try:
         pm.execute_notebook(str(src), str(dst), parameters=parameters, kernel_name="python3",
-                            progress_bar=False, cwd=str(src.parent))
+                            progress_bar=False, cwd=str(src.parent), kernel_manager_class=kernel_manager_class())
     except Exception as exc:  # papermill writes the partial notebook before raising
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return None
@@ -135,6 +137,15 @@ def _fmt(value) -> str:
     return json.dumps(value)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _counts(page: dict) -> str:
+    """What a page holds, as the front page shows it: recorded figures (its table rows) and plots."""
+    return f"{_count(len(page['figures']), 'figure')}, {_count(page['n_figs'], 'plot')}"
+
+
 def _index(pages: list[dict], bench: list[tuple[str, str]]) -> str:
     items = []
     for p in pages:
@@ -142,7 +153,7 @@ def _index(pages: list[dict], bench: list[tuple[str, str]]) -> str:
         figs = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(_fmt(v))[:120]}</td></tr>"
                        for k, v in p["figures"].items())
         items.append(f'<section><h2><a href="{p["stem"]}.html">{html.escape(p["stem"])}</a> '
-                     f'<small class="{status}">{status}, {p["n_figs"]} figures</small></h2>'
+                     f'<small class="{status}">{status}, {_counts(p)}</small></h2>'
                      f'<table>{figs}</table></section>')
     bench_html = "".join(f"<tr><td>{html.escape(k)}</td><td>{v}</td></tr>" for k, v in bench)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>opsnn_lab report</title>
@@ -192,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no notebooks found (looked in notebooks/*.ipynb)")
     index, pages = build_report(nbs, args.build, execute=not args.no_execute)
     for p in pages:
-        print(f"{'FAILED' if p['error'] else 'ok':6} {p['stem']}: {p['n_figs']} figures"
+        print(f"{'FAILED' if p['error'] else 'ok':6} {p['stem']}: {_counts(p)}"
               + (f"  ({p['error']})" if p["error"] else ""))
     print(f"report: {index.resolve()}")
     return 1 if any(p["error"] for p in pages) else 0

@@ -19,6 +19,7 @@ needs: gradient statistics, the scaler history and a consistency trace of the fi
 from __future__ import annotations
 
 import contextlib
+import html
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +57,7 @@ class TrainResult:
     extras: dict = field(default_factory=dict)
     model: nn.Module | None = field(default=None, repr=False)
     skipped_steps: int = 0
+    precision: str | None = None  # the switchboard's precision, when ol.train ran it
 
     @property
     def steps(self) -> int:
@@ -79,9 +81,24 @@ class TrainResult:
         return {"losses": self.losses, "grad_amax": self.grad_amax, "seconds": self.seconds,
                 "extras": {k: v for k, v in self.extras.items() if _jsonable(v)}}
 
+    def _summary(self) -> str:
+        first = self.losses[0] if self.losses else math.nan
+        parts = [f"{self.steps} steps in {self.seconds:.2f} s", f"loss {first:.4f} → {self.final_loss:.4f}"]
+        if self.precision is not None:
+            parts.append(f"precision {self.precision}")
+        plan = self.extras.get("fusion_plan") if isinstance(self.extras, dict) else None
+        if plan is not None:
+            parts.append(f"{sum(bool(getattr(d, 'fused', False)) for d in getattr(plan, 'decisions', ()))} fused")
+        if self.skipped_steps:
+            parts.append(f"{self.skipped_steps} skipped")
+        return ", ".join(parts)
+
+    def __repr__(self) -> str:
+        # every loss and every gradient amax would be ~100 KB for 150 steps: the fields hold them
+        return f"TrainResult({self._summary()})"
+
     def _repr_html_(self) -> str:
-        return (f"<b>TrainResult</b>: {self.steps} steps in {self.seconds:.2f} s, "
-                f"loss {self.losses[0] if self.losses else math.nan:.4f} → {self.final_loss:.4f}")
+        return f"<b>TrainResult</b>: {html.escape(self._summary())}"
 
 
 def _jsonable(v) -> bool:
@@ -132,7 +149,7 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     names = {p: n for n, p in model.named_parameters()}
     result = TrainResult(grad_amax={names[p]: [] for p in params} if record_grad_amax else {},
-                         extras=setup.extras, model=model)
+                         extras=setup.extras, model=model, precision=precision)
     model.train()
     with contextlib.ExitStack() as stack:
         if strict:

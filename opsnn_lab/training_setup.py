@@ -108,7 +108,8 @@ def prepare(model: nn.Module, task, *, fuse: bool, precision: str, seed: int | N
         from opsnn_lab.consistency import ConsistencyChecker
         from opsnn_lab.precision import GradientStats
 
-        stats = GradientStats(model)
+        # under a loss scaler .grad holds g * scale: the statistics divide it out, as the notebooks do
+        stats = GradientStats(model, scale=scaler, scaled=True) if scaler is not None else GradientStats(model)
         checker = ConsistencyChecker(dump_on_failure=False)
         callbacks += [stats, _TraceFirstStep(checker)]
         extras.update(gradient_stats=stats, consistency=checker)

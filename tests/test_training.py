@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -55,11 +57,34 @@ def test_callbacks_called_in_order():
     assert calls == ["start", "s5", "b5", "e5", "s6", "b6", "e6", "end"]
 
 
+def _sgd_expectation(model, task, lr):
+    """The weights after one plain-SGD step of ``lr`` on batch 0, computed apart from ol.train."""
+    twin = copy.deepcopy(model)
+    task.loss(twin, task.batch(0)).backward()
+    return {n: (p - lr * p.grad).detach() for n, p in twin.named_parameters()}
+
+
 def test_optimizer_factory_and_instance():
     task = MaskedTokenTask(vocab_size=16, seq_len=8, batch_size=2)
-    model = task.model()
-    ol.train(model, task, steps=1, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    ol.train(model, task, steps=1, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    torch.manual_seed(0)
+    model = task.model(EncoderConfig.tiny(dropout=0.0, attn_dropout=0.0))
+    received = []
+
+    def factory(params):
+        received.append(list(params))
+        return torch.optim.SGD(received[-1], lr=0.1)
+
+    expected = _sgd_expectation(model, task, 0.1)
+    ol.train(model, task, steps=1, optimizer=factory, record_grad_amax=False)
+    assert len(received) == 1 and [id(p) for p in received[0]] == [id(p) for p in model.parameters()]
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[n], msg=n)
+
+    instance = torch.optim.SGD(model.parameters(), lr=0.05)
+    expected = _sgd_expectation(model, task, 0.05)
+    ol.train(model, task, steps=1, optimizer=instance, record_grad_amax=False)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[n], msg=n)
 
 
 @pytest.mark.parametrize("kwargs, err, word", [
@@ -85,3 +110,15 @@ def test_train_result_helpers():
     r = TrainResult(losses=[4.0, 2.0, 0.0])
     assert r.smoothed(2) == [4.0, 3.0, 1.0] and r.final_loss == 0.0
     assert "3 steps" in r._repr_html_() and r.to_dict()["losses"] == [4.0, 2.0, 0.0]
+
+
+def test_train_result_repr_is_a_short_summary():
+    """print(result) after the README's 150-step run: one line, not every loss and gradient amax."""
+    losses = [4.0 - i / 50 for i in range(150)]
+    r = TrainResult(losses=losses, grad_amax={f"layers.{i}.weight": [0.125] * 150 for i in range(40)},
+                    seconds=12.345, precision="fp16-master", skipped_steps=2, extras={"losses_copy": losses})
+    text = repr(r)
+    assert text == "TrainResult(150 steps in 12.35 s, loss 4.0000 → 1.0200, precision fp16-master, 2 skipped)"
+    assert str(r) == text and len(text) < 300
+    assert repr(TrainResult()) == "TrainResult(0 steps in 0.00 s, loss nan → nan)"
+    assert r._repr_html_() == "<b>TrainResult</b>: " + text.removeprefix("TrainResult(")[:-1]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -14,13 +17,50 @@ import nbformat
 from opsnn_lab.validate.figures import source_cell_indices
 from opsnn_lab.validate.parameters import declared_language
 
-__all__ = ["CellError", "Execution", "execute_notebook", "strip_ansi"]
+__all__ = ["CellError", "Execution", "execute_notebook", "kernel_manager_class", "strip_ansi"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def strip_ansi(text: str) -> str:
     return _ANSI.sub("", text)
+
+
+def kernel_manager_class():
+    """The kernel manager notebooks run under: IPC sockets where the OS has them, TCP elsewhere.
+
+    A kernel on TCP without CurveZMQ keys logs "Kernel is running over TCP without encryption" to the
+    terminal for every notebook; over IPC (Unix domain sockets, in a private temporary directory with a
+    short path) nothing is exposed and nothing is logged.
+    """
+    from jupyter_client import AsyncKernelManager
+
+    if os.name == "nt":
+        return AsyncKernelManager
+    global _IPCKernelManager
+    if _IPCKernelManager is None:
+        from traitlets import default
+
+        class IPCKernelManager(AsyncKernelManager):
+            @default("transport")
+            def _transport_default(self) -> str:
+                return "ipc"
+
+            @default("ip")
+            def _ip_default(self) -> str:
+                # sockets are "<ip>-<port>"; a Unix socket path must stay under ~100 bytes
+                return os.path.join(tempfile.mkdtemp(prefix="opsnn-kernel-"), "k")
+
+            def cleanup_ipc_files(self) -> None:
+                super().cleanup_ipc_files()
+                if self.transport == "ipc" and os.path.basename(os.path.dirname(self.ip)).startswith("opsnn-kernel-"):
+                    shutil.rmtree(os.path.dirname(self.ip), ignore_errors=True)
+
+        _IPCKernelManager = IPCKernelManager
+    return _IPCKernelManager
+
+
+_IPCKernelManager = None
 
 
 @dataclass(frozen=True)
@@ -88,7 +128,7 @@ def execute_notebook(notebook, output_path, parameters: dict | None = None, *, k
             nb = papermill.execute_notebook(
                 str(notebook), str(output_path), parameters=dict(parameters or {}), kernel_name=kernel,
                 language=language, progress_bar=False, log_output=False, cwd=str(cwd or notebook.parent),
-                execution_timeout=timeout)
+                execution_timeout=timeout, kernel_manager_class=kernel_manager_class())
     except papermill.PapermillExecutionError as err:
         nb = _read_partial(output_path, source)
         error = _error_from_outputs(nb) or CellError(None, err.exec_count, err.ename, err.evalue,

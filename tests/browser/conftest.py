@@ -27,6 +27,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOTS = REPO / "build" / "screenshots"
 CHROMIUM = os.environ.get("OPSNN_CHROMIUM", "/usr/bin/chromium")
+NEWS_PLUGIN = "@jupyterlab/apputils-extension:announcements"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
@@ -81,7 +82,13 @@ def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("lab")
     port, token = _free_port(), secrets.token_hex(16)
     log = root.parent / "jupyterlab.log"
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(root.parent / "jupyter_config"), "PYTHONUNBUFFERED": "1"}
+    config_dir = root.parent / "jupyter_config"
+    # No "get notified about official Jupyter news?" toast over the widgets in every screenshot: the Lab
+    # these tests start never loads the plugin that asks (nor fetches any news).
+    (config_dir / "labconfig").mkdir(parents=True, exist_ok=True)
+    (config_dir / "labconfig" / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {NEWS_PLUGIN: True}}))
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config_dir), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--allow-root",
            "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True",

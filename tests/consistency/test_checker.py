@@ -104,9 +104,34 @@ def test_planted_nondeterministic_op_is_named_forward_and_backward():
     assert before and all(r.exact for r in before)
 
 
+def build_layernorm_trap(model: nn.Module) -> nn.LayerNorm:
+    """Make ``layers.0.attn_norm`` a LayerNorm whose output mean is zero but moves with its input.
+
+    Its weight varies per feature, so the mean of ``weight * x_hat`` depends on the input, and its bias
+    cancels that mean for the unperturbed batch: the reference mean is rounding noise (~1e-9, or 0) while a
+    perturbed Linear upstream moves it by ~1e-6. Every other LayerNorm gets a bias of 0.5, so no other op
+    has a near-zero mean whichever SIMD kernels this CPU runs.
+    """
+    trap = model.get_submodule("layers.0.attn_norm")
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm) and m is not trap:
+                m.bias.fill_(0.5)
+        trap.weight.copy_(1 + torch.rand(trap.weight.shape, generator=g))
+        trap.bias.zero_()
+        seen = []
+        handle = trap.register_forward_hook(lambda mod, args, out: seen.append(out.double().mean()))
+        TASK.loss(model, TASK.batch(0))
+        handle.remove()
+        trap.bias.fill_(-seen[0].item())
+    return trap
+
+
 def test_layernorm_trap_names_the_linear_not_the_layernorm():
     """A relative-statistics comparison names a LayerNorm (mean ~ 0); elementwise errors name the Linear."""
     model, checker = make_model(), ConsistencyChecker(dump_on_failure=False)
+    build_layernorm_trap(model)
     traced_step(checker, model)
     perturb(model, "layers.0.attention.output")
     report = traced_step(checker, model)
@@ -117,9 +142,13 @@ def test_layernorm_trap_names_the_linear_not_the_layernorm():
 
     ops = [r for r in report.rows if r.phase == "forward" and r.kind == "op"]
     naive = max(ops, key=rel_mean_err)
-    assert naive.op == "aten.native_layer_norm.default"   # the trap exists in this model
+    # the trap exists by construction: a naive comparison blames the LayerNorm by orders of magnitude
+    assert (naive.module_path, naive.op) == ("layers.0.attn_norm", "aten.native_layer_norm.default")
+    assert abs(naive.ref_stats[0]["mean"]) < 1e-7 and rel_mean_err(naive) > 10
+    assert all(rel_mean_err(r) < 0.1 for r in ops if r is not naive)
     fwd = report.first_divergence
     assert (fwd.module_path, fwd.op) == ("layers.0.attention.output", "aten.addmm")
+    assert fwd.index < naive.index
 
 
 def test_check_gradients_false_records_forward_only():

@@ -95,7 +95,7 @@ def test_conv_output_read_twice():
 
     (m,) = _matches(Twice(), seeded(2, 3, 4, 4))
     assert not m.ok and "the output of `conv` is also read by `add`" in m.reason
-    assert torch.is_tensor(seeded(1))
+    assert m.pattern.startswith("conv_bn_relu") and list(m.modules)[:2] == ["conv", "bn"]
 
 
 @pytest.mark.parametrize("variant", ["plain", "div", "mT"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+
 import pytest
 import torch
 
@@ -36,10 +38,13 @@ def test_json_round_trip(plan):
 
 
 def test_html_table_lists_every_decision(plan):
-    html = plan._repr_html_()
-    assert html.count("<tr style=") == len(plan.decisions)
-    assert "feeds `stages.0.0.add`" in html.replace("&#x60;", "`")
-    assert "check_tensor" not in html or "fx" in html
+    page = plan._repr_html_()
+    assert page.count("<tr style=") == len(plan.decisions)
+    assert "feeds `stages.0.0.add`" in page.replace("&#x60;", "`")
+    n_fused = sum(d.fused for d in plan.decisions)
+    assert page.count("<td>fused</td>") == n_fused and page.count("<td>rejected</td>") == len(plan.decisions) - n_fused
+    assert all(html.escape(d.reason) in page for d in plan.decisions if d.reason)  # every rejection says why
+    assert page.count("<li>") == len(plan.routes)
 
 
 def test_decision_key_and_graph(plan):

@@ -112,3 +112,32 @@ def test_apply_from_a_json_plan_and_bad_arguments():
         ol.fusion.apply(None, plan)
     with pytest.raises(ValueError, match="was the plan made for this model"):
         ol.fusion.apply(_encoder(), plan)
+
+
+def test_dropout_p_survives_the_rewrite():
+    """Each fused op keeps its own dropout p and, in train mode, drops that share of its elements."""
+    from opsnn_lab.ops import FusedAttention, FusedLinearGELUDropoutLinear
+
+    torch.manual_seed(0)
+    cfg = EncoderConfig.tiny(layers=2, dropout=0.3, attn_dropout=0.6)  # two values: a swap shows too
+    fused, _ = ol.fusion.fuse(Encoder(cfg).train(), (IDS,))
+    ops = [getattr(m, "op", m) for m in fused.modules()]  # a slot calls its op; a child op is its own
+    attn = [o for o in ops if isinstance(o, FusedAttention)]
+    mlps = [o for o in ops if isinstance(o, FusedLinearGELUDropoutLinear)]
+    assert [o.dropout_p for o in attn] == [0.6] * cfg.layers and [o.p for o in mlps] == [0.3] * cfg.layers
+    # attention on v = identity returns its dropped probabilities: the zeros are the dropped share
+    t = 64
+    q, k, eye = seeded(1, 1, t, 8), seeded(1, 1, t, 8, seed=1), torch.eye(t).expand(1, 1, t, t)
+    for o in attn:
+        out = o.train()(q, k, eye)
+        assert abs((out == 0).float().mean().item() - 0.6) < 0.04
+        assert torch.equal(o.eval()(q, k, eye) == 0, torch.zeros_like(out, dtype=torch.bool))
+    # the MLP with fc2 selecting the first features and GELU kept positive returns its dropped activations
+    x = seeded(256, cfg.hidden)
+    for layer, o in zip(fused.layers, mlps):
+        with torch.no_grad():
+            layer.mlp.fc1.bias.fill_(4.0)
+            layer.mlp.fc2.weight.copy_(torch.eye(cfg.hidden, cfg.intermediate))
+            layer.mlp.fc2.bias.zero_()
+            out = o.train()(x)
+        assert out.shape == (256, cfg.hidden) and abs((out == 0).float().mean().item() - 0.3) < 0.03

@@ -128,16 +128,35 @@ def test_triton_sgd_matches_reference(triton_interpreter, momentum, nesterov):
                     nesterov=nesterov, inv_scale=1 / 32)
         sgd_reference_(ref[0], grads, ref[1], ref[2], step=step, lr=0.1, momentum=momentum, weight_decay=0.01,
                        nesterov=nesterov, inv_scale=1 / 32)
-    for got, want in zip(masters, ref[1]):
+    for got, want in zip(masters + bufs, ref[1] + ref[2]):  # momentum buffers too (untouched at momentum 0)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    if not momentum:
+        assert all(torch.equal(b, b0) for b, b0 in zip(bufs, _state(torch.float16, scale=32.0, n_state=1)[3][0]))
+    for got, want in zip(params, ref[0]):  # the fp16 params are the rounding of the masters
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
-def test_triton_found_inf_flag_skips_everything(triton_interpreter):
-    params, grads, masters, states = _state(torch.float16, scale=1.0)
-    before = [_clone(params), _clone(masters), _clone(states[0]), _clone(states[1])]
-    adamw_update_(params, grads, masters, *states, step=1, found_inf=torch.ones(1), **ADAM)
-    for got, want in zip([params, masters, states[0], states[1]], before):
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_triton_found_inf_flag_skips_everything(triton_interpreter, kind):
+    params, grads, masters, states = _state(torch.float16, scale=1.0, n_state=2 if kind == "adamw" else 1)
+    before = [_clone(params), _clone(masters), *(_clone(s) for s in states)]
+    if kind == "adamw":
+        adamw_update_(params, grads, masters, *states, step=1, found_inf=torch.ones(1), **ADAM)
+    else:
+        sgd_update_(params, grads, masters, *states, step=2, lr=0.1, momentum=0.9, weight_decay=0.01,
+                    found_inf=torch.ones(1))
+    for got, want in zip([params, masters, *states], before):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the same call with the flag clear does update: the skip is the flag's doing
+    if kind == "adamw":
+        adamw_update_(params, grads, masters, *states, step=1, found_inf=torch.zeros(1), **ADAM)
+    else:
+        sgd_update_(params, grads, masters, *states, step=2, lr=0.1, momentum=0.9, weight_decay=0.01,
+                    found_inf=torch.zeros(1))
+    for got, want in zip([masters, *states], before[1:]):  # fp32: every non-empty tensor moves
+        assert not any(torch.equal(a, b) for a, b in zip(got, want) if a.numel())
+    assert not all(torch.equal(a, b) for a, b in zip(params, before[0]))  # fp16 may round a tiny step away
 
 
 def test_triton_rejects_non_contiguous_param(triton_interpreter):

@@ -75,6 +75,9 @@ def test_eval_mode_and_custom_scale_and_bool_mask():
     out, grads = _fwd_bwd(train, (q, k, v, bool_mask))
     ref, ref_grads = _fwd_bwd(lambda *a: _eager(*a, p=0.25, seed=1), (q, k, v, mask))
     assert_close_dtype(out, ref)
+    assert len(grads) == len(ref_grads) == 3  # q, k, v: a bool mask takes no gradient
+    for g, r in zip(grads, ref_grads):
+        assert_close_dtype(g, r)
 
 
 def test_odd_shapes_non_contiguous_empty_and_mask_gradient():

@@ -1,3 +1,4 @@
+import copy
 import math
 import random
 
@@ -159,6 +160,46 @@ def test_state_dict_resume_is_bit_identical():
     tail = run(resumed, pattern[50:])
     assert tail["scale"] == full["scale"][50:] and tail["skipped"] == full["skipped"][50:]
     assert tail["step"] == full["step"][50:]
+
+
+def _run_until_pinned(scaler, pattern):
+    """Feed Inf (True) or finite (False) grads; return the history and the index that raised, if any."""
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for i, bad in enumerate(pattern):
+        p.grad = torch.full((2,), INF if bad else 1e-2)
+        try:
+            scaler.step(opt)
+            scaler.update()
+        except ScalerPinnedError:
+            return scaler.history.to_dict(), i
+    return scaler.history.to_dict(), None
+
+
+def test_resume_mid_hysteresis_and_while_pinned_is_bit_identical():
+    """Resume at every step: right after an overflow that has not backed off yet, and at min_scale with
+    overflows already counted towards ``min_scale_patience``; the rest of the run must not change."""
+    kw = dict(init_scale=8.0, min_scale=1.0, growth_interval=3, hysteresis=2, min_scale_patience=3,
+              underflow_threshold=None)
+    pattern = [False, True, True, False, False, False, True, False, True, True, True, True, True, False,
+               True, True, False, True, True, True]
+    full, raised = _run_until_pinned(DynamicScaler(**kw), pattern)
+    assert raised == len(pattern) - 1 and full["scale"][-1] == 1.0
+    seen = {"mid_hysteresis": 0, "pinned": 0}
+    for k in range(1, raised):
+        first = DynamicScaler(**kw)
+        assert _run_until_pinned(first, pattern[:k])[1] is None
+        state = first.state_dict()
+        # read from the scaler, not the state: the state is what is under test
+        seen["mid_hysteresis"] += first._hysteresis_tracker == 1 and full["overflow"][k - 1]
+        seen["pinned"] += first._pinned > 0
+        resumed = DynamicScaler(init_scale=2.0**16)  # every setting and counter comes from the state
+        resumed.load_state_dict(copy.deepcopy(state))
+        tail, tail_raised = _run_until_pinned(resumed, pattern[k:])
+        assert tail_raised is not None and k + tail_raised == raised, k
+        for key in ("step", "scale", "overflow", "skipped"):
+            assert tail[key] == full[key][k:], (k, key)
+    assert seen["mid_hysteresis"] >= 2 and seen["pinned"] >= 3  # the resumes this test is about happened
 
 
 def test_replay_matches_live_loop():

@@ -69,9 +69,13 @@ def test_master_follows_torch_optimizer_in_fp32(kind, kwargs, torch_opt, dtype):
 
 
 # ---------------------------------------------------------------- non-finite steps touch nothing
+NONFINITE = [float("nan"), INF, -INF]
+
+
+@pytest.mark.parametrize("bad", NONFINITE, ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 @pytest.mark.parametrize("with_scaler", [True, False])
-def test_nonfinite_step_leaves_everything_untouched(kind, with_scaler):
+def test_nonfinite_step_leaves_everything_untouched(kind, with_scaler, bad):
     model = _model(torch.float16)
     scaler = DynamicScaler(init_scale=64.0) if with_scaler else None
     opt = MasterWeightOptimizer(model, kind, lr=0.1, scaler=scaler)
@@ -79,7 +83,7 @@ def test_nonfinite_step_leaves_everything_untouched(kind, with_scaler):
     opt.step()  # populate moments
     opt.zero_grad()
     _backward(model, seed=3)
-    model[2].bias.grad[1] = float("nan")
+    model[2].bias.grad[1] = bad
     before = _snapshot(model, opt)
     assert opt.step() is False
     _assert_same(before, _snapshot(model, opt))
@@ -144,21 +148,26 @@ def test_pipelined_equals_plain_and_frees_grads(kind):
     assert piped.scaler.history.to_dict()["scale"] == plain.scaler.history.to_dict()["scale"]
 
 
-def test_pipelined_nonfinite_updates_all_with_zero_grad_for_the_bad_param():
+@pytest.mark.parametrize("bad", NONFINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("with_scaler", [True, False])
+def test_pipelined_nonfinite_updates_all_with_zero_grad_for_the_bad_param(with_scaler, bad):
     model = _model(torch.float16)
-    scaler = DynamicScaler(init_scale=8.0)
+    scaler = DynamicScaler(init_scale=8.0) if with_scaler else None
     opt = MasterWeightOptimizer(model, "sgd", lr=0.1, momentum=0.0, scaler=scaler, pipelined=True)
-    model[0].weight.register_hook(lambda g: torch.full_like(g, INF))  # the first layer's grad overflows
+    model[0].weight.register_hook(lambda g: torch.full_like(g, bad))  # the first layer's grad is non-finite
     before = [m.clone() for m in opt.masters]
-    _backward(model, scale=8.0)
+    _backward(model, scale=8.0 if with_scaler else 1.0)
     assert opt.step() is True
     changed = [not torch.equal(x, y) for x, y in zip(before, opt.masters)]
     # SGD without momentum or decay: a zero grad leaves the bad param in place, the others move
     assert changed == [False, True, True, True]
     assert all(torch.isfinite(m).all() for m in opt.masters)
-    assert opt.last_nonfinite == ["0.weight"] and scaler.scale == 4.0
-    row = scaler.history[-1]
-    assert row["overflow"] and not row["skipped"] and opt.steps_taken == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.last_nonfinite == ["0.weight"] and opt.steps_taken == 1
+    if with_scaler:
+        assert scaler.scale == 4.0
+        row = scaler.history[-1]
+        assert row["overflow"] and not row["skipped"]
 
 
 # ---------------------------------------------------------------- checkpoint

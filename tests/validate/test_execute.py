@@ -76,3 +76,13 @@ def test_missing_kernel_fails_before_any_cell(tmp_path):
     assert execution.error.summary().startswith("execution failed: NoSuchKernel")
     assert "no-such-kernel-opsnn" in execution.error.evalue
     assert read_figures(execution.nb) == {}
+
+
+def test_kernel_talks_over_ipc_without_a_tcp_warning(tmp_path, capfd):
+    path = write_notebook(tmp_path / "ipc.ipynb", "import json, opsnn_lab as ol\n"
+                          "from ipykernel.connect import get_connection_info\n"
+                          "ol.record('transport', json.loads(get_connection_info())['transport'])")
+    execution = execute_notebook(path, tmp_path / "out.ipynb")
+    assert execution.error is None and read_figures(execution.nb)["transport"].value == "ipc"
+    out, err = capfd.readouterr()
+    assert "without encryption" not in out + err
