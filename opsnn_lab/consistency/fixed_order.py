@@ -1,19 +1,23 @@
 """Fixed-reduction-order implementations of the ATen ops that ``strict()`` replaces.
 
-Why each op is here (all measured bitwise on the CPU build this package is tested on, MKL + AVX-512):
+Why each op is here (measured bitwise on the CPU build this package is tested on, MKL + AVX-512, and
+under ``ATEN_CPU_CAPABILITY=avx2``/``default``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``):
 
 * ``mm``/``addmm``: MKL picks its GEMM kernel from the problem shape and the operands' layouts, so
   row 0 of ``x @ W.T`` has different bits for 1-7 rows than for 8+, and a gradient that arrives
-  transposed for one batch size and row-major for another changes bits too. Here the left operand is
-  packed row-major (or kept packed column-major where that gives the same bits: whole ``ROW_BLOCK`` s
-  of rows, N >= 32) and its rows are zero padded to whole ``ROW_BLOCK`` s; the padded rows then
-  go through one GEMM (default: on MKL every row of any multiple of 64 rows gets the same bits) or,
-  with ``CHUNKED_GEMM``, through one batched call of GEMMs of exactly ``ROW_BLOCK`` rows, so the
-  library cannot choose by M at all. A reduction longer than ``K_BLOCK`` is cut into fixed blocks
-  summed left to right, so no library heuristic can split it across threads.
+  transposed for one batch size and row-major for another changes bits too. Here the rows are zero
+  padded to whole ``ROW_BLOCK`` s and the reference path runs one GEMM of exactly ``ROW_BLOCK`` rows per
+  block, row-major, with one thread; a reduction longer than ``K_BLOCK`` is cut into fixed blocks summed
+  left to right. Faster paths (one GEMM over all the padded rows; a packed column-major left operand
+  kept uncopied; the running thread count) are used for a GEMM shape only where
+  :mod:`opsnn_lab.consistency.gemm_probe` found, on this machine, that they give the reference's bits:
+  MKL on AVX-512 does for every shape the tests meet; MKL restricted to AVX2 splits rows over threads
+  into 6-row panels whose remainder rows take another kernel, and falls back to the reference at 2
+  threads.
 * ``bmm``: each matrix of a batch is one fixed-shape GEMM, but ``matmul`` hands it views whose
   layout depends on the batch size (``(B, H, T, d) -> (B*H, T, d)`` is a view for B = 1, a copy for
-  B > 1), so both operands are packed row-major; plus the K blocking.
+  B > 1), so the reference path packs both operands row-major and runs with one thread; keeping packed
+  column-major operands, and the running thread count, are probed the same way; plus the K blocking.
 * ``sum``/``mean``: a full reduction over more than 32768 elements is split across threads by
   TensorIterator (two-pass reduction), so its bits depend on ``torch.set_num_threads``. Here the
   reduced axes go last and are summed in fixed blocks of ``SUM_BLOCK`` (each block by one thread),
@@ -62,7 +66,7 @@ __all__ = [
 
 ROW_BLOCK = 64  # rows per GEMM: >= 8 keeps MKL on its blocked kernel; 64 costs nothing against one big GEMM
 K_BLOCK = 4096  # longest reduction one GEMM performs; longer ones are blocked and summed in order
-CHUNKED_GEMM = False  # True: one batched call of fixed-shape GEMMs; False: one padded GEMM (see _mm_rows)
+CHUNKED_GEMM = False  # True: skip the one-GEMM candidates (one batched call of fixed-shape GEMMs first)
 SUM_BLOCK = 4096  # longest row one sum reduces; far below TensorIterator's 32768-element parallel grain
 _ELEMENTWISE_ALIGN = 64  # pad elementwise ops to whole AVX-512 double-vectors (2 x 16 fp32) per thread
 
