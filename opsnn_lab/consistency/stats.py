@@ -1,7 +1,8 @@
 """Per-tensor statistics and the bitwise hash the tracer records for every op output.
 
-Cheap by construction (a handful of reductions per tensor, no float64 copy): this runs on every op of a
-traced step, so it is most of what ``trace()`` costs on top of the step itself.
+Cheap by construction (a handful of reductions per tensor, no float64 copy; small tensors summarised
+together by ``summarize_many``): this runs on every op of a traced step, so it is most of what
+``trace()`` costs on top of the step itself.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ names the node, so a backward op lands on the same module path as its forward op
 Tensors are held by reference while tracing (no copies on the hot path); an in-place op on a held
 tensor first swaps the held one for a copy (copy-on-write), and at exit the leaves (parameters, user
 inputs) and parameter gradients are copied because an optimizer step mutates them later. Statistics and
-the bitwise hash are computed once per tensor at exit (``stats.summarize``).
+the bitwise hash are computed once per tensor at exit, the small ones together (``stats.summarize_many``).
 """
 
 from __future__ import annotations
