@@ -177,14 +177,14 @@ def _mm_rows(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     b_layout = _layout(b)
     bias_shape = None if bias is None else tuple(bias.shape)
     key = ("mm", a.dtype, "col" if a_col else "row", b_layout, bias_shape, beta, alpha, m, k, n,
-           torch.get_num_threads(), ROW_BLOCK, CHUNKED_GEMM)
+           torch.get_num_threads(), ROW_BLOCK, CHUNKED_GEMM, a.device.type)
     path = gp._CACHE.get(key)
     if path is None:
         candidates = ["chunked"] if CHUNKED_GEMM else (["one"] if a_col else []) + ["one-copy", "chunked"]
         gen = gp.generator()
-        pa = gp.random_like_layout((m, k), "col" if a_col else "row", a.dtype, gen)
-        pb = gp.random_like_layout((k, n), b_layout, b.dtype, gen)
-        pbias = None if bias is None else torch.randn(bias.shape, generator=gen).to(bias.dtype)
+        pa = gp.random_like_layout((m, k), "col" if a_col else "row", a, gen)
+        pb = gp.random_like_layout((k, n), b_layout, b, gen)
+        pbias = None if bias is None else gp.random_like_layout(tuple(bias.shape), "row", bias, gen)
 
         def run(p, x=pa):
             return _mm_path(p, x, pb, pbias, beta, alpha, m, rows)
@@ -272,15 +272,15 @@ def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     bsz, m, k = a.shape
     n = b.shape[2]
     ta, tb = _bmm_tag(a), _bmm_tag(b)
-    key = ("bmm", a.dtype, ta, tb, bsz, m, k, n, torch.get_num_threads(), K_BLOCK)
+    key = ("bmm", a.dtype, ta, tb, bsz, m, k, n, torch.get_num_threads(), K_BLOCK, a.device.type)
     path = gp._CACHE.get(key)
     if path is None:
         if bsz == 0 or m == 0 or n == 0:
             return a.new_zeros(bsz, m, n)
         candidates = (["keep"] if "col" in (ta, tb) else []) + ["copy"]
         gen = gp.generator()
-        pa = gp.random_like_layout((bsz, m, k), ta, a.dtype, gen)
-        pb = gp.random_like_layout((bsz, k, n), tb, b.dtype, gen)
+        pa = gp.random_like_layout((bsz, m, k), ta, a, gen)
+        pb = gp.random_like_layout((bsz, k, n), tb, b, gen)
 
         def run(p):
             return _bmm_path(p, pa, pb)

@@ -54,12 +54,13 @@ def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     return not FORCE_MISMATCH and x.shape == y.shape and torch.equal(x, y)
 
 
-def random_like_layout(shape, layout: str, dtype, generator) -> torch.Tensor:
-    """Random operand of ``shape`` stored row-major (``"row"``) or column-major over its last two axes."""
+def random_like_layout(shape, layout: str, like: torch.Tensor, generator) -> torch.Tensor:
+    """Random operand of ``shape`` with ``like``'s dtype and device, stored row-major (``"row"``) or
+    column-major over its last two axes (``"col"``)."""
     if layout == "col" and len(shape) >= 2:
-        t = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=generator).to(dtype)
-        return t.transpose(-1, -2)
-    return torch.randn(*shape, generator=generator).to(dtype)
+        t = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=generator)
+        return t.to(device=like.device, dtype=like.dtype).transpose(-1, -2)
+    return torch.randn(tuple(shape), generator=generator).to(device=like.device, dtype=like.dtype)
 
 
 def generator() -> torch.Generator:
