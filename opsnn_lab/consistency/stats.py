@@ -105,6 +105,8 @@ def summarize(t: torch.Tensor) -> TensorStats:
     """
     t = t.detach()
     shape, dtype = tuple(t.shape), str(t.dtype).replace("torch.", "")
+    if not t.is_contiguous():
+        t = t.contiguous()  # one copy, which the hash's and the statistics' flat views then share
     n = t.numel()
     h = _hex(_hash_parts(t))
     if n == 0:
