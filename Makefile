@@ -8,6 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.opsnn-installed
 PYTEST_ARGS ?=
+# Second pass of `make test`: the numerics-sensitive suites (bitwise checks) as an AVX2-only x86-64 CPU
+# runs them: ATen's AVX2 kernels, MKL's AVX2 GEMMs, oneDNN's AVX2 ISA. Set ISA_ENV= to skip it.
+ISA_ENV ?= ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+ISA_TESTS ?= tests/consistency tests/kernels/test_rng.py tests/ops
+NBVAL := -p no:cacheprovider --nbval-lax --nbval-sanitize-with tests/notebooks/sanitize.cfg \
+	--nbval-cell-timeout 600 -o addopts="" -o testpaths="" notebooks/
 
 .PHONY: setup test demo lab bench lint clean
 
@@ -25,8 +31,11 @@ test: setup
 	bash scripts/ensure_chromium.sh
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -p no:cacheprovider --nbval-lax --nbval-sanitize-with tests/notebooks/sanitize.cfg \
-		--nbval-cell-timeout 600 -o addopts="" -o testpaths="" notebooks/
+	$(BIN)/python -m pytest $(NBVAL)
+ifneq ($(strip $(ISA_ENV)),)
+	env $(ISA_ENV) $(BIN)/python -m pytest -m "not distributed and not browser" $(ISA_TESTS)
+	env $(ISA_ENV) $(BIN)/python -m pytest $(NBVAL)
+endif
 
 demo: setup
 	$(BIN)/python -m opsnn_lab.report

@@ -94,6 +94,15 @@ def _interleaved(fns: dict, repeat: dict, warmup: int = 2) -> dict:
     return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
 
 
+def _gemm_paths() -> dict:
+    """How many GEMM shapes of the strict steps took each path (see ``strict_probe_report``)."""
+    from collections import Counter
+
+    from opsnn_lab.consistency.strict import strict_probe_report
+
+    return dict(Counter(f"{e['key'][0]}:{e['path']}" for e in strict_probe_report()))
+
+
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench consistency", description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -156,6 +165,7 @@ def _run(args) -> int:
           f"threads {torch.get_num_threads()}")
     print(format_table(rows, ["variant", "step_ms", "ratio", "cpu_ms", "cpu_ratio"]))
     print(f"strict() enter+exit: {switch * 1e3:.3f} ms (included in the strict step)")
+    print(f"strict() GEMM paths (probed on this machine): {_gemm_paths()}")
     if checker is None and not args.no_trace:
         print("trace: ConsistencyChecker not available in this build; trace overhead not measured")
 
@@ -172,6 +182,7 @@ def _run(args) -> int:
         "trace_ratio": ratio("trace", "ratio"),
         "trace_cpu_ratio": ratio("trace", "cpu_ratio"),
         "strict_switch_ms": switch * 1e3,
+        "strict_gemm_paths": _gemm_paths(),
         "targets": {"strict_ratio": 1.15, "strict_ratio_aim": 1.10, "trace_ratio_aim": 2.0},
     }
     path = write_json("consistency", data, args.out)

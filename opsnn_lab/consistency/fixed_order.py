@@ -1,19 +1,23 @@
 """Fixed-reduction-order implementations of the ATen ops that ``strict()`` replaces.
 
-Why each op is here (all measured bitwise on the CPU build this package is tested on, MKL + AVX-512):
+Why each op is here (measured bitwise on the CPU build this package is tested on, MKL + AVX-512, and
+under ``ATEN_CPU_CAPABILITY=avx2``/``default``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``):
 
 * ``mm``/``addmm``: MKL picks its GEMM kernel from the problem shape and the operands' layouts, so
   row 0 of ``x @ W.T`` has different bits for 1-7 rows than for 8+, and a gradient that arrives
-  transposed for one batch size and row-major for another changes bits too. Here the left operand is
-  packed row-major (or kept packed column-major where that gives the same bits: whole ``ROW_BLOCK`` s
-  of rows, N >= 32) and its rows are zero padded to whole ``ROW_BLOCK`` s; the padded rows then
-  go through one GEMM (default: on MKL every row of any multiple of 64 rows gets the same bits) or,
-  with ``CHUNKED_GEMM``, through one batched call of GEMMs of exactly ``ROW_BLOCK`` rows, so the
-  library cannot choose by M at all. A reduction longer than ``K_BLOCK`` is cut into fixed blocks
-  summed left to right, so no library heuristic can split it across threads.
+  transposed for one batch size and row-major for another changes bits too. Here the rows are zero
+  padded to whole ``ROW_BLOCK`` s and the reference path runs one GEMM of exactly ``ROW_BLOCK`` rows per
+  block, row-major, with one thread; a reduction longer than ``K_BLOCK`` is cut into fixed blocks summed
+  left to right. Faster paths (one GEMM over all the padded rows; a packed column-major left operand
+  kept uncopied; the running thread count) are used for a GEMM shape only where
+  :mod:`opsnn_lab.consistency.gemm_probe` found, on this machine, that they give the reference's bits:
+  MKL on AVX-512 does for every shape the tests meet; MKL restricted to AVX2 splits rows over threads
+  into 6-row panels whose remainder rows take another kernel, and falls back to the reference at 2
+  threads.
 * ``bmm``: each matrix of a batch is one fixed-shape GEMM, but ``matmul`` hands it views whose
   layout depends on the batch size (``(B, H, T, d) -> (B*H, T, d)`` is a view for B = 1, a copy for
-  B > 1), so both operands are packed row-major; plus the K blocking.
+  B > 1), so the reference path packs both operands row-major and runs with one thread; keeping packed
+  column-major operands, and the running thread count, are probed the same way; plus the K blocking.
 * ``sum``/``mean``: a full reduction over more than 32768 elements is split across threads by
   TensorIterator (two-pass reduction), so its bits depend on ``torch.set_num_threads``. Here the
   reduced axes go last and are summed in fixed blocks of ``SUM_BLOCK`` (each block by one thread),
@@ -37,8 +41,11 @@ Each function calls only ``out=`` overloads of the ops it replaces, which are no
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
+
+from opsnn_lab.consistency import gemm_probe as gp
 
 __all__ = [
     "ROW_BLOCK",
@@ -59,7 +66,7 @@ __all__ = [
 
 ROW_BLOCK = 64  # rows per GEMM: >= 8 keeps MKL on its blocked kernel; 64 costs nothing against one big GEMM
 K_BLOCK = 4096  # longest reduction one GEMM performs; longer ones are blocked and summed in order
-CHUNKED_GEMM = False  # True: one batched call of fixed-shape GEMMs; False: one padded GEMM (see _mm_rows)
+CHUNKED_GEMM = False  # True: skip the one-GEMM candidates (one batched call of fixed-shape GEMMs first)
 SUM_BLOCK = 4096  # longest row one sum reduces; far below TensorIterator's 32768-element parallel grain
 _ELEMENTWISE_ALIGN = 64  # pad elementwise ops to whole AVX-512 double-vectors (2 x 16 fp32) per thread
 
@@ -86,9 +93,6 @@ def _rows_layout(a: torch.Tensor) -> torch.Tensor:
     return a.contiguous()
 
 
-_COLUMN_MAJOR_MIN_N = 32  # narrower outputs take other MKL kernels, whose bits depend on A's layout
-
-
 def _is_column_major(a: torch.Tensor) -> bool:
     return a.dim() == 2 and a.stride(-2) == 1 and a.stride(-1) == a.shape[-2] and a.shape[-1] > 1
 
@@ -109,40 +113,92 @@ def _cols_layout(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous()
 
 
-def _mm_rows(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta=1, alpha=1) -> torch.Tensor:
-    """``beta * bias + alpha * (a @ b)`` for (M, K) @ (K, N), M zero padded to whole ROW_BLOCKs.
+def _full_bias(bias: torch.Tensor, m: int, rows: int, n: int) -> torch.Tensor:
+    if bias.dim() == 2 and bias.shape[0] == m and m not in (1, rows):  # a full (M, N) bias
+        bias = _pad_rows(bias.contiguous(), rows)
+    return bias.expand(rows, n)
 
-    Padding matters: MKL runs fewer than 8 rows through other kernels than 8 or more. Beyond that,
-    ``CHUNKED_GEMM`` runs one batched call of ceil(M / ROW_BLOCK) GEMMs of exactly ROW_BLOCK rows, so
-    the library cannot pick its kernel by M at all; the default runs one GEMM over the padded rows,
-    which costs the same as the native call: on MKL every row of any multiple of 64 rows (64 to 4096
-    checked, 1 and 2 threads) gets the same bits, which tests/consistency/test_strict.py keeps checking.
+
+def _mm_path(path: str, a, b, bias, beta, alpha, m: int, rows: int) -> torch.Tensor:
+    """``beta * bias + alpha * (a @ b)`` along one path (see :mod:`gemm_probe`), rows padded to ``rows``.
+
+    ``one``: one GEMM over the padded rows, a packed column-major ``a`` kept as it is; ``one-copy``:
+    the same with ``a`` copied row-major; ``chunked``: one batched call of GEMMs of exactly ROW_BLOCK
+    rows; ``reference``: one GEMM of ROW_BLOCK rows per block, each run with one thread.
     """
-    m, k = a.shape
     n = b.shape[1]
-    chunks = -(-m // ROW_BLOCK)
-    rows = chunks * ROW_BLOCK
-    if not (rows == m and n >= _COLUMN_MAJOR_MIN_N and not CHUNKED_GEMM and _is_column_major(a)):
+    if not (path == "one" and rows == m and _is_column_major(a)):
         a = _pad_rows(_rows_layout(a), rows)
-    # else: a packed column-major left operand (the weight gradient's transposed activation) goes to
-    # MKL as it is: for whole ROW_BLOCKs of rows and N >= _COLUMN_MAJOR_MIN_N its bits equal those of
-    # the row-major copy (tests/consistency/test_strict.py checks it), so the copy buys nothing.
     b = _cols_layout(b)
-    if not CHUNKED_GEMM:
+    if path in ("one", "one-copy"):
         out = a.new_empty(rows, n)
         if bias is None:
             return torch.mm(a, b, out=out)[:m]
-        if bias.dim() == 2 and bias.shape[0] == m and m not in (1, rows):  # a full (M, N) bias
-            bias = _pad_rows(bias.contiguous(), rows)
-        return torch.addmm(bias.expand(rows, n), a, b, beta=beta, alpha=alpha, out=out)[:m]
+        return torch.addmm(_full_bias(bias, m, rows, n), a, b, beta=beta, alpha=alpha, out=out)[:m]
+    chunks = rows // ROW_BLOCK
+    if path == "reference":
+        out = a.new_empty(rows, n)
+        full = None if bias is None else _full_bias(bias, m, rows, n)
+        with gp.one_thread():
+            for s in range(0, rows, ROW_BLOCK):
+                if full is None:
+                    torch.mm(a[s:s + ROW_BLOCK], b, out=out[s:s + ROW_BLOCK])
+                else:
+                    torch.addmm(full[s:s + ROW_BLOCK], a[s:s + ROW_BLOCK], b, beta=beta, alpha=alpha,
+                                out=out[s:s + ROW_BLOCK])
+        return out[:m]
     out = a.new_empty(chunks, ROW_BLOCK, n)
-    torch.bmm(a.unflatten(0, (chunks, ROW_BLOCK)), b.unsqueeze(0).expand(chunks, k, n), out=out)
+    torch.bmm(a.unflatten(0, (chunks, ROW_BLOCK)), b.unsqueeze(0).expand(chunks, *b.shape), out=out)
     out = out.view(rows, n)[:m]
     if bias is None:
         return out
     if alpha != 1:
         out = out.mul_(alpha)
     return out if beta == 0 else out.add_(bias if beta == 1 else bias * beta)
+
+
+def _layout(x: torch.Tensor) -> str:
+    return "col" if x.stride(-2) == 1 and x.stride(-1) == x.shape[-2] and x.shape[-1] > 1 else "row"
+
+
+def _mm_rows(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta=1, alpha=1) -> torch.Tensor:
+    """``beta * bias + alpha * (a @ b)`` for (M, K) @ (K, N), M zero padded to whole ROW_BLOCKs.
+
+    Padding matters: MKL runs fewer than 8 rows through other kernels than 8 or more. The path is
+    the fastest one that gave the reference path's bits for this GEMM on this machine (probed once,
+    :mod:`opsnn_lab.consistency.gemm_probe`): on MKL with AVX-512 one GEMM over the padded rows with
+    a column-major ``a`` uncopied; on MKL restricted to AVX2 at 2 threads, the one-thread reference.
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    rows = -(-m // ROW_BLOCK) * ROW_BLOCK
+    a_col = rows == m and _is_column_major(a)
+    b = _cols_layout(b)
+    b_layout = _layout(b)
+    bias_shape = None if bias is None else tuple(bias.shape)
+    key = ("mm", a.dtype, "col" if a_col else "row", b_layout, bias_shape, beta, alpha, m, k, n,
+           torch.get_num_threads(), ROW_BLOCK, CHUNKED_GEMM, a.device.type)
+    path = gp._CACHE.get(key)
+    if path is None:
+        candidates = ["chunked"] if CHUNKED_GEMM else (["one"] if a_col else []) + ["one-copy", "chunked"]
+        gen = gp.generator()
+        pa = gp.random_like_layout((m, k), "col" if a_col else "row", a, gen)
+        pb = gp.random_like_layout((k, n), b_layout, b, gen)
+        pbias = None if bias is None else gp.random_like_layout(tuple(bias.shape), "row", bias, gen)
+
+        def run(p, x=pa):
+            return _mm_path(p, x, pb, pbias, beta, alpha, m, rows)
+
+        def row_local(want):  # the reference's rows of a block, reversed, come back reversed
+            if bias is not None and bias.dim() == 2 and bias.shape[0] == m and m > 1:
+                return None  # a bias row per row: reversing the rows of ``a`` alone proves nothing
+            head = min(m, ROW_BLOCK)
+            flipped = pa.clone(memory_format=torch.contiguous_format)
+            flipped[:head] = flipped[:head].flip(0)
+            return torch.equal(run("reference", flipped)[:head].flip(0), want[:head])
+
+        path = gp.choose(key, candidates, "reference", run, row_local)
+    return _mm_path(path, a, b, bias, beta, alpha, m, rows)
 
 
 def fixed_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -173,42 +229,68 @@ def fixed_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1,
     return _mm_rows(a, b, bias, beta, alpha)
 
 
-_BMM_COLUMN_MAJOR_MIN = 16  # below it (M = 1: the GEMV path) a column-major operand changes bits
-
-
-def _bmm_layout(x: torch.Tensor) -> torch.Tensor:
-    """A bmm operand kept as packed row-major or packed column-major matrices, else made row-major."""
+def _bmm_tag(x: torch.Tensor) -> str:
+    """``row``/``col``: packed row- or column-major matrices (kept by the ``keep`` path); else ``other``."""
     rows, cols = x.shape[-2], x.shape[-1]
     if x.stride(0) == rows * cols or x.shape[0] == 1:
         if x.stride(-1) == 1 and x.stride(-2) == cols:
-            return x
+            return "row"
         if x.stride(-2) == 1 and x.stride(-1) == rows:
-            return x
-    return x.contiguous()
+            return "col"
+    return "other"
+
+
+def _bmm_path(path: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``keep``: packed column-major operands uncopied; ``copy``: both row-major; ``reference``: ``copy``
+    with one thread. A reduction longer than K_BLOCK is summed over fixed K blocks, left to right."""
+    if path == "keep":
+        a = a if _bmm_tag(a) != "other" else a.contiguous()
+        b = b if _bmm_tag(b) != "other" else b.contiguous()
+    else:
+        a, b = _rows_layout(a), _rows_layout(b)
+    bsz, m, k = a.shape
+    out = a.new_empty(bsz, m, b.shape[2])
+    with gp.one_thread() if path == "reference" else nullcontext():
+        if k <= K_BLOCK or out.numel() == 0:
+            return torch.bmm(a, b, out=out)
+        part = torch.empty_like(out)
+        torch.bmm(a[..., :K_BLOCK], b[:, :K_BLOCK], out=out)
+        for start in range(K_BLOCK, k, K_BLOCK):
+            torch.bmm(a[..., start:start + K_BLOCK], b[:, start:start + K_BLOCK], out=part)
+            out.add_(part)
+    return out
 
 
 def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm`` whose matrices' bits depend neither on the batch size nor on the thread count.
+
+    Both operands are activations whose orientation can depend on the batch size (matmul's reshape of
+    a transposed (B, H, d, T) view is a transposed view for B = 1, a row-major copy for B > 1), so the
+    reference path makes both row-major; packed column-major operands are kept where the probe
+    (:mod:`opsnn_lab.consistency.gemm_probe`) found that gives the same bits.
+    """
     bsz, m, k = a.shape
     n = b.shape[2]
-    # Both bmm operands are activations whose orientation can depend on the batch size (matmul's
-    # reshape of a transposed (B, H, d, T) view is a transposed view for B = 1, a row-major copy
-    # for B > 1), so both are made row-major.
-    if m >= _BMM_COLUMN_MAJOR_MIN and n >= _BMM_COLUMN_MAJOR_MIN and k <= K_BLOCK:
-        # packed column-major matrices give MKL's batched GEMM the row-major bits at these sizes
-        # (attention's K^T and the backward's transposed operands; tests/consistency/test_strict.py
-        # checks it), so only other layouts are copied
-        a, b = _bmm_layout(a), _bmm_layout(b)
-    else:
-        a, b = _rows_layout(a), _rows_layout(b)
-    out = a.new_empty(bsz, m, n)
-    if k <= K_BLOCK or out.numel() == 0:
-        return torch.bmm(a, b, out=out)
-    part = torch.empty_like(out)
-    torch.bmm(a[..., :K_BLOCK], b[:, :K_BLOCK], out=out)
-    for start in range(K_BLOCK, k, K_BLOCK):
-        torch.bmm(a[..., start:start + K_BLOCK], b[:, start:start + K_BLOCK], out=part)
-        out.add_(part)
-    return out
+    ta, tb = _bmm_tag(a), _bmm_tag(b)
+    key = ("bmm", a.dtype, ta, tb, bsz, m, k, n, torch.get_num_threads(), K_BLOCK, a.device.type)
+    path = gp._CACHE.get(key)
+    if path is None:
+        if bsz == 0 or m == 0 or n == 0:
+            return a.new_zeros(bsz, m, n)
+        candidates = (["keep"] if "col" in (ta, tb) else []) + ["copy"]
+        gen = gp.generator()
+        pa = gp.random_like_layout((bsz, m, k), ta, a, gen)
+        pb = gp.random_like_layout((bsz, k, n), tb, b, gen)
+
+        def run(p):
+            return _bmm_path(p, pa, pb)
+
+        def batch_local(want):  # the first and last matrices alone give their rows of the whole batch
+            return all(torch.equal(_bmm_path("reference", pa[i:i + 1], pb[i:i + 1])[0], want[i])
+                       for i in {0, bsz - 1})
+
+        path = gp.choose(key, candidates, "reference", run, batch_local)
+    return _bmm_path(path, a, b)
 
 
 # --------------------------------------------------------------------------- reductions

@@ -1,7 +1,8 @@
 """Per-tensor statistics and the bitwise hash the tracer records for every op output.
 
-Cheap by construction (a handful of reductions per tensor, no float64 copy): this runs on every op of a
-traced step, so it is most of what ``trace()`` costs on top of the step itself.
+Cheap by construction (a handful of reductions per tensor, no float64 copy; small tensors summarised
+together by ``summarize_many``): this runs on every op of a traced step, so it is most of what
+``trace()`` costs on top of the step itself.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TensorStats", "summarize", "tensor_hash", "stats_from_dict"]
+__all__ = ["TensorStats", "summarize", "summarize_many", "tensor_hash", "stats_from_dict"]
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -50,22 +51,40 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(_BITS[t.element_size()])
 
 
-def _hash_parts(t: torch.Tensor) -> list[int]:
-    bits = _bits(t)
-    n = bits.numel()
-    key = (n, bits.device)
+def _weights_for(n: int, device) -> torch.Tensor:
+    key = (n, device)
     w = _weights.get(key)
     if w is None:
         # odd int32 multipliers: multiplying by an odd number is a bijection mod 2**32, so changing any
         # one element changes its product and the sum; position-dependent, so a permutation shows too
-        w = (torch.arange(1, n + 1, dtype=torch.int64, device=bits.device) * 0x9E3779B1 + 0x7F4A7C15)
+        w = (torch.arange(1, n + 1, dtype=torch.int64, device=device) * 0x9E3779B1 + 0x7F4A7C15)
         w = ((w & 0x7FFFFFFF) | 1).to(torch.int32)
         if len(_weights) > 256:
             _weights.clear()
         _weights[key] = w
+    return w
+
+
+_scratch: dict = {}
+
+
+def _products(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``bits * w`` into a reused buffer: a fresh large tensor per op costs page faults on every trace."""
+    if bits.dtype != torch.int32:
+        return bits * w
+    n = bits.numel()
+    buf = _scratch.get(bits.device)
+    if buf is None or buf.numel() < n:
+        buf = _scratch[bits.device] = torch.empty(n, dtype=torch.int32, device=bits.device)
+    return torch.mul(bits, w, out=buf[:n])
+
+
+def _hash_parts(t: torch.Tensor) -> list[int]:
+    bits = _bits(t)
+    w = _weights_for(bits.numel(), bits.device)
     # int32 products and int32 sums wrap: exact arithmetic mod 2**32, the same on any machine and in any
     # reduction order (a native int32 sum is ~6x faster than the int64-promoting default)
-    return torch.stack([(bits * w).sum(dtype=torch.int32), bits.sum(dtype=torch.int32)]).tolist()
+    return torch.stack([_products(bits, w).sum(dtype=torch.int32), bits.sum(dtype=torch.int32)]).tolist()
 
 
 def _hex(h: list[int]) -> str:
@@ -86,6 +105,8 @@ def summarize(t: torch.Tensor) -> TensorStats:
     """
     t = t.detach()
     shape, dtype = tuple(t.shape), str(t.dtype).replace("torch.", "")
+    if not t.is_contiguous():
+        t = t.contiguous()  # one copy, which the hash's and the statistics' flat views then share
     n = t.numel()
     h = _hex(_hash_parts(t))
     if n == 0:
@@ -96,7 +117,8 @@ def summarize(t: torch.Tensor) -> TensorStats:
     elif x.element_size() < 4:
         x = x.float()
     nan = inf = 0
-    s, nrm = torch.stack([x.sum(), torch.linalg.vector_norm(x)]).tolist()
+    flat = x.reshape(-1)
+    s, nrm, mn, mx = torch.stack([flat.sum(), torch.linalg.vector_norm(flat), *torch.aminmax(flat)]).tolist()
     if not (math.isfinite(s) and math.isfinite(nrm)):
         nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
         x = x[torch.isfinite(x)]
@@ -104,7 +126,74 @@ def summarize(t: torch.Tensor) -> TensorStats:
         if n == 0:
             return TensorStats(shape, dtype, math.nan, math.nan, math.nan, math.nan, math.nan, nan, inf, h)
         s, nrm = torch.stack([x.sum(), torch.linalg.vector_norm(x)]).tolist()
-    mn, mx = torch.stack(torch.aminmax(x.reshape(-1))).tolist()
+        mn, mx = torch.stack(torch.aminmax(x)).tolist()
+    return _finish(shape, dtype, n, s, nrm, mn, mx, nan, inf, h)
+
+
+def _finish(shape, dtype, n, s, nrm, mn, mx, nan, inf, h) -> TensorStats:
     mean = s / n
     var = max(nrm * nrm / n - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 0.0)
     return TensorStats(shape, dtype, float(mn), float(mx), mean, math.sqrt(var), nrm, nan, inf, h)
+
+
+SMALL = 32768  # tensors up to this many elements are summarised together, a few kernels for all of them
+_layouts: dict[tuple, tuple] = {}
+
+
+def _group_layout(lengths: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenated hash weights and segment ids for tensors of ``lengths`` (cached: a step repeats them)."""
+    key = (lengths, device)
+    hit = _layouts.get(key)
+    if hit is None:
+        w = torch.cat([_weights_for(n, device) for n in lengths])
+        seg = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                      torch.tensor(lengths, device=device))
+        if len(_layouts) > 16:
+            _layouts.clear()
+        hit = _layouts[key] = (w, seg)
+    return hit
+
+
+def _summarize_group(ts: list[torch.Tensor]) -> list[TensorStats]:
+    """float32 tensors summarised together: one concatenation, segment sums, the same hash as ``summarize``."""
+    lengths = tuple(t.numel() for t in ts)
+    device = ts[0].device
+    w, seg = _group_layout(lengths, device)
+    bits = torch.cat([_bits(t.detach()) for t in ts])
+    x = bits.view(torch.float32)
+    k = len(ts)
+    hashes = torch.zeros(2, k, dtype=torch.int32, device=device)
+    hashes[0].index_add_(0, seg, _products(bits, w))
+    hashes[1].index_add_(0, seg, bits)
+    f = torch.zeros(4, k, dtype=torch.float32, device=device)
+    f[0].index_add_(0, seg, x)
+    f[1].index_add_(0, seg, x * x)
+    f[2].scatter_reduce_(0, seg, x, "amin", include_self=False)
+    f[3].scatter_reduce_(0, seg, x, "amax", include_self=False)
+    out = []
+    for t, n, (h1, h2), (s, sq, mn, mx) in zip(ts, lengths, hashes.t().tolist(), f.t().tolist()):
+        if not (math.isfinite(s) and math.isfinite(sq)):
+            out.append(summarize(t))  # NaN/Inf (or an overflowing square): counted exactly, one by one
+            continue
+        out.append(_finish(tuple(t.shape), "float32", n, s, math.sqrt(sq), mn, mx, 0, 0, _hex([h1, h2])))
+    return out
+
+
+def summarize_many(tensors: list[torch.Tensor]) -> list[TensorStats]:
+    """``[summarize(t) for t in tensors]``, the small float32 ones together (same hashes, statistics in float32).
+
+    A traced step summarises every op's output; most are small (biases, norms' statistics, scalars), and
+    for those the dozen kernel launches of one ``summarize`` cost more than the arithmetic.
+    """
+    out: list = [None] * len(tensors)
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        if t.dtype == torch.float32 and 0 < t.numel() <= SMALL and t.layout == torch.strided:
+            groups.setdefault(t.device, []).append(i)
+        else:
+            out[i] = summarize(t)
+    for idx in groups.values():
+        for i, st in zip(idx, _summarize_group([tensors[i] for i in idx])):
+            out[i] = st
+    _scratch.clear()  # the products buffer lives for one call: as large as the largest tensor summarised
+    return out

@@ -15,6 +15,11 @@ While strict mode is on:
   through a ``torch.library`` registration that is destroyed when strict mode ends, which puts the
   native kernels back.
 
+Which GEMM paths give those bits is not assumed from one CPU: each GEMM shape is probed once per
+process on the running machine (:mod:`opsnn_lab.consistency.gemm_probe`; ``strict_probe_report()``
+lists the probes and the path each chose), falling back to a one-thread reference path where a faster
+path does not give the reference's bits (MKL restricted to AVX2, at 2 threads).
+
 A sample's outputs and input gradients then have the same bits whatever the batch size and its
 position in the batch, and all outputs and gradients the same bits whatever ``torch.set_num_threads``
 says. Every setting is restored when the last user leaves. Outputs stay within the fp32 tolerance of
@@ -49,8 +54,9 @@ import torch
 
 from opsnn_lab._checks import check_type
 from opsnn_lab.consistency import fixed_order as fo
+from opsnn_lab.consistency.gemm_probe import strict_probe_report
 
-__all__ = ["strict", "is_strict", "OVERRIDDEN_OPS"]
+__all__ = ["strict", "is_strict", "OVERRIDDEN_OPS", "strict_probe_report"]
 
 _CUBLAS_WORKSPACE = ":4096:8"
 

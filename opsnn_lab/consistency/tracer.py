@@ -9,7 +9,7 @@ names the node, so a backward op lands on the same module path as its forward op
 Tensors are held by reference while tracing (no copies on the hot path); an in-place op on a held
 tensor first swaps the held one for a copy (copy-on-write), and at exit the leaves (parameters, user
 inputs) and parameter gradients are copied because an optimizer step mutates them later. Statistics and
-the bitwise hash are computed once per tensor at exit (``stats.summarize``).
+the bitwise hash are computed once per tensor at exit, the small ones together (``stats.summarize_many``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from __future__ import annotations
 import os
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from opsnn_lab.consistency.stats import TensorStats, stats_from_dict, summarize, tensor_hash
+from opsnn_lab.consistency.stats import TensorStats, stats_from_dict, summarize, summarize_many, tensor_hash
 
 __all__ = ["TensorStats", "OpRecord", "Trace", "OpTracer", "summarize", "tensor_hash", "flatten", "unflatten",
            "portable", "restore"]
@@ -377,11 +377,7 @@ class OpTracer:
         if self.check_gradients:
             self._record_param_grads()
         self._freeze()
-        cache: dict[tuple, TensorStats] = {}
-        for rec in self.records:
-            rec.output_stats = [_cached_summary(t, cache) for t in rec.outputs]
-            rec.input_stats = [_cached_summary(t, cache) if prod is None else None
-                               for t, prod in zip(rec.input_tensors(), rec.input_producers)]
+        _summarize_records(self.records)
         self.trace = Trace(self.records)
         self._held.clear()
         self._producer.clear()
@@ -422,16 +418,39 @@ def _copy_view(t: torch.Tensor, copies: dict) -> torch.Tensor:
     return out.set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
-def _cached_summary(t: torch.Tensor, cache: dict) -> TensorStats:
-    # a module's output is often a reshaped view of its last op's output: same bits, same statistics
-    if not t.is_contiguous():
-        return summarize(t)
-    key = (t.data_ptr(), t.numel(), t.dtype, t.device)
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = summarize(t)
-        return hit
-    return TensorStats(tuple(t.shape), *list(hit.__dict__.values())[1:])
+def _summarize_records(records: list[OpRecord]) -> None:
+    """Every record's output statistics and its leaf inputs' statistics, each distinct tensor once.
+
+    A module's output is often a reshaped view of its last op's output (same bits, same statistics), so
+    contiguous tensors over the same memory are summarised once; all of them go through one
+    ``summarize_many`` call, which summarises the small ones together.
+    """
+    tensors: list[torch.Tensor] = []
+    slot: dict[tuple, int] = {}
+
+    def index(t: torch.Tensor) -> int:
+        if not t.is_contiguous():
+            tensors.append(t)
+            return len(tensors) - 1
+        key = (t.data_ptr(), t.numel(), t.dtype, t.device)
+        i = slot.get(key)
+        if i is None:
+            i = slot[key] = len(tensors)
+            tensors.append(t)
+        return i
+
+    plan = [([index(t) for t in rec.outputs],
+             [index(t) if prod is None else None for t, prod in zip(rec.input_tensors(), rec.input_producers)])
+            for rec in records]
+    stats = summarize_many(tensors)
+
+    def view(i: int, t: torch.Tensor) -> TensorStats:
+        st = stats[i]
+        return st if st.shape == tuple(t.shape) else replace(st, shape=tuple(t.shape))
+
+    for rec, (outs, ins) in zip(records, plan):
+        rec.output_stats = [view(i, t) for i, t in zip(outs, rec.outputs)]
+        rec.input_stats = [None if i is None else view(i, t) for i, t in zip(ins, rec.input_tensors())]
 
 
 def _tensor_slots(flat: list) -> list[int]:

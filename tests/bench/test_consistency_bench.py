@@ -19,6 +19,8 @@ def test_quick_run_writes_json(tmp_path, capsys):
     else:
         assert data["trace_ratio"] is None
     assert data["threads"] == 1 and data["config"]["layers"] == 2
+    paths = data["strict_gemm_paths"]  # which GEMM path the probe chose, per op: the strict steps ran some
+    assert paths and {k.split(":")[0] for k in paths} <= {"mm", "bmm"} and all(v > 0 for v in paths.values())
     out = capsys.readouterr().out
     assert "strict" in out and "cpu_ratio" in out
     assert not is_strict()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from opsnn_lab.consistency.stats import TensorStats, stats_from_dict, summarize, tensor_hash
+from opsnn_lab.consistency.stats import TensorStats, stats_from_dict, summarize, summarize_many, tensor_hash
 from opsnn_lab.testing import non_contiguous, seeded
 
 
@@ -49,3 +49,26 @@ def test_hash_sees_one_ulp_and_a_permutation_but_not_the_layout(dtype):
 def test_stats_round_trip_through_a_dict():
     s = summarize(seeded(3, 5))
     assert isinstance(s, TensorStats) and stats_from_dict(s.as_dict()) == s
+
+
+def test_summarize_many_gives_each_tensor_its_own_hash_and_statistics():
+    # small float32 tensors are summarised together (segment sums over one concatenation); every
+    # tensor must still get exactly its own hash and its own statistics, whatever sits next to it
+    odd = seeded(5, 7, seed=3)
+    odd[1, 2], odd[3, 3], odd[4, 0] = math.nan, math.inf, -math.inf
+    tensors = [seeded(3, 5, seed=1), seeded(1, seed=2), odd, non_contiguous(seeded(6, 4, seed=4)),
+               torch.zeros(0, 3), torch.arange(7), seeded(4, 4, dtype=torch.bfloat16, seed=5),
+               seeded(40000, seed=6), seeded(3, 5, seed=1).flip(0), torch.full((9,), 1e30), seeded(2, 3, seed=7)]
+    many = summarize_many(tensors)
+    assert len(many) == len(tensors)
+    for t, got in zip(tensors, many):
+        want = summarize(t)
+        assert got.hash == want.hash == tensor_hash(t), t.shape
+        assert (got.shape, got.dtype, got.nan, got.inf) == (want.shape, want.dtype, want.nan, want.inf)
+        for k in ("min", "max"):
+            assert getattr(got, k) == getattr(want, k), (t.shape, k)
+        for k in ("mean", "std", "norm"):
+            assert getattr(got, k) == pytest.approx(getattr(want, k), rel=1e-5, abs=1e-6), (t.shape, k)
+    assert many[0].hash != many[8].hash  # the same values in another order
+    assert (many[2].nan, many[2].inf) == (1, 2)
+    assert summarize_many([]) == []

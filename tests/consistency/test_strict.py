@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from opsnn_lab.consistency import fixed_order as fo
+from opsnn_lab.consistency import gemm_probe as gp
 from opsnn_lab.consistency.strict import is_strict, strict
 from opsnn_lab.models import Encoder, EncoderConfig
 from opsnn_lab.testing import TOLERANCES, seeded
@@ -379,7 +380,8 @@ def test_gelu_bits_do_not_depend_on_tensor_size_under_strict():
 
 
 def test_one_gemm_rows_have_the_same_bits_for_any_multiple_of_64_rows():
-    # The assumption behind CHUNKED_GEMM = False (the default), checked on the build under test.
+    # Whichever path the probe picked for each shape (one GEMM on MKL/AVX-512; the one-thread reference
+    # where MKL restricted to AVX2 splits rows into panels), a row's bits do not depend on M.
     x, w = seeded(1024, 96, seed=7), seeded(160, 96, seed=8)
     ref = fo.fixed_mm(x[:64], w.t())
     for n in (1, 2):
@@ -391,7 +393,8 @@ def test_one_gemm_rows_have_the_same_bits_for_any_multiple_of_64_rows():
 
 
 def test_column_major_left_operand_has_the_row_major_bits():
-    # The assumption behind passing a column-major left operand (the weight gradient's dY^T) uncopied.
+    # A column-major left operand (the weight gradient's dY^T) is passed uncopied only where the probe
+    # found it gives the row-major bits; either way the result must have them.
     for m, k, n in ((256, 512, 1024), (1024, 512, 256), (64, 33, 32), (640, 2000, 257)):
         a, b = seeded(k, m, seed=1).t(), seeded(k, n, seed=2)
         for n_threads in (1, 2):
@@ -401,7 +404,7 @@ def test_column_major_left_operand_has_the_row_major_bits():
 
 
 def test_column_major_bmm_operands_have_the_row_major_bits():
-    # The assumption behind fixed_bmm passing packed column-major operands (M, N >= 16) uncopied.
+    # fixed_bmm keeps packed column-major operands only where the probe found they give the row-major bits.
     def col(x):
         return x.transpose(-1, -2).contiguous().transpose(-1, -2)
 
@@ -412,3 +415,53 @@ def test_column_major_bmm_operands_have_the_row_major_bits():
                 ref = fo.fixed_bmm(a, b)
                 for x, y in ((col(a), b), (a, col(b)), (col(a), col(b))):
                     assert torch.equal(fo.fixed_bmm(x, y), ref), (bsz, m, k, n)
+
+
+# --------------------------------------------------------------------------- the probe
+@pytest.fixture
+def fresh_probes(monkeypatch):
+    gp.clear_probes()
+    yield
+    monkeypatch.undo()
+    gp.clear_probes()  # nothing probed under a forced mismatch may stay cached
+
+
+def test_probe_records_each_gemm_once_per_shape_layout_and_thread_count(fresh_probes):
+    x, w = seeded(64, 96, seed=1), seeded(32, 96, seed=2)
+    with strict():
+        for n in (1, 2):
+            with threads(n):
+                F.linear(x, w)
+                F.linear(x, w)  # the same GEMM again: served from the cache
+                F.linear(x[:5], w)
+                torch.bmm(x.view(2, 32, 96), w.t().expand(2, 96, 32))
+    report = gp.strict_probe_report()
+    mm = [e for e in report if e["key"][0] == "mm"]
+    assert sorted((e["key"][7], e["key"][10]) for e in mm) == [(5, 1), (5, 2), (64, 1), (64, 2)]  # (M, threads)
+    assert all(e["key"][1] == torch.float32 and e["key"][3] == "col" for e in mm)  # W.T: column-major
+    bmm = [e for e in report if e["key"][0] == "bmm"]
+    assert sorted((e["key"][2], e["key"][3], e["key"][8]) for e in bmm) == [("row", "other", 1), ("row", "other", 2)]
+    for e in report:
+        assert e["path"] in e["candidates"] + ["reference"] and e["probe_ms"] >= 0
+        assert e["reference_row_local"] is True, e["key"]  # the reference path itself is row-local here
+
+
+def test_forced_probe_mismatch_falls_back_to_the_one_thread_reference_and_keeps_the_bits(fresh_probes, monkeypatch):
+    monkeypatch.setattr(gp, "FORCE_MISMATCH", True)
+    model = _model()
+    with strict():
+        with threads(2):
+            ref_out, ref_grad, ref_params = _run(model, _IDS[:17], _UPSTREAM[:17])
+            assert torch.get_num_threads() == 2  # the reference path ran with one thread and put 2 back
+            for rows in ([5], [9, 5, 3]):  # sample 5 alone, and in the middle of 3
+                out, grad, _ = _run(model, _IDS[rows], _UPSTREAM[rows])
+                pos = rows.index(5)
+                assert torch.equal(out[pos], ref_out[5]) and torch.equal(grad[pos], ref_grad[5]), rows
+        with threads(1):
+            one = _run(model, _IDS[:17], _UPSTREAM[:17])
+    assert torch.equal(one[0], ref_out) and torch.equal(one[1], ref_grad)
+    assert [n for n in ref_params if not torch.equal(one[2][n], ref_params[n])] == []
+    report = gp.strict_probe_report()
+    assert {e["key"][0] for e in report} == {"mm", "bmm"}
+    assert all(e["path"] == "reference" for e in report)
+    torch.testing.assert_close(ref_out, _run(model, _IDS[:17], _UPSTREAM[:17])[0], atol=FP32[0], rtol=FP32[1])
