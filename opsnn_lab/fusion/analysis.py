@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion.cost import CostModel
 from opsnn_lab.fusion.patch import Route, RoutePlanner
-from opsnn_lab.fusion.patterns import FAMILIES, Match, find_all, pattern_of
+from opsnn_lab.fusion.patterns import CONV_ACTS, FAMILIES, LINEAR_ACTS, Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.regions import Region, find_regions
 from opsnn_lab.fusion.runtime import RuntimeTrace, trace_runtime
@@ -30,13 +31,17 @@ def split_inputs(example_inputs) -> tuple[tuple, dict]:
                     f"arguments, got {type(example_inputs).__name__}")
 
 
+_VARIANT = re.compile(rf"conv_bn_({'|'.join(sorted(CONV_ACTS))})(_maxpool)?|"
+                      rf"linear_({'|'.join(sorted(LINEAR_ACTS))})(_dropout)?(_linear)?")
+
+
 def check_patterns(patterns) -> list[str] | None:
     if patterns is None:
         return None
     if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
         raise TypeError(f"patterns must be a list of pattern names, got {patterns!r}")
     known = {*FAMILIES, "conv_bn_relu_maxpool", "linear_gelu_dropout_linear"}
-    bad = [p for p in patterns if p not in known and not p.startswith(("conv_bn_", "linear_"))]
+    bad = [p for p in patterns if p not in known and not _VARIANT.fullmatch(p)]
     if bad:
         raise ValueError(f"patterns has unknown names {bad}; choose from {sorted(known)}")
     return list(patterns)

@@ -206,6 +206,8 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     fused = copy.deepcopy(model)
     memo = _copy_memo(model, fused)  # the op of a module-level decision shares the copy's Parameters
     wanted = [d for d in plan.decisions if d.fused]
+    # Module-level patches first: an fx region traced afterwards keeps each patched module as one call.
+    _module_rewrites(model, fused, plan, [d for d in wanted if d.route.startswith("module:")], memo)
     by_region: dict[str, dict] = {}
     for d in wanted:
         if d.route.startswith("fx:"):
@@ -223,7 +225,6 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     missing = {d.key for d in wanted if d.route.startswith("fx:")} - set(slots)
     if missing:
         raise ValueError(f"plan decisions not found in this model: {sorted(missing)[:3]}")
-    _module_rewrites(model, fused, plan, [d for d in wanted if d.route.startswith("module:")], memo)
     if list(fused.state_dict()) != list(model.state_dict()):
         raise RuntimeError("fusion changed the state_dict keys; this is a bug in opsnn_lab.fusion")
     return fused
