@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, Ref, arg, is_transposed_linear
+from opsnn_lab.fusion.graph import Graph, Node, Ref, arg, is_transposed_linear
 
 __all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "pattern_of"]
 
