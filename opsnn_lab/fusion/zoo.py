@@ -91,7 +91,7 @@ def _embedded(name, size, dropout, batch, seq):
 
     if name == "encoder":
         over = {} if dropout is None else {"dropout": dropout, "attn_dropout": dropout}
-        cfg = EncoderConfig.tiny(hidden=32, intermediate=64, **over)
+        cfg = EncoderConfig.tiny(**over)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
         return Encoder(cfg), (ids,)
     return ResNet(ResNetConfig()), (_images(batch)["pixel_values"],)
