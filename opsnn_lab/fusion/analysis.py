@@ -11,7 +11,7 @@ from torch import nn
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion.cost import CostModel
 from opsnn_lab.fusion.patch import Route, RoutePlanner
-from opsnn_lab.fusion.patterns import CONV_ACTS, FAMILIES, LINEAR_ACTS, Match, find_all, pattern_of
+from opsnn_lab.fusion.patterns import CONV_ACTS, FAMILIES, LINEAR_ACTS, Match, act_kind, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.regions import Region, find_regions
 from opsnn_lab.fusion.runtime import RuntimeTrace, trace_runtime
@@ -98,7 +98,7 @@ class Analysis:
             d.route = self.rewritable[m.key]
             route = self.routes.get(m.key)
             if route is not None:
-                d.carriers, d.first = list(route.carriers), route.first
+                d.carriers, d.first, d.ops = list(route.carriers), route.first, [act_kind(n) for n in m.nodes]
             d.saved_bytes, d.traffic_bytes = self.costs[m.key]
         return d
 

@@ -20,6 +20,7 @@ class Decision:
     route: str = ""  # "module:chain" | "module:qkv" | "module:whole" | "fx:<region>" ('' when not rewritten)
     carriers: list[str] = field(default_factory=list)  # module routes: the modules whose forward is patched
     first: int = 0  # module:qkv: the sibling called first (it runs the packed GEMM)
+    ops: list[str] = field(default_factory=list)  # canonical op of each chain step (a plan from JSON rebuilds)
     chain: list[str] = field(default_factory=list)  # node labels, in execution order
     nodes: list[str] = field(default_factory=list)  # node names in ``FusionPlan.graph`` (unique)
     shapes: list = field(default_factory=list)  # output shape of each chain node

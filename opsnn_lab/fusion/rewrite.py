@@ -157,11 +157,13 @@ def _rebuild(model: nn.Module, d: Decision) -> Match:
         raise ValueError(f"plan decision {d.pattern} names modules missing here ({exc}); "
                          "was the plan made for this model?") from exc
     nodes, prev = [Node("x", "input", "input")], "x"
-    for i, (path, mod) in enumerate(zip(d.carriers, mods)):
-        nodes.append(Node(f"n{i}", "module", canonical_module(mod), [prev], (Ref(prev),), module=path, obj=mod))
+    ops = d.ops if len(d.ops) == len(mods) else [canonical_module(mod) for mod in mods]
+    for i, (path, mod, op) in enumerate(zip(d.carriers, mods, ops)):
+        nodes.append(Node(f"n{i}", "module", op, [prev], (Ref(prev),), module=path, obj=mod))
         prev = prev if kind == "qkv" else f"n{i}"
     nodes.append(Node("out", "output", "output", [n.name for n in nodes[1:]] if kind == "qkv" else [prev]))
-    found = [m for m in pattern_of(d.pattern).find(Graph(nodes)) if m.ok and m.key == d.key]
+    found = [m for m in pattern_of(d.pattern).find(Graph(nodes))
+             if m.ok and m.pattern == d.pattern and [n.module for n in m.nodes] == list(d.carriers)]
     if not found:
         raise ValueError(f"plan decision {d.pattern} on {d.modules} does not match these modules; "
                          "was the plan made for this model?")
