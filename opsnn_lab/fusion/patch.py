@@ -16,7 +16,9 @@ trace saw (``runtime.ModuleCall``), in one of three ways (``Decision.route``):
 A patch is an object bound as ``module.__dict__["forward"]`` (module-level classes only: ``torch.save``
 pickles it, ``copy.deepcopy`` copies it with the Parameters it shares); ``revert(model)`` removes every
 patch. Under ``torch.autocast`` a patched chain runs its modules' own forwards (the fused ops compute in
-one dtype), with the same result as the unfused model.
+one dtype), with the same result as the unfused model. Under ``torch.compile`` a fused op is an opaque
+call (``torch.compiler.disable``: Dynamo breaks the graph around it, so its Python-side dropout stream never
+becomes a guard), and a QKV sibling runs its plain Linear, which Inductor compiles with the rest.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ class ChainHead(Patch):
         super().__init__(host)
         self.op, self.steps, self.pattern = op, steps, pattern
 
+    @torch.compiler.disable  # opaque to torch.compile: the op draws its dropout stream in Python
     def __call__(self, x):
         if _autocast_on(x):
             for step in self.steps:
@@ -182,6 +185,7 @@ class WholeForward(Patch):
         super().__init__(host)
         self.op, self.pattern = op, pattern
 
+    @torch.compiler.disable
     def __call__(self, x):
         if _autocast_on(x):
             return type(self.host).forward(self.host, x)

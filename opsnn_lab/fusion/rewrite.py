@@ -38,6 +38,7 @@ class FusedSlot(nn.Module):
         object.__setattr__(self, "op", op)  # not a child: its Parameters already have their state_dict keys
         self.pattern, self.fused_modules = pattern, list(modules)
 
+    @torch.compiler.disable  # opaque to torch.compile, like the module-level patches (patch.py)
     def forward(self, *args):
         if self.op.training != self.training:  # the slot's flag is the one model.train()/eval() sets
             self.op.train(self.training)
