@@ -30,7 +30,7 @@ def _bert_cfg(T, size, dropout, cls=None):
     cls = cls or T.BertConfig
     if size == "base":
         cfg = cls(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                  intermediate_size=3072, max_position_embeddings=512)
+                  intermediate_size=3072, max_position_embeddings=514)
     else:
         cfg = cls(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=40, pad_token_id=1)
