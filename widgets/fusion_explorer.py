@@ -17,6 +17,7 @@ from torch import nn
 
 import opsnn_lab as ol
 from opsnn_lab._checks import check_type
+from opsnn_lab.fusion.patterns import pattern_of
 from opsnn_lab.widgets._base import StaticFigureMixin
 
 __all__ = ["FusionExplorer", "PATTERN_COLORS"]
@@ -28,7 +29,11 @@ _NUMBERED = re.compile(r"^(.*?\.)?(\d+)(\.|$)")
 
 
 def _family(pattern: str) -> str:
-    return max((f for f in PATTERN_COLORS if pattern.startswith(f)), key=len, default=pattern)
+    """The table row a variant belongs to (``linear_gelu_tanh_linear`` -> ``linear_gelu_dropout``)."""
+    try:
+        return pattern_of(pattern).family
+    except ValueError:  # a name no row knows (a plan from another version): its own colour group
+        return max((f for f in PATTERN_COLORS if pattern.startswith(f)), key=len, default=pattern)
 
 
 def _block_of(name: str, repeated: set) -> str | None:

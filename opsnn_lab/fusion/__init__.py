@@ -11,6 +11,8 @@ _EXPORTS = {
     "Analysis": "analysis",
     "apply": "rewrite",
     "FusedSlot": "rewrite",
+    "revert": "patch",
+    "patches": "patch",
     "fuse": "api",
     "measure": "measure",
     "Measurement": "measure",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -9,7 +10,8 @@ from torch import nn
 
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion.cost import CostModel
-from opsnn_lab.fusion.patterns import FAMILIES, Match, find_all, pattern_of
+from opsnn_lab.fusion.patch import Route, RoutePlanner
+from opsnn_lab.fusion.patterns import CONV_ACTS, FAMILIES, LINEAR_ACTS, Match, act_kind, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.regions import Region, find_regions
 from opsnn_lab.fusion.runtime import RuntimeTrace, trace_runtime
@@ -29,46 +31,61 @@ def split_inputs(example_inputs) -> tuple[tuple, dict]:
                     f"arguments, got {type(example_inputs).__name__}")
 
 
+_VARIANT = re.compile(rf"conv_bn_({'|'.join(sorted(CONV_ACTS))})(_maxpool)?|"
+                      rf"linear_({'|'.join(sorted(LINEAR_ACTS))})(_dropout)?(_linear)?")
+
+
 def check_patterns(patterns) -> list[str] | None:
     if patterns is None:
         return None
     if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
         raise TypeError(f"patterns must be a list of pattern names, got {patterns!r}")
     known = {*FAMILIES, "conv_bn_relu_maxpool", "linear_gelu_dropout_linear"}
-    bad = [p for p in patterns if p not in known]
+    bad = [p for p in patterns if p not in known and not _VARIANT.fullmatch(p)]
     if bad:
         raise ValueError(f"patterns has unknown names {bad}; choose from {sorted(known)}")
     return list(patterns)
 
 
 class Analysis:
-    """Everything one trace found; ``plan(patterns)`` turns it into decisions without tracing again."""
+    """Everything one trace found; ``plan(patterns)`` turns it into decisions without tracing again.
 
-    def __init__(self, model: nn.Module, trace: RuntimeTrace, regions: list[Region], name: str):
-        self.model, self.trace, self.regions, self.name = model, trace, regions, name
+    Each viable chain is rewritten at module boundaries when the run-time record shows some (patch.py);
+    torch.fx is asked only for the chains no module call carries (functional code inside one forward).
+    """
+
+    def __init__(self, model: nn.Module, trace: RuntimeTrace, name: str):
+        self.model, self.trace, self.name = model, trace, name
         self.cost = CostModel(trace, lambda m: pattern_of(m.pattern).build(m))
-        self.rewritable: dict[tuple, str] = {}  # match key -> region path
-        for r in regions:
+        planner = RoutePlanner(trace)
+        self.routes: dict[tuple, Route] = {}  # match key -> module-level route
+        self.why_not: dict[tuple, str] = {}  # match key -> why no module call carries it
+        self.matches: dict[tuple, Match] = {}
+        viable = [m for m in find_all(trace.graph) if m.viable]
+        for m in viable:
+            self.matches[m.key] = m
+            route = planner.route(m)
+            if isinstance(route, Route):
+                self.routes[m.key] = route
+            else:
+                self.why_not[m.key] = route
+        self.regions: list[Region] = find_regions(model, trace.calls) if self.why_not else []
+        self.rewritable: dict[tuple, str] = {k: r.label for k, r in self.routes.items()}  # match key -> route
+        for r in self.regions:
             if r.route == "fx":
                 for m in find_all(r.graph):
-                    if m.viable:
-                        self.rewritable[m.key] = r.path
+                    if m.viable and m.key in self.why_not and m.key not in self.rewritable:
+                        self.rewritable[m.key] = f"fx:{r.path or '<model>'}"
         self.costs: dict[tuple, tuple[int, int]] = {}
-        for m in find_all(trace.graph):
-            if m.viable and m.key in self.rewritable:
+        for m in viable:
+            if m.key in self.rewritable:
                 self.costs[m.key] = (self.cost.saved_bytes(m), self.cost.traffic_bytes(m))
         self.trace.tensors.clear()  # activations (and the autograd graph holding them) are no longer needed
         self.trace.output = None
 
     def _not_rewritable(self, m: Match) -> str:
-        first = m.modules[0] if m.modules else ""
-        blockers = [r for r in self.regions if r.route != "fx" and (first + ".").startswith(r.path + "." if r.path
-                                                                                            else "")]
-        if blockers:
-            r = max(blockers, key=lambda r: len(r.path))
-            return (f"cannot be rewritten: `{r.path or type(self.model).__name__}` is not traceable by torch.fx "
-                    f"({r.reason}) and no traceable submodule contains the whole chain")
-        return "cannot be rewritten: torch.fx sees a different graph around this chain than the run-time trace"
+        why = self.why_not.get(m.key, "")
+        return f"cannot be rewritten: {why}" if why else "cannot be rewritten here"
 
     def decision(self, m: Match) -> Decision:
         d = Decision(m.pattern, m.modules, m.ok, m.reason, chain=[n.label for n in m.nodes],
@@ -78,7 +95,10 @@ class Analysis:
         if m.ok and m.key not in self.rewritable:
             d.fused, d.reason = False, self._not_rewritable(m)
         elif m.ok:
-            d.route = f"fx:{self.rewritable[m.key] or '<model>'}"
+            d.route = self.rewritable[m.key]
+            route = self.routes.get(m.key)
+            if route is not None:
+                d.carriers, d.first, d.ops = list(route.carriers), route.first, [act_kind(n) for n in m.nodes]
             d.saved_bytes, d.traffic_bytes = self.costs[m.key]
         return d
 
@@ -118,8 +138,7 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
         with torch.random.fork_rng(devices=devices):
             model.train()
             trace = trace_runtime(model, args, kwargs)
-            regions = find_regions(model, trace.calls)
-            analysis = Analysis(model, trace, regions, type(model).__name__)
+            analysis = Analysis(model, trace, type(model).__name__)
     finally:
         for m, flag in flags.items():
             m.training = flag

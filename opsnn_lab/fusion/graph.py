@@ -13,22 +13,45 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["Node", "Graph", "Ref", "canonical_function", "canonical_module", "is_leaf_module", "arg"]
+__all__ = ["Node", "Graph", "Ref", "canonical_function", "canonical_module", "is_leaf_module", "arg",
+           "is_transposed_linear", "ACTIVATIONS"]
 
 # Module classes -> canonical op names; functions are named by their __name__ (see canonical_function).
 _MODULE_OPS = {
     nn.Conv2d: "conv2d", nn.BatchNorm2d: "batch_norm", nn.Linear: "linear", nn.ReLU: "relu", nn.ReLU6: "relu6",
     nn.LeakyReLU: "leaky_relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
     nn.Hardtanh: "hardtanh", nn.ELU: "elu", nn.Mish: "mish", nn.Dropout: "dropout", nn.MaxPool2d: "max_pool2d",
-    nn.Softmax: "softmax", nn.LayerNorm: "layer_norm", nn.Embedding: "embedding",
+    nn.Softmax: "softmax", nn.LayerNorm: "layer_norm", nn.Embedding: "embedding", nn.Hardswish: "hardswish",
+    nn.Identity: "identity",
+}
+# Hugging Face modules by class name (no import of transformers needed): activations -> the name used in
+# torch.nn.functional / ACT2FN; Conv1D is a Linear whose weight is stored transposed (in, out).
+_HF_MODULES = {
+    "GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh", "FastGELUActivation": "gelu_tanh", "QuickGELUActivation": "quick_gelu",
+    "SiLUActivation": "silu", "MishActivation": "mish", "LinearActivation": "identity",
+    "ReLUSquaredActivation": "relu_squared", "Conv1D": "linear",
 }
 _ALIASES = {
     "truediv": "div", "rmul": "mul", "radd": "add", "iadd": "add", "imul": "mul", "rtruediv": "rdiv",
     "bmm": "matmul", "rmatmul": "matmul", "max_pool2d_with_indices": "max_pool2d", "relu_": "relu",
     "gelu_": "gelu", "dropout_": "dropout", "native_dropout": "dropout",
 }
-ACTIVATIONS = frozenset({"relu", "relu6", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "hardtanh", "elu",
-                         "mish", "hardswish", "selu", "softplus"})
+ACTIVATIONS = frozenset({"relu", "relu6", "leaky_relu", "gelu", "gelu_tanh", "quick_gelu", "silu", "tanh",
+                         "sigmoid", "hardtanh", "elu", "mish", "hardswish", "selu", "softplus", "relu_squared"})
+
+
+def _hf_op(module: nn.Module) -> str | None:
+    """The canonical op of a Hugging Face activation / Conv1D module, or None."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers."):
+        return None
+    return _HF_MODULES.get(cls.__name__)
+
+
+def is_transposed_linear(module: nn.Module | None) -> bool:
+    """Hugging Face ``Conv1D``: ``x @ W + b`` with ``W`` of shape (in, out), i.e. a Linear with W transposed."""
+    return module is not None and _hf_op(module) == "linear"
 
 
 def canonical_function(fn) -> str:
@@ -43,6 +66,9 @@ def canonical_function(fn) -> str:
 
 
 def canonical_module(module: nn.Module) -> str:
+    hf = _hf_op(module)
+    if hf is not None:
+        return hf
     for cls in type(module).__mro__:
         if cls in _MODULE_OPS:
             return _MODULE_OPS[cls]
@@ -54,6 +80,11 @@ def canonical_module(module: nn.Module) -> str:
 def is_leaf_module(module: nn.Module) -> bool:
     """fx's rule, plus opsnn_lab's own ops: built-in modules run as a unit; user modules are looked into."""
     mod = type(module).__module__
+    if _hf_op(module) is not None:  # one op, whatever Python its forward is written in
+        return True
+    forward_from = next((c for c in type(module).__mro__ if "forward" in vars(c)), None)
+    if forward_from is not None and forward_from in _MODULE_OPS:  # a subclass keeping e.g. Conv2d's forward
+        return True
     builtin = mod.startswith("torch.nn") or mod.startswith("torch.ao.nn") or mod.startswith("opsnn_lab.ops")
     return builtin and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, Ref, arg
+from opsnn_lab.fusion.graph import Graph, Node, Ref, arg, is_transposed_linear
 
 __all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "pattern_of"]
 
@@ -74,11 +74,40 @@ def _consumer_reason(g: Graph, node: Node, nxt: Node) -> str:
     return f"the output of `{node.label}` is also read by {', '.join(f'`{o}`' for o in others)}" if others else ""
 
 
-def _act_name(n: Node) -> str:
+# Activations each chain family names (DESIGN.md); whether an op fuses one is the op's own answer.
+CONV_ACTS = frozenset({"relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu"})
+LINEAR_ACTS = frozenset({"gelu", "gelu_tanh", "quick_gelu", "silu", "relu"})
+
+
+def act_kind(n: Node) -> str:
+    """The activation's name as in torch.nn.functional / HF ACT2FN: ``gelu``, ``gelu_tanh``, ``silu``, ..."""
     if n.op == "gelu":
-        approx = n.obj.approximate if n.obj is not None else arg(n, 1, "approximate", "none")
-        return "GELU" if approx == "none" else f"GELU(approximate={approx!r})"
-    return {"relu": "ReLU", "relu6": "ReLU6", "leaky_relu": "LeakyReLU", "silu": "SiLU"}.get(n.op, n.op)
+        approx = getattr(n.obj, "approximate", None) if n.obj is not None else arg(n, 1, "approximate", "none")
+        return "gelu_tanh" if approx == "tanh" else "gelu"
+    return n.op
+
+
+def _act_name(n: Node) -> str:
+    kind = act_kind(n)
+    return {"gelu": "GELU", "gelu_tanh": "GELU(approximate='tanh')", "relu": "ReLU", "relu6": "ReLU6",
+            "leaky_relu": "LeakyReLU", "silu": "SiLU", "quick_gelu": "QuickGELU", "hardswish": "Hardswish"}.get(kind,
+                                                                                                              kind)
+
+
+_TORCH_ACTS = {"gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU,
+               "relu6": nn.ReLU6, "silu": nn.SiLU, "hardswish": nn.Hardswish, "leaky_relu": nn.LeakyReLU,
+               "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "mish": nn.Mish}
+
+
+def act_module(n: Node) -> nn.Module | None:
+    """The activation as a torch.nn module the fused ops take (a functional call or a HF module mapped back)."""
+    if n.obj is not None and type(n.obj).__module__.startswith("torch.nn"):
+        return n.obj
+    kind = act_kind(n)
+    if kind == "leaky_relu" and n.obj is None:
+        return nn.LeakyReLU(float(arg(n, 1, "negative_slope", 0.01)))
+    make = _TORCH_ACTS.get(kind)
+    return make() if make is not None else n.obj
 
 
 def _common_checks(g: Graph, nodes: list[Node]) -> str:
@@ -123,20 +152,19 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
         if not m.reason and act is None:
             m.reason = (f"the output of `{bn.label}` goes to {', '.join(f'`{u.label}`' for u in users)}"
                         if users else f"`{bn.label}` output is unused")
-        elif not m.reason and act.op not in ACTIVATIONS:
-            m.reason = f"`{bn.label}` feeds `{act.label}` ({act.op}), not a ReLU; FusedConvBNReLU needs BN -> ReLU"
-        elif not m.reason and act.op != "relu":
-            m.reason = f"activation `{act.label}` is {_act_name(act)}; FusedConvBNReLU fuses ReLU only"
+        elif not m.reason and act_kind(act) not in CONV_ACTS:
+            m.reason = f"`{bn.label}` feeds `{act.label}` ({act.op}), not a ReLU or another activation"
         if m.reason:
             out.append(m)
             continue
+        m.pattern = f"conv_bn_{act_kind(act)}"
         m.nodes.append(act)
         m.outputs = [act]
         pool = g.only_user(act)
-        relu_mod = act.obj if act.obj is not None else nn.ReLU()
+        relu_mod = act_module(act)
         if _is_module(pool, "max_pool2d") and not _op_support("FusedConvBNReLU", conv.obj, bn.obj, relu_mod,
                                                               pool.obj):
-            m.pattern, m.nodes, m.outputs = "conv_bn_relu_maxpool", [*m.nodes, pool], [pool]
+            m.pattern, m.nodes, m.outputs = f"{m.pattern}_maxpool", [*m.nodes, pool], [pool]
         m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod,
                     "maxpool": pool.obj if len(m.nodes) == 4 else None}
         why = _op_support("FusedConvBNReLU", conv.obj, bn.obj, relu_mod, m.params["maxpool"])
@@ -150,14 +178,11 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
 def find_linear_gelu_dropout(g: Graph) -> list[Match]:
     out = []
     for lin in g.nodes:
-        act = next((u for u in g.users.get(lin.name, []) if u.op in ACTIVATIONS), None)
+        act = next((u for u in g.users.get(lin.name, []) if act_kind(u) in LINEAR_ACTS), None)
         if not _is_module(lin, "linear") or act is None:
             continue
-        m = Match("linear_gelu_dropout", [lin, act], False, "", inputs=lin.inputs[:1], outputs=[act])
-        approx = getattr(act.obj, "approximate", "none") if act.obj is not None else arg(act, 1, "approximate", "none")
+        m = Match(f"linear_{act_kind(act)}", [lin, act], False, "", inputs=lin.inputs[:1], outputs=[act])
         m.reason = _consumer_reason(g, lin, act)
-        if not m.reason and act.op != "gelu":
-            m.reason = f"activation `{act.label}` is {_act_name(act)}; FusedLinearGELUDropout fuses GELU only"
         if m.reason:
             out.append(m)
             continue
@@ -166,13 +191,16 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
         if nxt is not None and nxt.op == "dropout":
             drop, tail = nxt, nxt
             m.nodes.append(drop)
+            m.pattern += "_dropout"
         fc2 = g.only_user(tail)
         if _is_module(fc2, "linear"):
-            m.pattern = "linear_gelu_dropout_linear"
+            m.pattern += "_linear"
             m.nodes.append(fc2)
         m.outputs = [m.nodes[-1]]
-        m.params = {"linear": lin.obj, "gelu": act.obj if act.obj is not None else nn.GELU(approximate=approx),
-                    "dropout": _dropout_module(drop), "linear2": fc2.obj if m.pattern.endswith("_linear") else None}
+        m.params = {"linear": lin.obj, "gelu": act_module(act),
+                    "dropout": _dropout_module(drop), "linear2": fc2.obj if m.pattern.endswith("_linear") else None,
+                    "transposed": [bool(n.obj is not None and is_transposed_linear(n.obj)) for n in (lin, fc2)
+                                   if n is not None and n.op == "linear"]}
         name = "FusedLinearGELUDropoutLinear" if m.params["linear2"] is not None else "FusedLinearGELUDropout"
         m.reason = _op_support(name, build=lambda m=m: build_linear_gelu_dropout(m)) or _common_checks(g, m.nodes)
         m.ok = not m.reason
@@ -321,13 +349,14 @@ class Pattern:
     build: object  # Match -> the fused nn.Module (shares the matched modules' parameters)
     op: str  # opsnn_lab.ops class the rewrite builds
     chain: str  # what it matches, for tables and the widget legend
+    prefix: str = ""  # variant names start with this (default: the family)
 
 
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("conv_bn_relu", find_conv_bn_relu, build_conv_bn_relu, "FusedConvBNReLU",
-            "Conv2d -> BatchNorm2d -> ReLU [-> MaxPool2d]"),
+            "Conv2d -> BatchNorm2d -> activation [-> MaxPool2d]", "conv_bn_"),
     Pattern("linear_gelu_dropout", find_linear_gelu_dropout, build_linear_gelu_dropout, "FusedLinearGELUDropout",
-            "Linear -> GELU [-> Dropout] [-> Linear]"),
+            "Linear / Conv1D -> activation [-> Dropout] [-> Linear]", "linear_"),
     Pattern("attention", find_attention, build_attention, "FusedAttention",
             "softmax(q @ k^T * scale + mask) -> dropout -> @ v"),
     Pattern("qkv", find_qkv, build_qkv, "FusedQKV", "three sibling Linear layers reading one tensor"),
@@ -337,7 +366,7 @@ FAMILIES = tuple(p.family for p in PATTERNS)
 
 def pattern_of(name: str) -> Pattern:
     """The table row of a family or variant name ("conv_bn_relu_maxpool" -> the conv_bn_relu row)."""
-    return max((p for p in PATTERNS if name.startswith(p.family)), key=lambda p: len(p.family))
+    return max((p for p in PATTERNS if name.startswith(p.prefix or p.family)), key=lambda p: len(p.prefix or p.family))
 
 
 def find_all(g: Graph, enabled=None) -> list[Match]:
@@ -360,7 +389,7 @@ def find_all(g: Graph, enabled=None) -> list[Match]:
 
 
 def _op_for(pat: Pattern, m: Match) -> str:
-    return "FusedLinearGELUDropoutLinear" if m.pattern == "linear_gelu_dropout_linear" else pat.op
+    return "FusedLinearGELUDropoutLinear" if pat.prefix == "linear_" and m.pattern.endswith("_linear") else pat.op
 
 
 def _short(n: Node) -> str:

@@ -74,7 +74,9 @@ class _Tracer(fx.Tracer):
     """Keeps opsnn_lab.ops modules (e.g. the counter-based Dropout) as calls, as the run-time trace does."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return is_leaf_module(m) or super().is_leaf_module(m, module_qualified_name)
+        # A module already rewritten at module level (patch.py) stays a call, so its patch runs.
+        patched = callable(m.__dict__.get("forward"))
+        return patched or is_leaf_module(m) or super().is_leaf_module(m, module_qualified_name)
 
 
 def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) -> tuple[fx.GraphModule, list]:

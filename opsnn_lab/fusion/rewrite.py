@@ -1,9 +1,11 @@
 """``apply``: rewrite a copy of the model so each fused decision calls its op.
 
-Per region (a module fx traces; see regions.py) the forward is traced in train and in eval mode, the
-planned chains are replaced by one call each (``replace_all_uses_with`` + ``erase_node``, then
-``graph.lint()``), and the region's class is swapped for a subclass whose forward runs that code. The
-region keeps every submodule at its qualified name, so ``state_dict`` keys and values are unchanged and
+Decisions routed ``module:*`` are bound at module boundaries (patch.py: no tracer). Decisions routed
+``fx:<region>`` (a functional chain inside one forward) use torch.fx on that region: its forward is traced
+in train and in eval mode, the planned chains are replaced by one call each (``replace_all_uses_with`` +
+``erase_node``, then ``graph.lint()``), and an ``FxForward`` bound on the instance runs that code with the
+original signature (the class is never replaced). The region keeps every submodule at its qualified name,
+so ``state_dict`` keys and values are unchanged and
 load both ways. The fused op sits in a ``FusedSlot``: it shares the original Parameters and registers
 nothing, so it adds no state_dict key.
 """
@@ -11,17 +13,21 @@ nothing, so it adds no state_dict key.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import operator
 
+import torch
 from torch import nn
 
 from opsnn_lab._checks import check_type
+from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
+from opsnn_lab.fusion.patch import Patch, Route, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
-from opsnn_lab.fusion.plan import FusionPlan
+from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.regions import fx_graph, trace_region
 
-__all__ = ["apply", "FusedSlot"]
+__all__ = ["apply", "FusedSlot", "FxForward", "revert"]
 
 
 class FusedSlot(nn.Module):
@@ -32,6 +38,7 @@ class FusedSlot(nn.Module):
         object.__setattr__(self, "op", op)  # not a child: its Parameters already have their state_dict keys
         self.pattern, self.fused_modules = pattern, list(modules)
 
+    @torch.compiler.disable  # opaque to torch.compile, like the module-level patches (patch.py)
     def forward(self, *args):
         if self.op.training != self.training:  # the slot's flag is the one model.train()/eval() sets
             self.op.train(self.training)
@@ -63,31 +70,49 @@ def _rewrite(gm, g, m: Match, slot: str, moved: dict) -> None:
             graph.erase_node(node)
 
 
-def _guard(sig: inspect.Signature, concrete: dict):
-    def ok(self, args, kwargs) -> bool:
+class FxForward(Patch):
+    """A region's forward after an fx rewrite: the traced code in train or eval mode, the original otherwise.
+
+    Bound on the instance (``region.__dict__["forward"]``), never a class made at run time, so the model
+    pickles. Arguments are bound to the original signature first and handed to the traced code by name,
+    so every keyword the original accepts (``output_hidden_states=``, ``return_dict=``) is accepted.
+    """
+
+    def __init__(self, host: nn.Module, variants: dict, concrete: dict):
+        super().__init__(host)
+        self.variants, self.concrete = variants, concrete
+
+    def _bound(self, args, kwargs):
         try:
-            bound = sig.bind(self, *args, **kwargs)
+            bound = inspect.signature(type(self.host).forward).bind(self.host, *args, **kwargs)
         except TypeError:
-            return False
+            return None
         bound.apply_defaults()
-        return all(type(bound.arguments.get(k)) is type(v) and bound.arguments.get(k) == v
-                   for k, v in concrete.items())
-    return ok
+        for k, v in self.concrete.items():
+            got = bound.arguments.get(k)
+            if type(got) is not type(v) or got != v:
+                return None  # a call the rewrite was not specialised for
+        return bound
 
-
-def _install(region: nn.Module, variants: dict, concrete: dict) -> None:
-    cls = type(region)
-    original = cls.forward
-    guard = _guard(inspect.signature(original), concrete)
-
-    def forward(self, *args, **kwargs):
-        fn = variants.get(self.training)
-        if fn is None or (concrete and not guard(self, args, kwargs)):
-            fn = original  # a call the rewrite was not specialised for runs the original code
-        return fn(self, *args, **kwargs)
-
-    region.__class__ = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                                    "__qualname__": cls.__qualname__, "_unfused_class": cls})
+    def __call__(self, *args, **kwargs):
+        gm = self.variants.get(self.host.training)
+        bound = None if gm is None else self._bound(args, kwargs)
+        if bound is None:
+            return type(self.host).forward(self.host, *args, **kwargs)
+        pos, kw = [], {}
+        for name, p in list(inspect.signature(type(gm).forward).parameters.items())[1:]:
+            if name not in bound.arguments:
+                continue
+            value = bound.arguments[name]
+            if p.kind == inspect.Parameter.VAR_POSITIONAL:
+                pos.extend(value)
+            elif p.kind == inspect.Parameter.VAR_KEYWORD:
+                kw.update(value)
+            elif p.kind == inspect.Parameter.POSITIONAL_ONLY:
+                pos.append(value)
+            else:
+                kw[name] = value
+        return type(gm).forward(self.host, *pos, **kw)
 
 
 def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> int:
@@ -116,23 +141,80 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
-        variants[training] = type(gm).forward
-    _install(region, variants, route["concrete"])
+        variants[training] = gm
+    region.__dict__["forward"] = FxForward(region, variants, route["concrete"])
     return done
+
+
+def _rebuild(model: nn.Module, d: Decision) -> Match:
+    """The match of a module-level decision, found again on ``model``'s own modules (a plan from JSON)."""
+    kind = d.route.removeprefix("module:")
+    if kind not in ("chain", "qkv"):
+        raise ValueError(f"decision {d.pattern} on {d.modules} ({d.route}) needs the analysis it came from; "
+                         "call ol.fusion.analyze on this model again")
+    try:
+        mods = [model.get_submodule(p) for p in d.carriers]
+    except AttributeError as exc:
+        raise ValueError(f"plan decision {d.pattern} names modules missing here ({exc}); "
+                         "was the plan made for this model?") from exc
+    nodes, prev = [Node("x", "input", "input")], "x"
+    ops = d.ops if len(d.ops) == len(mods) else [canonical_module(mod) for mod in mods]
+    for i, (path, mod, op) in enumerate(zip(d.carriers, mods, ops)):
+        nodes.append(Node(f"n{i}", "module", op, [prev], (Ref(prev),), module=path, obj=mod))
+        prev = prev if kind == "qkv" else f"n{i}"
+    nodes.append(Node("out", "output", "output", [n.name for n in nodes[1:]] if kind == "qkv" else [prev]))
+    found = [m for m in pattern_of(d.pattern).find(Graph(nodes))
+             if m.ok and m.pattern == d.pattern and [n.module for n in m.nodes] == list(d.carriers)]
+    if not found:
+        raise ValueError(f"plan decision {d.pattern} on {d.modules} does not match these modules; "
+                         "was the plan made for this model?")
+    return found[0]
+
+
+def _copy_memo(model: nn.Module, fused: nn.Module) -> dict:
+    """The analysed model's modules, Parameters and buffers -> their copies (before anything is added)."""
+    memo: dict = {}
+    for getter in (nn.Module.modules, nn.Module.parameters, nn.Module.buffers):
+        for a, b in zip(getter(model), getter(fused)):
+            memo[id(a)] = b
+    return memo
+
+
+def _module_rewrites(model: nn.Module, fused: nn.Module, plan: FusionPlan, decisions: list[Decision],
+                     memo: dict) -> None:
+    analysis = plan._analysis if plan._analysis is not None and plan._analysis.model is model else None
+    for d in decisions:
+        if analysis is not None and d.key in analysis.matches:
+            m = analysis.matches[d.key]
+            m = dataclasses.replace(m, params=copy.deepcopy(m.params, dict(memo)))
+        else:
+            m = _rebuild(fused, d)
+        with torch.random.fork_rng(devices=[]):
+            op = pattern_of(m.pattern).build(m)
+        try:
+            install(fused, Route(d.route.removeprefix("module:"), tuple(d.carriers), d.first), op, d.pattern)
+        except AttributeError as exc:
+            raise ValueError(f"plan decision {d.pattern} names modules missing here ({exc}); "
+                             "was the plan made for this model?") from exc
 
 
 def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     """A new module computing what ``model`` computes, with the plan's fused decisions rewritten.
 
-    ``model`` is not modified. The result has the same ``state_dict`` keys and values.
+    ``model`` is not modified. The result has the same ``state_dict`` keys and values, the same forward
+    signature, and each rewritten module keeps its class (see patch.py; ``revert`` undoes the patches).
     """
     check_type("model", model, nn.Module)
     check_type("plan", plan, FusionPlan)
     fused = copy.deepcopy(model)
+    memo = _copy_memo(model, fused)  # the op of a module-level decision shares the copy's Parameters
     wanted = [d for d in plan.decisions if d.fused]
+    # Module-level patches first: an fx region traced afterwards keeps each patched module as one call.
+    _module_rewrites(model, fused, plan, [d for d in wanted if d.route.startswith("module:")], memo)
     by_region: dict[str, dict] = {}
     for d in wanted:
-        by_region.setdefault(d.route.removeprefix("fx:"), {})[d.key] = d.params
+        if d.route.startswith("fx:"):
+            by_region.setdefault(d.route.removeprefix("fx:"), {})[d.key] = d.params
     routes = {r["path"] or "<model>": r for r in plan.routes}
     slots: dict = {}
     for region, keys in by_region.items():
@@ -143,7 +225,7 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
         except Exception as exc:  # noqa: BLE001 - tracer errors have many types; say which plan failed
             raise ValueError(f"plan region {region!r} cannot be rewritten in this model ({type(exc).__name__}: "
                              f"{exc}); was the plan made for this model?") from exc
-    missing = {d.key for d in wanted} - set(slots)
+    missing = {d.key for d in wanted if d.route.startswith("fx:")} - set(slots)
     if missing:
         raise ValueError(f"plan decisions not found in this model: {sorted(missing)[:3]}")
     if list(fused.state_dict()) != list(model.state_dict()):

@@ -18,7 +18,21 @@ from torch.overrides import TorchFunctionMode
 
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module, is_leaf_module
 
-__all__ = ["RuntimeTrace", "trace_runtime", "flatten_tensors"]
+__all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors"]
+
+
+@dataclass
+class ModuleCall:
+    """One call of one module: the tensors it read and returned, and the nodes recorded while it ran."""
+
+    path: str
+    inputs: list[str]  # producer names of its tensor arguments, in order ('' for a tensor made elsewhere)
+    outputs: list[str]  # producer names of the tensors it returned
+    start: int  # nodes[start:end] ran inside this call
+    end: int
+    bare: bool  # it returned one tensor, not a tuple / dict / dataclass
+    n_args: int  # positional arguments
+    kwargs: tuple  # keyword argument names
 
 
 @dataclass
@@ -28,6 +42,10 @@ class RuntimeTrace:
     calls: dict[str, list[tuple[tuple, dict]]]  # module path -> (args, kwargs) of each call
     output: object = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # node name -> first output tensor
+    module_calls: list[ModuleCall] = field(default_factory=list)  # every call of a model module, in order
+
+    def calls_of(self, path: str) -> list[ModuleCall]:
+        return [c for c in self.module_calls if c.path == path]
 
     def storage_of(self, name: str):
         t = self.tensors.get(name)
@@ -76,6 +94,8 @@ class _Recorder(TorchFunctionMode):
         self.calls: dict[str, list] = {}
         self.counts: dict[str, int] = {}
         self.param_storages = {_storage_key(p) for p in model.parameters()}
+        self.module_calls: list[ModuleCall] = []
+        self.open_calls: list[tuple[int, int] | None] = []  # (index in module_calls, first node index)
 
     # -- tensors ----------------------------------------------------------------------------------------
     def _refs(self, value):
@@ -142,6 +162,11 @@ class _Recorder(TorchFunctionMode):
         path = self.paths.get(id(module))  # None: a module built inside forward, not part of the model
         if path is not None:
             self.calls.setdefault(path, []).append((args, kwargs))
+            ins = [self.producer.get(id(t), "") for t in flatten_tensors([list(args), kwargs])]
+            self.module_calls.append(ModuleCall(path, ins, [], len(self.nodes), -1, False, len(args), tuple(kwargs)))
+            self.open_calls.append(len(self.module_calls) - 1)
+        else:
+            self.open_calls.append(None)
         if is_leaf_module(module):
             self.leaf_depth = 1
             where = f"{self.scope[-1]}.<{type(module).__name__}>" if path is None else (path or "<root>")
@@ -155,6 +180,7 @@ class _Recorder(TorchFunctionMode):
             return
         if self.leaf_depth == 0:
             self.scope.pop()
+            self._close(output)
             return
         self.leaf_depth = 0
         name = self.current.pop()
@@ -162,6 +188,14 @@ class _Recorder(TorchFunctionMode):
                     args=tuple(self._refs(a) for a in args), kwargs={k: self._refs(v) for k, v in kwargs.items()},
                     module=self.paths.get(id(module)), scope=self.scope[-1], obj=module)
         self._add(node, output)
+        self._close(output)
+
+    def _close(self, output) -> None:
+        index = self.open_calls.pop() if self.open_calls else None
+        if index is not None:
+            call = self.module_calls[index]
+            call.end, call.bare = len(self.nodes), isinstance(output, torch.Tensor)
+            call.outputs = [self.producer.get(id(t), "") for t in flatten_tensors(output)]
 
     def pack(self, t: torch.Tensor):
         if not isinstance(t, nn.Parameter):
@@ -186,4 +220,4 @@ def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
             h.remove()
     outs = [rec.producer[id(t)] for t in flatten_tensors(output) if id(t) in rec.producer]
     rec.nodes.append(Node(name="output", kind="output", op="output", inputs=outs))
-    return RuntimeTrace(Graph(rec.nodes), rec.saved, rec.calls, output, rec.tensors)
+    return RuntimeTrace(Graph(rec.nodes), rec.saved, rec.calls, output, rec.tensors, rec.module_calls)

@@ -19,3 +19,15 @@ def test_fusion_bench_small(tmp_path, capsys):
     assert bert["estimate rel err"] <= 0.1 and resnet["estimate rel err"] <= 0.1
     assert 0 < bert["activation ratio"] < 1
     assert "BERT-base analysis" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_fusion_bench_hf_matrix(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    assert fusion.main(["--models", "hf", "--no-base", "--out", str(tmp_path)]) == 0
+    rows = {r["model"]: r for r in json.loads((tmp_path / "fusion_hf.json").read_text())["rows"]}
+    assert set(rows) >= {"bert", "roberta", "gpt2", "llama", "resnet", "efficientnet", "convnext", "encoder", "cnn"}
+    for r in rows.values():
+        assert r["fused"] + r["rejected"] == r["candidates"] and 0 < r["activation fused/eager"] <= 1
+    assert rows["bert"]["fused"] == rows["bert"]["candidates"]
+    assert "activation fused/eager" in capsys.readouterr().out

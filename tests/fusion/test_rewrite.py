@@ -52,7 +52,11 @@ def test_outputs_and_every_gradient_match(case, mode):
     getattr(model, mode)()
     fused, plan = ol.fusion.fuse(model, inputs)
     assert fused is not model and plan.fused
-    assert sum(type(m).__name__ == "FusedSlot" for m in fused.modules()) == len(plan.fused)
+    fx = [d for d in plan.fused if d.route.startswith("fx:")]
+    assert sum(type(m).__name__ == "FusedSlot" for m in fused.modules()) == len(fx)
+    patched = {k for k, v in ol.fusion.patches(fused).items() if type(v).__name__ != "FxForward"}
+    assert sorted(patched) == sorted(p for d in plan.fused if d.route.startswith("module:") for p in d.carriers)
+    assert not ol.fusion.patches(model)
     assert not any(type(m).__name__ == "FusedSlot" for m in model.modules())
     assert list(fused.state_dict()) == list(model.state_dict())
     for (k, a), b in zip(model.state_dict().items(), fused.state_dict().values()):

@@ -1,0 +1,278 @@
+"""The module-level rewrite: decided from the run-time dataflow record, applied by instance patching.
+
+No tracer has to accept the model's code. Each fused chain is rewritten at module boundaries the run-time
+trace saw (``runtime.ModuleCall``), in one of three ways (``Decision.route``):
+
+* ``module:chain`` (a) the chain's steps are separate module calls, one after the other, each reading the
+  previous step's output: the first module's forward becomes the fused op, the others pass their input
+  through. Every module keeps its class, its parameters and buffers at their qualified names.
+* ``module:qkv`` (b) sibling Linears reading one tensor: a shared core runs one packed GEMM on the first
+  call and the siblings read their slice, guarded by the input tensor's identity and ``_version``. A call
+  the analysis did not see (another input, an in-place change in between, another order) runs the plain
+  Linear. Works for grouped-query attention (k/v narrower than q).
+* ``module:whole`` (c) one module call computes exactly the chain (its input -> chain -> its output,
+  nothing else recorded inside, nothing else escapes): that module's forward becomes the fused op.
+
+A patch is an object bound as ``module.__dict__["forward"]`` (module-level classes only: ``torch.save``
+pickles it, ``copy.deepcopy`` copies it with the Parameters it shares); ``revert(model)`` removes every
+patch. Under ``torch.autocast`` a patched chain runs its modules' own forwards (the fused ops compute in
+one dtype), with the same result as the unfused model. Under ``torch.compile`` a fused op is an opaque
+call (``torch.compiler.disable``: Dynamo breaks the graph around it, so its Python-side dropout stream never
+becomes a guard), and a QKV sibling runs its plain Linear, which Inductor compiles with the rest.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opsnn_lab.fusion.patterns import Match
+from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace
+
+__all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches"]
+
+
+@dataclass(frozen=True)
+class Route:
+    kind: str  # "chain" | "qkv" | "whole"
+    carriers: tuple[str, ...]  # chain: the module of each step (first gets the op); qkv: q, k, v; whole: one
+    first: int = 0  # qkv: which sibling the model calls first (it runs the packed GEMM)
+
+    @property
+    def label(self) -> str:
+        return f"module:{self.kind}"
+
+
+class RoutePlanner:
+    """Finds, for a candidate chain, the module calls that carry it (or says why none does)."""
+
+    def __init__(self, trace: RuntimeTrace):
+        self.trace = trace
+        self.index = {n.name: i for i, n in enumerate(trace.graph.nodes)}
+        self.by_path: dict[str, list[ModuleCall]] = {}
+        self.order = {id(c): k for k, c in enumerate(trace.module_calls)}
+        for c in trace.module_calls:
+            self.by_path.setdefault(c.path, []).append(c)
+
+    def _enclosing(self, i: int) -> list[ModuleCall]:
+        """Calls running while node ``i`` was recorded, innermost first."""
+        calls = (c for c in self.trace.module_calls if c.start <= i < c.end)
+        return sorted(calls, key=lambda c: (-c.start, c.end, -self.order[id(c)]))
+
+    def _once(self, path: str) -> str:
+        n = len(self.by_path.get(path, []))
+        return "" if n == 1 else (f"`{path}` runs {n} times per forward and a module-level rewrite changes every "
+                                  "call site; its other calls are not this chain")
+
+    def _carrier(self, n, reads: list[str]) -> tuple[ModuleCall | None, str]:
+        """The module call that computes exactly step ``n`` from ``reads``."""
+        i = self.index[n.name]
+        for c in self._enclosing(i):
+            if c.end - c.start != 1:
+                break  # the innermost call computing more than this step: no call isolates it
+            if c.outputs == [n.name] and c.bare and c.inputs == reads and c.n_args == 1 and not c.kwargs:
+                return c, ""
+        where = n.scope or "the model"
+        return None, f"`{n.op}` runs inline in `{where}`.forward, not in a module call of its own"
+
+    def _chain(self, m: Match) -> Route | str:
+        carriers, reads = [], list(m.inputs[:1])
+        for n in m.nodes:
+            c, why = self._carrier(n, reads)
+            if c is None:
+                return why
+            if why := self._once(c.path):
+                return why
+            carriers.append(c.path)
+            reads = [n.name]
+        if len(set(carriers)) != len(carriers):
+            return "one module computes two steps of the chain"
+        return Route("chain", tuple(carriers))
+
+    def _whole(self, m: Match) -> Route | str:
+        names = {n.name for n in m.nodes}
+        idx = [self.index[n.name] for n in m.nodes]
+        for c in self._enclosing(min(idx)):
+            if c.end <= max(idx):
+                continue
+            inside = {self.trace.graph.nodes[j].name for j in range(c.start, c.end)}
+            if inside != names:
+                extra = [self.trace.graph.nodes[j].op for j in range(c.start, c.end)
+                         if self.trace.graph.nodes[j].name not in names]
+                ops = ", ".join(dict.fromkeys(extra[:4]))
+                return (f"`{c.path or '<model>'}` also computes {ops} around the chain, and its steps are not "
+                        "separate module calls")
+            if c.inputs != list(m.inputs[:1]) or c.outputs != [m.outputs[-1].name] or not c.bare:
+                return f"`{c.path or '<model>'}` reads or returns more than the chain's input and output"
+            if c.n_args != 1 or c.kwargs:
+                return f"`{c.path or '<model>'}` takes arguments besides the chain's input"
+            return self._once(c.path) or Route("whole", (c.path,))
+        return "no module call contains the whole chain"
+
+    def _qkv(self, m: Match) -> Route | str:
+        paths, starts = [], []
+        for n in m.nodes:
+            c, _ = self._carrier(n, list(m.inputs[:1]))
+            if c is None:
+                return f"`{n.label}` is not called as `module(x)` on the shared input"
+            if why := self._once(c.path):
+                return why
+            paths.append(c.path)
+            starts.append(c.start)
+        return Route("qkv", tuple(paths), starts.index(min(starts)))
+
+    def route(self, m: Match) -> Route | str:
+        """A Route, or the reason (about the computation) why no module boundary carries this chain."""
+        if m.pattern == "qkv":
+            return self._qkv(m)
+        if m.pattern == "attention" or len(m.outputs) != 1 or len(m.inputs) != 1:
+            return "the chain reads several tensors computed inline, with no module boundary around it"
+        chain = self._chain(m)
+        if isinstance(chain, Route):
+            return chain
+        whole = self._whole(m)
+        return whole if isinstance(whole, Route) else f"{chain}; {whole}"
+
+
+# --------------------------------------------------------------------------- the patches
+class Patch:
+    """An instance ``forward``; ``host`` is the module it is bound on."""
+
+    def __init__(self, host: nn.Module):
+        self.host = host
+
+    def _sync(self, op: nn.Module) -> None:
+        if op.training != self.host.training:  # model.train()/eval() set the host's flag
+            op.train(self.host.training)
+
+
+def _autocast_on(x) -> bool:
+    return isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type)
+
+
+class ChainHead(Patch):
+    """The first module of a chain: runs the fused op (or, under autocast, every step's own forward)."""
+
+    def __init__(self, host: nn.Module, op: nn.Module, steps: list[nn.Module], pattern: str):
+        super().__init__(host)
+        self.op, self.steps, self.pattern = op, steps, pattern
+
+    @torch.compiler.disable  # opaque to torch.compile: the op draws its dropout stream in Python
+    def __call__(self, x):
+        if _autocast_on(x):
+            for step in self.steps:
+                x = type(step).forward(step, x)
+            return x
+        self._sync(self.op)
+        return self.op(x)
+
+
+class PassThrough(Patch):
+    """A later module of a chain: its step already ran inside the fused op."""
+
+    def __call__(self, x):
+        return x
+
+
+class WholeForward(Patch):
+    """A module whose one call computes exactly the chain."""
+
+    def __init__(self, host: nn.Module, op: nn.Module, pattern: str):
+        super().__init__(host)
+        self.op, self.pattern = op, pattern
+
+    @torch.compiler.disable
+    def __call__(self, x):
+        if _autocast_on(x):
+            return type(self.host).forward(self.host, x)
+        self._sync(self.op)
+        return self.op(x)
+
+
+class QKVCore:
+    """One packed GEMM for three sibling Linears; results wait for the siblings' calls on the same input."""
+
+    def __init__(self, op: nn.Module, first: int):
+        self.op, self.first = op, first
+        self.clear()
+
+    def clear(self) -> None:
+        self.x, self.version, self.outs, self.read = None, -1, None, [True, True, True]
+
+    def get(self, i: int, x: torch.Tensor, host: nn.Linear) -> torch.Tensor:
+        cached = self.x is not None and self.x() is x and x._version == self.version and not self.read[i]
+        if cached:
+            self.read[i] = True
+            out = self.outs[i]
+            if all(self.read):
+                self.clear()  # drop the references: the outputs belong to the caller now
+            return out
+        if i != self.first or _autocast_on(x) or torch.compiler.is_compiling():
+            return F.linear(x, host.weight, host.bias)  # a call pattern the analysis did not see: plain Linear
+        self.op.train(host.training)
+        self.outs = self.op(x)
+        self.x, self.version, self.read = weakref.ref(x), x._version, [False, False, False]
+        self.read[i] = True
+        return self.outs[i]
+
+    def __getstate__(self):
+        return {"op": self.op, "first": self.first}
+
+    def __setstate__(self, state):
+        self.op, self.first = state["op"], state["first"]
+        self.clear()
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        new = QKVCore.__new__(QKVCore)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
+
+
+class QKVMember(Patch):
+    def __init__(self, host: nn.Module, core: QKVCore, index: int):
+        super().__init__(host)
+        self.core, self.index = core, index
+
+    def __call__(self, x):
+        return self.core.get(self.index, x, self.host)
+
+
+def install(model: nn.Module, route: Route, op: nn.Module, pattern: str) -> None:
+    """Bind the patches of one fused chain on ``model`` (the copy ``apply`` returns)."""
+    mods = [model.get_submodule(p) for p in route.carriers]
+    for mod in mods:
+        if isinstance(mod.__dict__.get("forward"), Patch):
+            raise ValueError(f"module {route.carriers[mods.index(mod)]!r} is already rewritten by another chain")
+    if route.kind == "chain":
+        mods[0].__dict__["forward"] = ChainHead(mods[0], op, mods, pattern)
+        for mod in mods[1:]:
+            mod.__dict__["forward"] = PassThrough(mod)
+    elif route.kind == "whole":
+        mods[0].__dict__["forward"] = WholeForward(mods[0], op, pattern)
+    elif route.kind == "qkv":
+        core = QKVCore(op, route.first)
+        for i, mod in enumerate(mods):
+            mod.__dict__["forward"] = QKVMember(mod, core, i)
+    else:
+        raise ValueError(f"route kind must be 'chain', 'qkv' or 'whole', got {route.kind!r}")
+
+
+def patches(model: nn.Module) -> dict[str, Patch]:
+    """Qualified module name -> the patch bound on it."""
+    return {name: m.__dict__["forward"] for name, m in model.named_modules()
+            if isinstance(m.__dict__.get("forward"), Patch)}
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Remove every module-level patch (in place): each module runs its class's forward again."""
+    for m in model.modules():
+        if isinstance(m.__dict__.get("forward"), Patch):
+            del m.__dict__["forward"]
+    return model

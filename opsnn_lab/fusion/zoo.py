@@ -1,0 +1,116 @@
+"""Small models to prove fusion on: Hugging Face ``transformers`` models built from configs (no downloads)
+and the embedded encoder and CNN. Used by the model-matrix test and ``python -m opsnn_lab.bench fusion
+--models hf``.
+
+``build(name, size="tiny", dropout=None, batch=2, seq=8)`` -> ``(model, inputs)`` with ``inputs`` a
+dict of keyword arguments (or a tuple for the embedded models). ``dropout=None`` keeps the model's
+defaults; ``dropout=0.0`` sets every dropout probability to 0 (exact comparisons in train mode).
+``size="base"`` gives BERT-base shapes (12 layers, 768 hidden) for the HF BERT.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["MODELS", "build", "EXPECTED"]
+
+_TEXT = ("bert", "roberta", "gpt2", "llama")
+
+
+def _dropouts(cfg, names, dropout):
+    if dropout is not None:
+        for n in names:
+            if hasattr(cfg, n):
+                setattr(cfg, n, dropout)
+    return cfg
+
+
+def _bert_cfg(T, size, dropout, cls=None):
+    cls = cls or T.BertConfig
+    if size == "base":
+        cfg = cls(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                  intermediate_size=3072, max_position_embeddings=514)
+    else:
+        cfg = cls(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=40, pad_token_id=1)
+    cfg.attn_implementation = "eager"
+    return _dropouts(cfg, ("hidden_dropout_prob", "attention_probs_dropout_prob"), dropout)
+
+
+def _text_inputs(vocab, batch, seq, labels=False):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (batch, seq), generator=g)
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if labels:
+        out["labels"] = ids.clone()
+    return out
+
+
+def _images(batch, size=32):
+    return {"pixel_values": torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))}
+
+
+def _hf(name, size, dropout, batch, seq):
+    import transformers as T
+
+    if name == "bert":
+        cfg = _bert_cfg(T, size, dropout)
+        return T.BertForMaskedLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
+    if name == "roberta":
+        cfg = _bert_cfg(T, size, dropout, T.RobertaConfig)
+        return T.RobertaModel(cfg, add_pooling_layer=False), _text_inputs(cfg.vocab_size, batch, seq)
+    if name == "gpt2":
+        cfg = T.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=40, bos_token_id=0,
+                           eos_token_id=0)
+        cfg = _dropouts(cfg, ("resid_pdrop", "embd_pdrop", "attn_pdrop"), dropout)
+        return T.GPT2LMHeadModel(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
+    if name == "llama":
+        cfg = T.LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=40,
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cfg = _dropouts(cfg, ("attention_dropout",), dropout)
+        return T.LlamaForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
+    if name == "resnet":
+        cfg = T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+        return T.ResNetModel(cfg), _images(batch)
+    if name == "efficientnet":
+        cfg = T.EfficientNetConfig(image_size=32, width_coefficient=0.1, depth_coefficient=0.2,
+                                   hidden_dim=128, dropout_rate=0.0)
+        cfg = _dropouts(cfg, ("drop_connect_rate",), dropout)
+        return T.EfficientNetModel(cfg), _images(batch)
+    if name == "convnext":
+        cfg = T.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, image_size=32)
+        cfg = _dropouts(cfg, ("drop_path_rate",), dropout)
+        return T.ConvNextModel(cfg), _images(batch)
+    raise ValueError(f"name must be one of {sorted(MODELS)}, got {name!r}")
+
+
+def _embedded(name, size, dropout, batch, seq):
+    from opsnn_lab.models import Encoder, EncoderConfig, ResNet, ResNetConfig
+
+    if name == "encoder":
+        over = {} if dropout is None else {"dropout": dropout, "attn_dropout": dropout}
+        cfg = EncoderConfig.tiny(**over)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+        return Encoder(cfg), (ids,)
+    return ResNet(ResNetConfig()), (_images(batch)["pixel_values"],)
+
+
+MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "resnet": _hf, "efficientnet": _hf,
+          "convnext": _hf, "encoder": _embedded, "cnn": _embedded}
+
+# What each architecture has, per pattern: {pattern: (fused, rejected)} with the ops as they are today
+# (2 layers / 2 stages). The matrix test checks plan.summary() against this; the README lists the reasons.
+EXPECTED: dict[str, dict[str, tuple[int, int]]] = {}
+
+
+def build(name: str, size: str = "tiny", dropout: float | None = None, batch: int = 2,
+          seq: int = 8) -> tuple[nn.Module, object]:
+    if name not in MODELS:
+        raise ValueError(f"name must be one of {sorted(MODELS)}, got {name!r}")
+    if size not in ("tiny", "base"):
+        raise ValueError(f"size must be 'tiny' or 'base', got {size!r}")
+    torch.manual_seed(0)
+    model, inputs = MODELS[name](name, size, dropout, batch, seq)
+    return model, inputs

@@ -1,0 +1,114 @@
+"""The model matrix: Hugging Face models built from tiny configs (no downloads) plus the embedded encoder and
+CNN. For each model, in train mode (dropout 0) and in eval mode: analysis and apply do not raise, outputs and
+every parameter gradient match eager, state_dict keys are identical, and the candidates per pattern are the
+ones the architecture has. Activation bytes fused/eager are recorded (``record_property``)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+import opsnn_lab as ol
+from opsnn_lab.bench import activation_bytes
+from opsnn_lab.fusion import zoo
+from opsnn_lab.fusion.runtime import flatten_tensors
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+# Candidates per pattern (fused + rejected) the architecture has at 2 layers / 2 stages.
+CANDIDATES = {
+    "bert": {"linear_gelu_linear": 2, "linear_gelu": 1, "qkv": 2},  # + the MLM head's transform
+    "roberta": {"linear_gelu_linear": 2, "qkv": 2},
+    "gpt2": {"linear_gelu_tanh_linear": 2},  # c_attn is one Conv1D already: no QKV triple
+    "llama": {"linear_silu": 2, "qkv": 2},  # GQA: k/v narrower than q
+    "resnet": {"conv_bn_relu_maxpool": 1, "conv_bn_relu": 5},
+    "efficientnet": {"conv_bn_silu": 15, "conv_bn_relu": 7},
+    "convnext": {"linear_gelu_linear": 2},
+    "encoder": {"linear_gelu_dropout_linear": 2, "attention": 2, "qkv": 2},
+    "cnn": {"conv_bn_relu_maxpool": 1, "conv_bn_relu": 5},
+}
+# A candidate may stay unfused only for these reasons: the fused op's own answer (its activation or layer
+# type is not one it computes yet), or a structure that is not the chain (BN output into an add / a conv).
+ALLOWED = re.compile(r"^Fused\w+: |not a ReLU or another activation")
+
+
+def _call(model, inputs):
+    return model(*inputs) if isinstance(inputs, tuple) else model(**inputs)
+
+
+def _step(model, inputs):
+    out = _call(model, inputs)
+    tensors = [t for t in flatten_tensors(out) if t.is_floating_point()]
+    loss = sum((t.double() * (i + 1)).sin().sum() for i, t in enumerate(tensors))
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return tensors, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.mark.parametrize("name", list(CANDIDATES))
+def test_matrix(name, record_property):
+    model, inputs = zoo.build(name, dropout=0.0)
+    plan = ol.fusion.analyze(model, inputs)
+    fused = ol.fusion.apply(model, plan)
+    assert list(fused.state_dict()) == list(model.state_dict())
+    counts = {p: row["fused"] + row["rejected"] for p, row in plan.summary().items()}
+    assert counts == CANDIDATES[name]
+    for d in plan.decisions:
+        assert d.fused or ALLOWED.search(d.reason), (d.pattern, d.modules, d.reason)
+        assert "torch.fx" not in d.reason  # rejections speak about the computation
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        fused.train(mode == "train")
+        torch.manual_seed(0)
+        outs_a, grads_a = _step(model, inputs)
+        torch.manual_seed(0)
+        outs_b, grads_b = _step(fused, inputs)
+        assert len(outs_a) == len(outs_b)
+        for a, b in zip(outs_a, outs_b):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        assert grads_a.keys() == grads_b.keys()
+        for key, g in grads_a.items():
+            assert (g is None) == (grads_b[key] is None), key
+            if g is not None:
+                # fp32: rtol 1e-4; atol relative to the tensor's scale (sums over a batch reassociate)
+                atol = 1e-5 * max(1.0, g.abs().max().item())
+                torch.testing.assert_close(grads_b[key], g, rtol=1e-4, atol=atol, msg=key)
+    model.train()
+    fused.train()
+    eager = activation_bytes(lambda: _call(model, inputs), exclude=tuple(model.parameters()))
+    ours = activation_bytes(lambda: _call(fused, inputs), exclude=tuple(fused.parameters()))
+    record_property("activation_ratio", ours / eager)
+    assert ours <= eager
+    if plan.saved_bytes:  # QKV alone saves no activation bytes (the input is saved once either way)
+        assert ours < eager
+
+
+def test_embedded_encoder_keeps_its_memory_target():
+    model, inputs = zoo.build("encoder", batch=4, seq=64)  # dropout at the model's default
+    fused, _ = ol.fusion.fuse(model.train(), inputs)
+    eager = activation_bytes(lambda: model(*inputs), exclude=tuple(model.parameters()))
+    ours = activation_bytes(lambda: fused(*inputs), exclude=tuple(fused.parameters()))
+    assert ours / eager <= 0.5
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_hf_encoders_meet_the_memory_target_at_bert_base_shapes(name):
+    """BERT-base widths, 12 layers, 2x128, dropout at the defaults (0.1), training: fused/eager <= 0.85."""
+    model, inputs = zoo.build(name, size="base", batch=2, seq=128)
+    inputs.pop("labels", None)  # the MLM loss's vocabulary softmax is the LM-head chain, not the encoder's
+    fused, plan = ol.fusion.fuse(model.train(), inputs)
+    assert plan.summary()["qkv"] == {"fused": 12, "rejected": 0}
+    eager = activation_bytes(lambda: model(**inputs), exclude=tuple(model.parameters()))
+    ours = activation_bytes(lambda: fused(**inputs), exclude=tuple(fused.parameters()))
+    assert ours / eager <= 0.85  # measured 0.837 (BertForMaskedLM) and 0.835 (RobertaModel)

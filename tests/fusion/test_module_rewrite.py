@@ -1,0 +1,252 @@
+"""The module-level rewrite (patch.py): each route, its guards, and the fused model behaving like the original
+(hooks, state_dict both ways, deepcopy, torch.save/load, .to(dtype), autocast, revert)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import opsnn_lab as ol
+from opsnn_lab.fusion.patch import ChainHead, PassThrough, QKVMember, WholeForward
+from opsnn_lab.testing import seeded
+
+
+class Act(nn.Module):  # a user wrapper computing one activation (a chain step of its own)
+    def forward(self, x):
+        return F.gelu(x)
+
+
+class ChainMLP(nn.Module):  # (a): every step is a module call
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc1, self.act, self.drop, self.fc2 = nn.Linear(d, 2 * d), Act(), nn.Dropout(0.0), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+class InlineMLP(nn.Module):  # (c): F.gelu inline; the module's one call computes exactly the chain
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class GQA(nn.Module):  # (b): q wider than k/v; called k first
+    def __init__(self, d=8):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d // 2), nn.Linear(d, d // 2)
+
+    def forward(self, x, swap: bool = False):
+        k = self.k(x)
+        q = self.q(x * 2 if swap else x)  # swap=True: a call pattern the analysis did not see
+        v = self.v(x)
+        return q.sum(-1, keepdim=True) + torch.cat([k, v], -1)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.chain, self.inline, self.attn, self.out = ChainMLP(), InlineMLP(), GQA(), nn.Linear(8, 3)
+
+    def forward(self, x, swap: bool = False, *, scale: float = 1.0):
+        return self.out(self.attn(self.inline(self.chain(x)), swap=swap)) * scale
+
+
+X = seeded(3, 5, 8)
+
+
+def _fused(model=None, x=X):
+    model = (model or Net()).train()
+    torch.manual_seed(0)
+    return ol.fusion.fuse(model, x)
+
+
+def _grads(model, *args, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(*args, **kwargs)
+    (out.double() * seeded(*out.shape, seed=3).double()).sum().backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _same(a, b, *args, **kwargs):
+    out_a, ga = _grads(a, *args, **kwargs)
+    out_b, gb = _grads(b, *args, **kwargs)
+    torch.testing.assert_close(out_b, out_a, atol=1e-5, rtol=1e-5)
+    assert ga.keys() == gb.keys()
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], atol=1e-5, rtol=1e-5, msg=k)
+
+
+def test_each_route_is_chosen_and_patched():
+    torch.manual_seed(0)
+    model = Net()
+    fused, plan = _fused(model)
+    routes = {d.modules[0]: d.route for d in plan.fused}
+    assert routes == {"chain.fc1": "module:chain", "inline.fc1": "module:whole", "attn.k": "module:qkv"}
+    assert plan.routes == []  # no tracer was needed
+    patches = ol.fusion.patches(fused)
+    assert isinstance(patches["chain.fc1"], ChainHead)
+    assert all(isinstance(patches[p], PassThrough) for p in ("chain.act", "chain.drop", "chain.fc2"))
+    assert isinstance(patches["inline"], WholeForward) and "inline.fc1" not in patches
+    assert all(isinstance(patches[p], QKVMember) for p in ("attn.q", "attn.k", "attn.v"))
+    qkv = next(d for d in plan.fused if d.pattern == "qkv")
+    assert qkv.modules == ["attn.k", "attn.q", "attn.v"] and qkv.first == 0  # k runs first: the packed GEMM
+    assert not ol.fusion.patches(model)  # the analysed model is untouched
+    for cls in (type(m) for m in fused.modules()):  # every module keeps its class
+        assert cls.__module__ in (__name__, "torch.nn.modules.linear", "torch.nn.modules.dropout")
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        getattr(fused, mode)()
+        _same(model, fused, X)
+
+
+def test_qkv_guard_falls_back_on_a_call_pattern_not_seen(monkeypatch):
+    torch.manual_seed(0)
+    model = Net()
+    fused, _ = _fused(model)
+    calls = []
+    core = ol.fusion.patches(fused)["attn.q"].core
+    real = core.op.forward
+    monkeypatch.setattr(core.op, "forward", lambda x: calls.append(x) or real(x))
+    _same(model, fused, X)
+    assert len(calls) == 1  # one packed GEMM served q, k and v
+    _same(model, fused, X, swap=True)  # q reads another tensor: q falls back, k/v still packed
+    assert len(calls) == 2
+    _same(model, fused, X, scale=0.5)  # keyword-only arguments pass through unchanged
+    x = X.clone()
+    k = fused.attn.k(x)  # k computes the packed result for x ...
+    x.mul_(2)  # ... then x changes in place: q and v must not read the stale slices
+    torch.testing.assert_close(fused.attn.q(x), model.attn.q(x))
+    torch.testing.assert_close(fused.attn.v(x), model.attn.v(x))
+    torch.testing.assert_close(k, model.attn.k(X))
+
+
+def test_shared_module_is_rejected_with_its_reason():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc2(self.act(self.fc1(x))) + self.act(x)  # act runs twice; once outside the chain
+
+    model = Shared()
+    plan = ol.fusion.analyze(model, seeded(2, 4))
+    (d,) = plan.decisions
+    # no module boundary may be patched (act's other call would change) ...
+    assert "`act` runs 2 times per forward" in plan._analysis.why_not[d.key]
+    # ... so the one call site is rewritten inside the traced forward instead
+    assert d.fused and d.route == "fx:<model>" and not d.carriers
+    fused = ol.fusion.apply(model, plan)
+    assert type(ol.fusion.patches(fused)[""]).__name__ == "FxForward"
+    torch.testing.assert_close(fused(seeded(2, 4)), model(seeded(2, 4)))
+
+
+def test_hooks_outside_chains_fire_and_signature_is_kept():
+    torch.manual_seed(0)
+    model = Net()
+    fused, _ = _fused(model)
+    seen = []
+    fused.out.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    fused.attn.register_forward_pre_hook(lambda m, a, kw: seen.append("attn"), with_kwargs=True)
+    fused(X, swap=False, scale=2.0)
+    assert seen == ["attn", (3, 5, 3)]
+
+
+def test_state_dict_round_trips_deepcopy_save_load_and_to():
+    torch.manual_seed(0)
+    model = Net()
+    fused, _ = _fused(model)
+    assert list(fused.state_dict()) == list(model.state_dict())
+    other = Net()
+    other.load_state_dict(fused.state_dict())  # fused -> original
+    _same(model, other, X)
+    torch.manual_seed(7)
+    fresh = Net()
+    fused.load_state_dict(fresh.state_dict())  # original -> fused (into the packed QKV buffer too)
+    _same(fresh, fused, X)
+    twin = copy.deepcopy(fused)
+    assert ol.fusion.patches(twin)["chain.fc1"].host is twin.chain.fc1
+    assert ol.fusion.patches(twin)["chain.fc1"].op.weight is twin.chain.fc1.weight  # shares the copy's Parameter
+    _same(fresh, twin, X)
+    buf = io.BytesIO()
+    torch.save(fused, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert ol.fusion.patches(loaded).keys() == ol.fusion.patches(fused).keys()
+    _same(fresh, loaded, X)
+    double = copy.deepcopy(fused).to(torch.float64)
+    out = double(X.double())
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, fresh.double()(X.double()), atol=1e-10, rtol=1e-10)
+
+
+def test_autocast_bf16_runs_and_matches_eager_autocast():
+    torch.manual_seed(0)
+    model = Net()
+    fused, _ = _fused(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = model(X), fused(X)
+    assert b.dtype == a.dtype == torch.bfloat16
+    torch.testing.assert_close(b, a, atol=1e-2, rtol=1e-2)
+    b.float().sum().backward()
+    assert all(p.grad is not None for p in fused.parameters())
+
+
+def test_revert_restores_every_class_forward():
+    torch.manual_seed(0)
+    model = Net()
+    fused, _ = _fused(model)
+    ol.fusion.revert(fused)
+    assert not ol.fusion.patches(fused)
+    _same(model, fused, X)
+
+
+def test_fx_region_keeps_keyword_arguments():
+    """A functional chain inside one forward is rewritten with torch.fx; keywords still reach the region."""
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.0)
+
+        def forward(self, q, k, v, output_probs: bool = False):
+            probs = self.drop(torch.softmax(q @ k.transpose(-2, -1) * 0.5, dim=-1))
+            out = probs @ v
+            return (out, None) if output_probs else out
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attn()
+
+        def forward(self, x, output_probs=False):
+            return self.attn(x, x, x, output_probs=output_probs)
+
+    model = Outer()
+    x = seeded(2, 4, 8)
+    fused, plan = ol.fusion.fuse(model, x)
+    (d,) = plan.fused
+    assert d.pattern == "attention" and d.route.startswith("fx:")
+    torch.testing.assert_close(fused(x), model(x))
+    out, none = fused(x, output_probs=True)  # not the traced call: the original code runs
+    assert none is None
+    torch.testing.assert_close(out, model(x))
+
+
+def test_json_plan_applies_module_routes():
+    torch.manual_seed(0)
+    model = ChainMLP()
+    plan = ol.fusion.analyze(model, X)
+    fused = ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(plan.to_json()))
+    assert isinstance(ol.fusion.patches(fused)["fc1"], ChainHead)
+    _same(model, fused, X)
+    with pytest.raises(ValueError, match="was the plan made for this model"):
+        ol.fusion.apply(nn.Sequential(nn.Linear(8, 8)), ol.fusion.FusionPlan.from_json(plan.to_json()))
