@@ -1,12 +1,13 @@
-"""BN statistics + normalize + ReLU (+ max-pool) kernels: Triton (interpreter on CPU, compiled on CUDA)
-against the torch reference, window-index round trips against aten's int64 indices, determinism."""
+"""BN statistics + normalize + activation (+ max-pool) Triton kernels (interpreter on CPU, compiled on CUDA)
+against the torch reference of kernels/bn_act.py, for every activation; determinism."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from opsnn_lab.kernels import bn_relu as K
+from opsnn_lab.kernels import bn_act as K
+from opsnn_lab.kernels import bn_act_triton as T
 from opsnn_lab.testing import assert_close_dtype, seeded, triton_interpreter_ready
 
 needs_interpreter = pytest.mark.skipif(not triton_interpreter_ready(),
@@ -30,14 +31,19 @@ def _inputs(shape, dtype=torch.float32, device="cpu", channels_last=False, seed=
     return y, weight, bias, rm, rv
 
 
-def _forward_both(shape, pool, training, dtype=torch.float32, device="cpu", channels_last=False, identity=False):
+ACTS = [K.Act(name, 0.2) for name in K.ACTS] + [K.Act("leaky_relu", -0.3)]  # a negative slope is not monotone
+ACT_IDS = [*K.ACTS, "leaky_relu_neg"]
+
+
+def _forward_both(shape, pool, training, dtype=torch.float32, device="cpu", channels_last=False, identity=False,
+                  act=K.RELU):
     y, weight, bias, rm, rv = _inputs(shape, dtype, device, channels_last)
     if identity:
         weight = bias = rm = rv = None
     results = []
-    for fn in (K.bn_relu_forward_torch, K.bn_relu_forward_triton):
+    for fn in (K.bn_act_forward_torch, T.bn_act_forward_triton):
         bufs = (None, None) if rm is None else (rm.clone(), rv.clone())
-        out = fn(y, weight, bias, *bufs, training=training, momentum=0.1, eps=1e-5, pool=pool)
+        out = fn(y, weight, bias, *bufs, training=training, momentum=0.1, eps=1e-5, act=act, pool=pool)
         results.append((out, bufs))
     return (y, weight, bias), results
 
@@ -55,22 +61,6 @@ def _check_forward(results, dtype):
         assert tri[3].dtype == torch.uint8
         mismatch = (tri[3] != ref[3]).float().mean().item()
         assert mismatch <= (0.0 if dtype == torch.float32 else 0.02), f"window index mismatch {mismatch:.3f}"
-
-
-@pytest.mark.parametrize("spec", POOLS[1:], ids=POOL_IDS[1:])
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_window_index_round_trip(spec, channels_last):
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    z = seeded(2, 3, 9, 11, seed=3).contiguous(memory_format=fmt)
-    out, flat = torch.ops.aten.max_pool2d_with_indices(z, *spec.args(), [1, 1], False)
-    idx = K.window_index(flat.clone(), out, 9, 11, spec)
-    assert idx.dtype == torch.uint8 and idx.is_contiguous(memory_format=fmt)
-    positive = out > 0
-    assert bool((idx[~positive] == spec.sentinel).all())
-    back = K.flat_index(idx, 9, 11, spec)
-    assert back.is_contiguous(memory_format=fmt)
-    assert torch.equal(back[positive], flat[positive])
-    assert int(back.min()) >= 0 and int(back.max()) < 9 * 11
 
 
 @needs_interpreter
@@ -98,14 +88,15 @@ def test_forward_two_stage_stats_channels_last_identity(pool):
     _check_forward(results, torch.float32)
 
 
-def _backward_both(shape, pool, training, dtype=torch.float32, device="cpu", identity=False):
-    (y, weight, bias), results = _forward_both(shape, pool, training, dtype, device, identity=identity)
+def _backward_both(shape, pool, training, dtype=torch.float32, device="cpu", identity=False, act=K.RELU):
+    (y, weight, bias), results = _forward_both(shape, pool, training, dtype, device, identity=identity, act=act)
     ref = results[0][0]
     grad = seeded(*ref[0].shape, seed=9, dtype=dtype, device=device)
     mean, invstd = ref[1], ref[2]  # batch statistics in training, running ones in eval
     outs = []
-    for fn in (K.bn_relu_backward_torch, K.bn_relu_backward_triton):
-        outs.append(fn(grad, y, weight, bias, mean, invstd, ref[3], training=training, eps=1e-5, pool=pool))
+    for fn in (K.bn_act_backward_torch, T.bn_act_backward_triton):
+        outs.append(fn(grad, y, weight, bias, mean, invstd, ref[3], training=training, eps=1e-5, act=act,
+                       pool=pool))
     return outs
 
 
@@ -131,18 +122,41 @@ def test_backward_identity_and_bf16():
 @needs_interpreter
 def test_triton_is_deterministic():
     """No atomics: two runs of the reductions give the same bits."""
-    a = _backward_both((2, 2, 23, 23), POOLS[1], True)[1]
-    b = _backward_both((2, 2, 23, 23), POOLS[1], True)[1]
+    a = _backward_both((2, 2, 23, 23), POOLS[1], True, act=K.Act("silu"))[1]
+    b = _backward_both((2, 2, 23, 23), POOLS[1], True, act=K.Act("silu"))[1]
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
 
-def test_dispatch_uses_torch_on_cpu(monkeypatch):
-    monkeypatch.delenv("OPSNN_BACKEND", raising=False)
-    y, weight, bias, rm, rv = _inputs((2, 3, 4, 4))
-    out = K.bn_relu_forward(y, weight, bias, rm.clone(), rv.clone(), training=True, momentum=0.1, eps=1e-5)
-    ref = K.bn_relu_forward_torch(y, weight, bias, rm.clone(), rv.clone(), training=True, momentum=0.1, eps=1e-5)
-    assert torch.equal(out[0], ref[0])
+@needs_interpreter
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("pool", POOLS[:2], ids=POOL_IDS[:2])
+@pytest.mark.parametrize("act", ACTS, ids=ACT_IDS)
+def test_every_activation_triton_matches_torch(act, pool, training):
+    _, results = _forward_both((2, 3, 7, 9), pool, training, act=act)
+    _check_forward(results, torch.float32)
+    ref, tri = _backward_both((2, 3, 7, 9), pool, training, act=act)
+    for name, a, b in zip(("grad_y", "grad_weight", "grad_bias"), tri, ref):
+        assert_close_dtype(a.float(), b.float(), torch.float32, msg=name)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("act", [K.Act("silu"), K.Act("gelu_tanh"), K.Act("relu6")], ids=["silu", "gelu_tanh", "relu6"])
+def test_activation_bf16_with_pool(act):
+    _, results = _forward_both((2, 3, 8, 7), POOLS[1], True, torch.bfloat16, act=act)
+    _check_forward(results, torch.bfloat16)
+    ref, tri = _backward_both((2, 3, 8, 7), POOLS[1], True, dtype=torch.bfloat16, act=act)
+    for a, b in zip(tri, ref):
+        assert_close_dtype(a.float(), b.float(), torch.bfloat16)
+
+
+@needs_interpreter
+def test_backward_needs_y_for_a_smooth_activation_with_pool():
+    (y, weight, bias), results = _forward_both((1, 2, 6, 6), POOLS[1], False, act=K.Act("silu"))
+    out, mean, invstd, idx = results[0][0]
+    with pytest.raises(ValueError, match="y is needed"):
+        T.bn_act_backward_triton(out, None, weight, bias, mean, invstd, idx, training=False, eps=1e-5,
+                                 act=K.Act("silu"), pool=POOLS[1], in_shape=(1, 2, 6, 6))
 
 
 @pytest.mark.gpu
@@ -151,9 +165,10 @@ def test_dispatch_uses_torch_on_cpu(monkeypatch):
                                          ((4, 7, 57, 45), POOLS[3])])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_gpu_triton_matches_torch(shape, spec, dtype, training):
-    _, results = _forward_both(shape, spec, training, dtype, device="cuda", channels_last=True)
+@pytest.mark.parametrize("act", [K.RELU, K.Act("silu"), K.Act("hardswish")], ids=["relu", "silu", "hardswish"])
+def test_gpu_triton_matches_torch(shape, spec, dtype, training, act):
+    _, results = _forward_both(shape, spec, training, dtype, device="cuda", channels_last=True, act=act)
     _check_forward(results, dtype)
-    ref, tri = _backward_both(shape, spec, training, dtype, device="cuda")
+    ref, tri = _backward_both(shape, spec, training, dtype, device="cuda", act=act)
     for a, b in zip(tri, ref):
         assert_close_dtype(a.float(), b.float(), dtype)
