@@ -70,8 +70,9 @@ def test_window_index_round_trip(spec, channels_last):
     assert torch.equal(K.flat_index(K.window_index(flat.clone(), None, 9, 11, spec), 9, 11, spec), flat)
 
 
-def _bn_inputs(c, seed=0):
-    weight = seeded(c, seed=seed + 1).abs() + 0.5
+def _bn_inputs(c, seed=0, gain=4.0):
+    """BN gain 4: the pre-activation reaches ReLU6's 6 and Hardswish's +-3."""
+    weight = (seeded(c, seed=seed + 1).abs() + 0.5) * gain
     bias = seeded(c, seed=seed + 2, scale=0.3)
     rm = seeded(c, seed=seed + 3, scale=0.1)
     rv = seeded(c, seed=seed + 4).abs() + 0.5

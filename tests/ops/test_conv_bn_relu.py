@@ -35,7 +35,7 @@ def make_chain(cin, cout, k, stride, padding, pool, bias=True, groups=1, seed=0,
     conv = nn.Conv2d(cin, cout, k, stride, padding, dilation=dilation, bias=bias, groups=groups)
     bn = nn.BatchNorm2d(cout, momentum=momentum)
     with torch.no_grad():
-        bn.weight.uniform_(0.5, 1.5)
+        bn.weight.uniform_(0.5, 1.5) if act in (None, "relu") else bn.weight.uniform_(1.0, 4.0)  # reach 6 and +-3
         bn.bias.uniform_(-0.5, 0.5)
         bn.running_mean.uniform_(-0.2, 0.2)
         bn.running_var.uniform_(0.5, 2.0)
