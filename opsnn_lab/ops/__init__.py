@@ -10,6 +10,7 @@ _EXPORTS = {
     "FusedLinearGELUDropout": "linear_gelu_dropout",
     "FusedLinearGELUDropoutLinear": "linear_gelu_dropout",
     "FusedConvBNReLU": "conv_bn_relu",
+    "FusedConvBNAct": "conv_bn_relu",
     "FusedQKV": "qkv",
     "FusedAttention": "attention",
     "Dropout": "dropout",

@@ -1,11 +1,13 @@
-"""Conv2d -> BatchNorm2d -> ReLU (-> MaxPool2d) as one autograd Function that saves only the conv input,
-the conv output and per-channel statistics (with a pool: uint8 within-window indices instead of int64).
+"""Conv2d (grouped, depthwise) -> BatchNorm2d -> activation (-> MaxPool2d) as one autograd Function that saves
+only the conv input, the conv output and per-channel statistics (with a pool: uint8 within-window indices
+instead of int64). Activations: ReLU, ReLU6, LeakyReLU, SiLU, Hardswish, GELU (erf and tanh).
 
 Activation bytes on the ResNet stem (8x3x224x224, 3->64 k7 s2, BN, ReLU, MaxPool 3/2/1): eager saves x, the
 conv output, the ReLU output and int64 pool indices (69.0 MB); this op saves x, the conv output and one
-byte per pooled element (32.1 MB, 0.465x). BN + ReLU are recomputed in backward; ReLU-then-pool becomes
-pool-then-ReLU (equal, ReLU being monotone). On CPU with a pool the op runs channels-last inside (aten's
-max-pool is far faster there) and hands the output back in the layout eager would give.
+byte per pooled element (32.1 MB, 0.465x). BN + activation are recomputed in backward from the conv output
+and the statistics; for a monotone activation act-then-pool becomes pool-then-act (equal). On CPU with a
+pool the op runs channels-last inside (aten's max-pool is far faster there) and hands the output back in
+the layout eager would give.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from opsnn_lab._checks import check_tensor, check_type
-from opsnn_lab.kernels.bn_relu import PoolSpec, bn_relu_backward, bn_relu_forward
+from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, bn_act_backward, bn_act_forward
+from opsnn_lab.ops._activations import activation_of
 
-__all__ = ["FusedConvBNReLU", "ConvBNReLUFunction"]
+__all__ = ["FusedConvBNAct", "FusedConvBNReLU", "ConvBNActFunction", "ConvBNReLUFunction"]
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -35,6 +38,7 @@ class _Config:
     training: bool
     momentum: float  # effective factor of this step (F.batch_norm's ``momentum`` argument)
     pool: PoolSpec | None
+    act: Act = RELU
 
     def conv_args(self):
         return list(self.stride), list(self.padding), list(self.dilation)
@@ -54,18 +58,21 @@ def _conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
     return _pair(conv.padding)
 
 
-def _wrong_type(conv, bn, relu, maxpool) -> str:
-    for name, value, kind in (("conv", conv, nn.Conv2d), ("bn", bn, nn.BatchNorm2d), ("relu", relu, nn.ReLU)):
+def _wrong_type(conv, bn, act, maxpool, act_name="act", relu_only=False) -> str:
+    """'' when every argument is a module of a supported kind, else the reason, naming the argument."""
+    for name, value, kind in (("conv", conv, nn.Conv2d), ("bn", bn, nn.BatchNorm2d)):
         if type(value) is not kind:
             return f"{name} must be {kind.__name__}, got {type(value).__name__}"
+    if relu_only and type(act) is not nn.ReLU:
+        return f"{act_name} must be ReLU, got {type(act).__name__} (FusedConvBNAct takes other activations)"
     if maxpool is not None and type(maxpool) is not nn.MaxPool2d:
         return f"maxpool must be MaxPool2d or None, got {type(maxpool).__name__}"
-    return ""
+    return activation_of(act, act_name)[1]
 
 
-def _why_not(conv, bn, relu, maxpool) -> str:
+def _why_not(conv, bn, act, maxpool, act_name="act", relu_only=False) -> str:
     """'' when the chain is supported, else the reason, naming the argument."""
-    wrong = _wrong_type(conv, bn, relu, maxpool)
+    wrong = _wrong_type(conv, bn, act, maxpool, act_name, relu_only)
     if wrong:
         return wrong
     if conv.padding_mode != "zeros":
@@ -123,11 +130,12 @@ def _zeros_like_or_none(t, needed):
     return torch.zeros_like(t) if needed and t is not None else None
 
 
-class ConvBNReLUFunction(torch.autograd.Function):
+class ConvBNActFunction(torch.autograd.Function):
     """Training: batch statistics + running-stat update; eval: BatchNorm folded into the conv.
 
     Saved for backward: training -> x, conv output y, mean, invstd [C] (+ uint8 pool index);
-    eval -> x, conv output (no pool) or uint8 pool index (pool), the folding factors [C].
+    eval -> x, the folded conv output (none with a pool and ReLU/ReLU6: the uint8 index's sentinel holds
+    the derivative), the folding factors [C] (+ uint8 pool index). Never a second full-size tensor.
     """
 
     @staticmethod
@@ -139,9 +147,9 @@ class ConvBNReLUFunction(torch.autograd.Function):
             if ctx.empty:  # as nn.BatchNorm2d: empty output, running statistics untouched
                 ctx.save_for_backward(x, weight)
                 return _empty_output(y, cfg.pool)
-            out, mean, invstd, idx = bn_relu_forward(y, bn_weight, bn_bias, running_mean, running_var,
-                                                     training=True, momentum=cfg.momentum, eps=cfg.eps,
-                                                     pool=cfg.pool)
+            out, mean, invstd, idx = bn_act_forward(y, bn_weight, bn_bias, running_mean, running_var,
+                                                    training=True, momentum=cfg.momentum, eps=cfg.eps,
+                                                    act=cfg.act, pool=cfg.pool)
             ctx.save_for_backward(x, weight, bn_weight, bn_bias, y, mean, invstd, idx)
             return _like_input(out, x)
         mean = running_mean.detach().clone()
@@ -154,10 +162,11 @@ class ConvBNReLUFunction(torch.autograd.Function):
         if ctx.empty:
             ctx.save_for_backward(x, weight)
             return _empty_output(a, cfg.pool)
-        out, _, _, idx = bn_relu_forward(a, None, None, None, None, training=False, momentum=0.0,
-                                         eps=cfg.eps, pool=cfg.pool)
+        out, _, _, idx = bn_act_forward(a, None, None, None, None, training=False, momentum=0.0,
+                                        eps=cfg.eps, act=cfg.act, pool=cfg.pool)
         ctx.in_shape = tuple(a.shape)
-        ctx.save_for_backward(x, weight, bn_weight, None if cfg.pool else a, b0, invstd, idx)
+        keep_a = cfg.pool is None or not cfg.act.has_dead_zone
+        ctx.save_for_backward(x, weight, bn_weight, a if keep_a else None, b0, invstd, idx)
         return _like_input(out, x)
 
     @staticmethod
@@ -196,9 +205,9 @@ def _conv_backward(ctx, grad_y, x, weight, need_w):
 def _backward_train(ctx, grad_out):
     x, weight, bn_weight, bn_bias, y, mean, invstd, idx = ctx.saved_tensors
     cfg, need = ctx.cfg, ctx.needs_input_grad
-    grad_y, grad_gamma, grad_beta = bn_relu_backward(
-        grad_out, y, bn_weight, bn_bias, mean, invstd, idx, training=True, eps=cfg.eps, pool=cfg.pool,
-        output_mask=(True, need[3], need[4]))
+    grad_y, grad_gamma, grad_beta = bn_act_backward(
+        grad_out, y, bn_weight, bn_bias, mean, invstd, idx, training=True, eps=cfg.eps, act=cfg.act,
+        pool=cfg.pool, output_mask=(True, need[3], need[4]))
     dx, dw, db = _conv_backward(ctx, grad_y, _internal(x, ctx.cfg), weight, need[1])
     return dx, dw, db, grad_gamma, grad_beta, None, None, None
 
@@ -209,8 +218,9 @@ def _backward_eval(ctx, grad_out):
     cfg, need = ctx.cfg, ctx.needs_input_grad
     fold = bn_weight.float() * invstd
     w_f = (weight.float() * fold.view(-1, 1, 1, 1)).to(weight.dtype)
-    grad_a, _, _ = bn_relu_backward(grad_out, a, None, None, None, None, idx, training=False, eps=cfg.eps,
-                                    pool=cfg.pool, in_shape=ctx.in_shape, output_mask=(True, False, False))
+    grad_a, _, _ = bn_act_backward(grad_out, a, None, None, None, None, idx, training=False, eps=cfg.eps,
+                                   act=cfg.act, pool=cfg.pool, in_shape=ctx.in_shape,
+                                   output_mask=(True, False, False))
     need_wf = need[1] or need[3]
     bias_sizes = [weight.shape[0]]
     dx, dw_f, db_f = torch.ops.aten.convolution_backward(grad_a, _internal(x, cfg), w_f, bias_sizes,
@@ -227,20 +237,43 @@ def _backward_eval(ctx, grad_out):
     return dx, dw, db, dgamma, dbeta, None, None, None
 
 
-class FusedConvBNReLU(nn.Module):
-    """Drop-in for ``nn.Sequential(conv, bn, relu[, maxpool])`` that keeps a fraction of the activations.
+ConvBNReLUFunction = ConvBNActFunction  # the name the ReLU-only op had; same Function
 
-    Parameter/buffer contract (what a graph rewrite needs to know):
+
+class FusedConvBNAct(nn.Module):
+    """Drop-in for ``nn.Sequential(conv, bn, act[, maxpool])`` that keeps a fraction of the activations.
+
+    The contract a graph rewrite uses (``conv_bn_<act>[_maxpool]`` patterns):
+
+    * ``supports(conv, bn, act, maxpool=None) -> (ok, reason)`` never raises; ``reason`` names the first
+      unsupported argument or attribute (``conv``, ``bn``, ``act``, ``maxpool``, e.g. ``"conv.padding_mode=
+      'reflect' is not supported"``). ``from_modules`` with the same arguments raises TypeError for a module
+      of the wrong kind and ValueError for a supported kind with unsupported settings, with that reason.
+    * ``conv``: exactly ``nn.Conv2d``, any ``groups`` (grouped, depthwise), stride, dilation, numeric or
+      ``'valid'``/``'same'`` padding (``'same'`` only where it is symmetric), ``padding_mode='zeros'``.
+    * ``bn``: exactly ``nn.BatchNorm2d`` with ``affine`` and ``track_running_stats``, ``num_features ==
+      conv.out_channels``; any ``momentum`` (None: cumulative average), any ``eps``.
+    * ``act``: ``nn.ReLU``, ``nn.ReLU6``, ``nn.LeakyReLU`` (any ``negative_slope``), ``nn.SiLU``,
+      ``nn.Hardswish``, ``nn.GELU`` (``approximate`` ``'none'`` or ``'tanh'``), or the Hugging Face
+      ``ACT2FN`` modules ``GELUActivation``, ``NewGELUActivation``, ``FastGELUActivation``, ``GELUTanh``,
+      ``PytorchGELUTanh``, ``AccurateGELUActivation``, ``SiLUActivation`` (matched by class name and
+      checked on a probe tensor; transformers is not imported). ``self.act_spec`` is the resolved
+      :class:`~opsnn_lab.kernels.bn_act.Act` (its ``name`` is the pattern's ``<act>``). ``inplace`` is
+      irrelevant: the activation's input is never exposed.
+    * ``maxpool``: None or exactly ``nn.MaxPool2d`` with dilation 1, ``ceil_mode=False``,
+      ``return_indices=False``, at most 255 window cells, padding at most half the kernel.
+
+    Parameter/buffer contract:
 
     * The module reads every tensor from the ORIGINAL modules at call time: ``conv.weight``,
       ``conv.bias`` (or None), ``bn.weight``, ``bn.bias``, ``bn.running_mean``, ``bn.running_var``,
       ``bn.num_batches_tracked``. Nothing is copied, so ``.to()``, optimizers and ``load_state_dict`` on
       the originals act on the fused module too, and training updates the originals' running stats.
-    * ``register_modules=True`` (default): the originals are submodules ``conv``, ``bn``, ``relu`` and
-      ``maxpool`` (absent when None), so this module's own ``state_dict`` keys are ``conv.weight``,
-      ``conv.bias``, ``bn.weight``, ``bn.bias``, ``bn.running_mean``, ``bn.running_var``,
-      ``bn.num_batches_tracked``: placing it where ``conv``/``bn`` were inside a ``Sequential`` named
-      ``conv``/``bn`` keeps keys identical.
+    * ``register_modules=True`` (default): the originals are submodules ``conv``, ``bn``, ``act`` (``relu``
+      for :class:`FusedConvBNReLU`) and ``maxpool`` (absent when None), so this module's own
+      ``state_dict`` keys are ``conv.weight``, ``conv.bias``, ``bn.weight``, ``bn.bias``,
+      ``bn.running_mean``, ``bn.running_var``, ``bn.num_batches_tracked``: placing it where ``conv``/``bn``
+      were inside a ``Sequential`` named ``conv``/``bn`` keeps keys identical.
     * ``register_modules=False``: the originals are held outside the module tree (``self.conv`` etc. are
       plain attributes) and this module has NO parameters, buffers or state_dict keys. Use it when the
       originals stay at their own paths in the model (unused by the rewritten graph): the model's
@@ -249,38 +282,43 @@ class FusedConvBNReLU(nn.Module):
       In train mode ``bn.num_batches_tracked`` is incremented and the running stats are updated exactly
       as ``nn.BatchNorm2d`` does (``momentum=None``: cumulative average).
 
-    Empty batch: behaves as eager (empty output, running stats unchanged, ``num_batches_tracked`` + 1,
-    zero parameter gradients). One value per channel in training raises ValueError, as eager does.
-    ``relu.inplace`` is irrelevant: the ReLU output is never exposed before pooling.
+    Saved for backward: the conv input, the conv output, two fp32 values per channel, and with a pool one
+    uint8 per pooled element; the BN output and the activation's output are recomputed. Empty batch:
+    behaves as eager (empty output, running stats unchanged, ``num_batches_tracked`` + 1, zero parameter
+    gradients). One value per channel in training raises ValueError, as eager does.
     """
 
-    def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Module, maxpool: nn.MaxPool2d | None = None,
+    _act_attr = "act"  # the submodule name of the activation
+    _relu_only = False
+
+    def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module, maxpool: nn.MaxPool2d | None = None,
                  *, register_modules: bool = True):
         super().__init__()
         check_type("register_modules", register_modules, bool)
-        wrong = _wrong_type(conv, bn, relu, maxpool)
+        wrong = _wrong_type(conv, bn, act, maxpool, self._act_attr, self._relu_only)
         if wrong:
             raise TypeError(wrong)
-        reason = _why_not(conv, bn, relu, maxpool)
+        reason = _why_not(conv, bn, act, maxpool, self._act_attr, self._relu_only)
         if reason:
             raise ValueError(reason)
         self.register_modules = register_modules
+        self.act_spec = activation_of(act)[0]
         setter = nn.Module.__setattr__ if register_modules else object.__setattr__
-        for name, mod in (("conv", conv), ("bn", bn), ("relu", relu), ("maxpool", maxpool)):
+        for name, mod in (("conv", conv), ("bn", bn), (self._act_attr, act), ("maxpool", maxpool)):
             setter(self, name, mod)
         self.pool = _pool_spec(maxpool)
         self.train(conv.training)
 
     @classmethod
-    def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Module,
-                     maxpool: nn.MaxPool2d | None = None, *, register_modules: bool = True) -> FusedConvBNReLU:
+    def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module, maxpool: nn.MaxPool2d | None = None,
+                     *, register_modules: bool = True):
         """Fuse existing modules, sharing their Parameter and buffer objects (see the class docstring)."""
-        return cls(conv, bn, relu, maxpool, register_modules=register_modules)
+        return cls(conv, bn, act, maxpool, register_modules=register_modules)
 
     @classmethod
-    def supports(cls, conv, bn, relu, maxpool=None) -> tuple[bool, str]:
+    def supports(cls, conv, bn, act, maxpool=None) -> tuple[bool, str]:
         """``(True, '')`` when the chain can be fused, else ``(False, reason)`` naming the argument."""
-        reason = _why_not(conv, bn, relu, maxpool)
+        reason = _why_not(conv, bn, act, maxpool, cls._act_attr, cls._relu_only)
         return (not reason, reason)
 
     def _config(self) -> _Config:
@@ -290,7 +328,7 @@ class FusedConvBNReLU(nn.Module):
             bn.num_batches_tracked.add_(1)
             factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
         return _Config(_pair(conv.stride), _conv_padding(conv), _pair(conv.dilation), conv.groups, bn.eps,
-                       self.training, factor, self.pool)
+                       self.training, factor, self.pool, self.act_spec)
 
     def _check_input(self, x) -> None:
         check_tensor("input", x, dtypes=_FLOATS, dim=4)
@@ -315,9 +353,32 @@ class FusedConvBNReLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         conv, bn = self.conv, self.bn
-        return ConvBNReLUFunction.apply(x, conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean,
-                                        bn.running_var, self._config())
+        return ConvBNActFunction.apply(x, conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean,
+                                       bn.running_var, self._config())
 
     def extra_repr(self) -> str:
         pool = "" if self.pool is None else f", pool={self.pool}"
-        return f"register_modules={self.register_modules}{pool}"
+        return f"act={self.act_spec}, register_modules={self.register_modules}{pool}"
+
+
+class FusedConvBNReLU(FusedConvBNAct):
+    """:class:`FusedConvBNAct` restricted to ``nn.ReLU`` (submodule ``relu``): ``from_modules(conv, bn, relu,
+    maxpool=None, register_modules=True)``; any other activation is a TypeError naming ``relu``."""
+
+    _act_attr = "relu"
+    _relu_only = True
+
+    def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Module, maxpool: nn.MaxPool2d | None = None,
+                 *, register_modules: bool = True):
+        super().__init__(conv, bn, relu, maxpool, register_modules=register_modules)
+
+    @classmethod
+    def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Module, maxpool: nn.MaxPool2d | None = None,
+                     *, register_modules: bool = True) -> FusedConvBNReLU:
+        """Fuse existing modules, sharing their Parameter and buffer objects (see :class:`FusedConvBNAct`)."""
+        return cls(conv, bn, relu, maxpool, register_modules=register_modules)
+
+    @classmethod
+    def supports(cls, conv, bn, relu, maxpool=None) -> tuple[bool, str]:
+        """``(True, '')`` when the chain can be fused, else ``(False, reason)`` naming the argument."""
+        return super().supports(conv, bn, relu, maxpool)

@@ -1,5 +1,6 @@
-"""FusedConvBNReLU against eager nn.Sequential(conv, bn, relu[, maxpool]): outputs, every gradient, running
-statistics, layouts, empty batch, bad arguments and the activation bytes it saves."""
+"""FusedConvBNAct / FusedConvBNReLU against eager nn.Sequential(conv, bn, act[, maxpool]): outputs, every
+gradient, running statistics, every activation, grouped and depthwise convs, layouts, empty batch, bad
+arguments and the activation bytes it saves."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from opsnn_lab.bench.memory import activation_bytes, saved_tensors_report
-from opsnn_lab.ops.conv_bn_relu import FusedConvBNReLU
+from opsnn_lab.ops.conv_bn_relu import FusedConvBNAct, FusedConvBNReLU
 from opsnn_lab.testing import assert_within_eager_error, non_contiguous, seeded, triton_interpreter_ready
 
 # (N, Cin, H, W, Cout, kernel, stride, padding, pool (k, s, p) or None, conv bias, groups)
@@ -23,16 +24,22 @@ SHAPES = [
 ]
 
 
-def make_chain(cin, cout, k, stride, padding, pool, bias=True, groups=1, seed=0, momentum=0.1, inplace=False):
+ACTS = {"relu": lambda: nn.ReLU(), "relu6": lambda: nn.ReLU6(inplace=True), "leaky_relu": lambda: nn.LeakyReLU(0.2),
+        "leaky_relu_neg": lambda: nn.LeakyReLU(-0.3), "silu": lambda: nn.SiLU(), "hardswish": lambda: nn.Hardswish(),
+        "gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU(approximate="tanh")}
+
+
+def make_chain(cin, cout, k, stride, padding, pool, bias=True, groups=1, seed=0, momentum=0.1, inplace=False,
+               act=None, dilation=1):
     torch.manual_seed(seed)
-    conv = nn.Conv2d(cin, cout, k, stride, padding, bias=bias, groups=groups)
+    conv = nn.Conv2d(cin, cout, k, stride, padding, dilation=dilation, bias=bias, groups=groups)
     bn = nn.BatchNorm2d(cout, momentum=momentum)
     with torch.no_grad():
-        bn.weight.uniform_(0.5, 1.5)
+        bn.weight.uniform_(0.5, 1.5) if act in (None, "relu") else bn.weight.uniform_(1.0, 4.0)  # reach 6 and +-3
         bn.bias.uniform_(-0.5, 0.5)
         bn.running_mean.uniform_(-0.2, 0.2)
         bn.running_var.uniform_(0.5, 2.0)
-    mods = [conv, bn, nn.ReLU(inplace=inplace)]
+    mods = [conv, bn, ACTS[act]() if act else nn.ReLU(inplace=inplace)]
     if pool is not None:
         mods.append(nn.MaxPool2d(*pool))
     return mods
@@ -63,7 +70,8 @@ def pair(mods, dtype=torch.float32, train=True):
     for m in eager_mods + mods:
         m.to(dtype)
     eager = nn.Sequential(*eager_mods).train(train)
-    fused = FusedConvBNReLU.from_modules(*mods[:3], mods[3] if len(mods) > 3 else None).train(train)
+    cls = FusedConvBNReLU if type(mods[2]) is nn.ReLU else FusedConvBNAct
+    fused = cls.from_modules(*mods[:3], mods[3] if len(mods) > 3 else None).train(train)
     return eager, eager_mods, fused
 
 
@@ -129,15 +137,29 @@ def _fp64_reference(mods, x, train):
     return fwd_bwd(ref, ref_mods, x.double())
 
 
+# (N, Cin, H, W, Cout, kernel, stride, padding, pool, activation, groups)
+LOW_PRECISION = [
+    (torch.bfloat16, (2, 3, 12, 10, 6, 3, 2, 1, (3, 2, 1), "relu", 1)),
+    (torch.bfloat16, (2, 5, 9, 7, 7, 3, 1, 1, None, "relu", 1)),
+    (torch.float16, (2, 3, 7, 5, 4, 3, 1, 1, (3, 2, 1), "relu", 1)),
+    (torch.bfloat16, (2, 6, 9, 7, 6, 3, 2, 1, None, "relu6", 6)),
+    (torch.float16, (2, 6, 9, 7, 6, 3, 1, 1, (3, 2, 1), "relu6", 6)),
+    (torch.bfloat16, (2, 4, 9, 7, 8, 1, 1, 0, None, "silu", 1)),
+    (torch.float16, (2, 6, 10, 9, 6, 3, 2, 1, None, "silu", 6)),
+    (torch.bfloat16, (2, 6, 9, 7, 6, 3, 1, 1, (2, 2, 0), "hardswish", 6)),
+    (torch.float16, (2, 4, 9, 7, 8, 1, 1, 0, None, "hardswish", 1)),
+    (torch.bfloat16, (2, 4, 9, 7, 6, 3, 1, 1, (3, 2, 1), "gelu", 2)),
+    (torch.float16, (2, 4, 9, 7, 6, 3, 1, 1, None, "gelu_tanh", 1)),
+    (torch.bfloat16, (2, 4, 9, 7, 6, 3, 1, 1, None, "leaky_relu", 1)),
+]
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("dtype, shape", [
-    (torch.bfloat16, (2, 3, 12, 10, 6, 3, 2, 1, (3, 2, 1))),
-    (torch.bfloat16, (2, 5, 9, 7, 7, 3, 1, 1, None)),
-    (torch.float16, (2, 3, 7, 5, 4, 3, 1, 1, (3, 2, 1))),
-])
+@pytest.mark.parametrize("dtype, shape", LOW_PRECISION,
+                         ids=[f"{str(d)[6:]}-{s[9]}-g{s[10]}-pool{s[8] is not None:d}" for d, s in LOW_PRECISION])
 def test_low_precision_within_eager_error(dtype, shape, train):
-    n, cin, h, w, cout, k, s, p, pool = shape
-    mods = make_chain(cin, cout, k, s, p, pool)
+    n, cin, h, w, cout, k, s, p, pool, act, groups = shape
+    mods = make_chain(cin, cout, k, s, p, pool, act=act, groups=groups)
     ref = _fp64_reference(mods, seeded(n, cin, h, w, seed=4), train)
     eager, eager_mods, fused = pair(mods, dtype=dtype, train=train)
     x = seeded(n, cin, h, w, seed=4, dtype=dtype)
@@ -292,10 +314,118 @@ def test_bad_inputs_name_the_argument():
 @pytest.mark.skipif(not triton_interpreter_ready(), reason="triton missing, or imported before TRITON_INTERPRET=1")
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("pool", [None, (3, 2, 1)])
-def test_triton_interpreter_path_matches_eager(monkeypatch, pool, train):
+@pytest.mark.parametrize("act", [None, "hardswish"])
+def test_triton_interpreter_path_matches_eager(monkeypatch, act, pool, train):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("OPSNN_BACKEND", "triton")
-    mods = make_chain(3, 4, 3, 1, 1, pool)
+    mods = make_chain(3, 4, 3, 1, 1, pool, act=act)
     eager, eager_mods, fused = pair(mods, train=train)
     x = seeded(2, 3, 7, 6, seed=6)
     compare(fwd_bwd(eager, eager_mods, x), fwd_bwd(fused, mods, x))
+
+
+# ------------------------------------------------------------------------------------------------ activations
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("pool", [None, (3, 2, 1)], ids=["nopool", "pool"])
+@pytest.mark.parametrize("act", list(ACTS))
+def test_every_activation_matches_eager_fp32(act, pool, train):
+    mods = make_chain(4, 6, 3, 1, 1, pool, groups=2, act=act)
+    eager, eager_mods, fused = pair(mods, train=train)
+    x = seeded(2, 4, 9, 8, seed=11)
+    compare(fwd_bwd(eager, eager_mods, x, steps=2), fwd_bwd(fused, mods, x, steps=2))
+
+
+# (Cin = Cout = groups, kernel, stride, padding, dilation, pool): MobileNet/EfficientNet depthwise layers
+DEPTHWISE = [(8, 3, 2, 1, 1, None), (8, 3, 1, "same", 2, None), (6, 5, 2, "valid", 1, None), (6, 3, 1, 1, 1, (3, 2, 1)),
+             (5, 3, 2, 2, 2, (2, 2, 0))]
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("cfg, act", list(zip(DEPTHWISE, ["relu6", "silu", "hardswish", "silu", "relu6"])),
+                         ids=lambda c: c if isinstance(c, str) else "c{}k{}s{}p{}d{}-pool{}".format(*c))
+def test_depthwise_matches_eager(cfg, act, train):
+    c, k, s, p, d, pool = cfg
+    mods = make_chain(c, c, k, s, p, pool, groups=c, act=act, dilation=d, bias=False)
+    eager, eager_mods, fused = pair(mods, train=train)
+    x = seeded(2, c, 13, 11, seed=12)
+    compare(fwd_bwd(eager, eager_mods, x, steps=2), fwd_bwd(fused, mods, x, steps=2))
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_accurate", "silu"])
+def test_hugging_face_activations(name):
+    activations = pytest.importorskip("transformers.activations")
+    act = activations.ACT2FN[name]
+    expected = "silu" if name == "silu" else "gelu" if name == "gelu" else "gelu_tanh"
+    mods = make_chain(3, 5, 3, 1, 1, (3, 2, 1))
+    mods[2] = act
+    assert FusedConvBNAct.supports(*mods) == (True, "")
+    eager, eager_mods, fused = pair(mods)
+    assert fused.act_spec.name == expected
+    x = seeded(2, 3, 9, 7, seed=13)
+    e, f = fwd_bwd(eager, eager_mods, x), fwd_bwd(fused, mods, x)
+    compare(e, f, rtol=1e-5 if name in ("gelu", "silu", "gelu_pytorch_tanh") else 1e-4)  # python tanh formulas
+
+
+def test_unsupported_activations_are_named():
+    conv, bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+    for act in (nn.Tanh(), nn.Sigmoid(), nn.PReLU(), nn.Identity()):
+        ok, reason = FusedConvBNAct.supports(conv, bn, act)
+        assert not ok and reason.startswith("act must be one of") and type(act).__name__ in reason
+        with pytest.raises(TypeError, match="act must be"):
+            FusedConvBNAct.from_modules(conv, bn, act)
+    ok, reason = FusedConvBNAct.supports(conv, bn, "relu")
+    assert not ok and "act must be an nn.Module" in reason
+    with pytest.raises(TypeError, match="relu must be ReLU"):
+        FusedConvBNReLU.from_modules(conv, bn, nn.SiLU())
+    assert FusedConvBNReLU.supports(conv, bn, nn.SiLU())[1].startswith("relu must be ReLU")
+
+
+def test_hugging_face_lookalike_is_probed():
+    """A class named like an HF activation from a transformers module that computes something else is refused."""
+    fake = type("QuickGELUActivation", (nn.Module,), {"forward": lambda self, x: x * torch.sigmoid(1.702 * x)})
+    wrong = type("GELUActivation", (nn.Module,), {"forward": lambda self, x: x * torch.sigmoid(1.702 * x)})
+    fake.__module__ = wrong.__module__ = "transformers.activations"
+    conv, bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+    assert "act must be one of" in FusedConvBNAct.supports(conv, bn, fake())[1]
+    ok, reason = FusedConvBNAct.supports(conv, bn, wrong())
+    assert not ok and "does not compute gelu" in reason
+
+
+def test_fused_relu_keeps_its_names():
+    mods = make_chain(3, 4, 3, 1, 1, None)
+    fused = FusedConvBNReLU.from_modules(*mods[:3])
+    assert isinstance(fused, FusedConvBNAct) and fused.relu is mods[2] and fused.act_spec.name == "relu"
+    general = FusedConvBNAct.from_modules(*mods[:3])
+    assert general.act is mods[2] and not hasattr(general, "relu")
+    assert set(general.state_dict()) == set(fused.state_dict())
+
+
+@pytest.mark.parametrize("act", ["relu6", "silu", "hardswish", "gelu"])
+def test_activation_bytes_pointwise_expansion(act):
+    """1x1 expansion (MobileNetV2/EfficientNet, 4 -> 24): eager saves x, y and the BN output; fused x and y."""
+    mods = make_chain(4, 24, 1, 1, 0, None, bias=False, act=act)
+    eager, _, fused = pair(mods)
+    x = seeded(2, 4, 16, 16)
+    ratio = activation_bytes(lambda: fused(x)) / activation_bytes(lambda: eager(x))
+    assert ratio <= (1 + 6) / (1 + 12) + 1e-3, ratio
+    full = [r for r in saved_tensors_report(lambda: fused(x)).tensors if r["shape"] == (2, 24, 16, 16)]
+    assert len(full) == 1  # the conv output only: the pre-activation is recomputed
+
+
+@pytest.mark.parametrize("act, keeps_conv_output", [("relu6", False), ("silu", True), ("leaky_relu", True)])
+def test_eval_with_pool_saves_conv_output_only_when_needed(act, keeps_conv_output):
+    mods = make_chain(3, 8, 3, 1, 1, (2, 2, 0), act=act)
+    _, _, fused = pair(mods, train=False)
+    x = seeded(2, 3, 8, 8, requires_grad=True)
+    shapes = [row["shape"] for row in saved_tensors_report(lambda: fused(x)).tensors]
+    assert ((2, 8, 8, 8) in shapes) == keeps_conv_output
+    assert shapes.count((2, 8, 8, 8)) <= 1
+
+
+@pytest.mark.slow
+def test_torch_compile_forward_backward_in_training():
+    mods = make_chain(4, 6, 3, 2, 1, None, act="silu", groups=2)
+    eager, eager_mods, fused = pair(mods)
+    x = seeded(2, 4, 9, 8, seed=14)
+    compiled = torch.compile(fused)
+    compare(fwd_bwd(eager, eager_mods, x, steps=2), fwd_bwd(compiled, mods, x, steps=2))

@@ -1,0 +1,60 @@
+"""Conv -> BN -> {ReLU6, SiLU, Hardswish} rows of ``python -m opsnn_lab.bench ops`` at MobileNet/EfficientNet widths.
+
+Each activation gets two rows, the two convolutions of an inverted-residual block:
+
+* ``conv_bn_<act>``: the 1x1 expansion (C -> 6C). Eager saves x, the conv output and the BN output; the fused
+  op saves x and the conv output: (1 + 6) / (1 + 12) = 0.54 of the chain's bytes.
+* ``conv_bn_<act>_dw``: the 3x3 depthwise conv (groups = 6C). Here x is as large as the conv output (stride 1)
+  or 4x larger (stride 2), and the conv's backward needs it, so the ratio is bounded by (1 + 1) / (1 + 2) =
+  0.67 (stride 1) and (4 + 1) / (4 + 2) = 0.83 (stride 2): what is saved is the BN output only.
+
+Widths from the bench's shape table: ``FULL`` (batch 8, stem 224) gives MobileNetV2's 56 x 56 stage
+(24 -> 144 channels); ``QUICK`` a 8 x 8 plane with 4 -> 24 channels. ReLU6 and Hardswish rows use
+MobileNetV2/V3's in-place activations, as torchvision builds them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["CONV_CHAINS", "CONV_BUILDERS"]
+
+_ACTS = {"relu6": lambda: nn.ReLU6(inplace=True), "silu": lambda: nn.SiLU(inplace=True),
+         "hardswish": lambda: nn.Hardswish(inplace=True)}
+# (activation, depthwise stride): MobileNetV2 ReLU6 stride 1, EfficientNet SiLU stride 2, MobileNetV3 Hardswish 1
+_ROWS = (("relu6", 1), ("silu", 2), ("hardswish", 1))
+CONV_CHAINS = tuple(name for act, _ in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw"))
+
+
+def _widths(s: dict) -> tuple[int, int, int]:
+    """(input channels, expanded channels, plane side) scaled from the bench's shape table."""
+    cin = max(4, s["channels"] * 3 // 8)
+    return cin, 6 * cin, s["image"] // 4
+
+
+def _chain(s, device, dtype, act: str, depthwise: bool, stride: int):
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    cin, cexp, side = _widths(s)
+    if depthwise:
+        conv = nn.Conv2d(cexp, cexp, 3, stride, 1, groups=cexp, bias=False)
+        x = torch.randn(s["batch"], cexp, side, side, device=device, dtype=dtype, requires_grad=True)
+    else:
+        conv = nn.Conv2d(cin, cexp, 1, bias=False)
+        x = torch.randn(s["batch"], cin, side, side, device=device, dtype=dtype, requires_grad=True)
+    bn, module = nn.BatchNorm2d(cexp), _ACTS[act]()
+    eager = nn.Sequential(conv, bn, module).to(device, dtype)
+    fused = ops.FusedConvBNAct.from_modules(conv, bn, module)
+    what = f"depthwise 3x3 s{stride}, {cexp} ch" if depthwise else f"1x1 {cin} -> {cexp} ch"
+    name = f"conv_bn_{act}" + ("_dw" if depthwise else "")
+    return Chain(name, eager, fused, (x,), note=f"{what}, {side}x{side}")
+
+
+def _builder(act: str, depthwise: bool, stride: int):
+    return lambda s, device, dtype: _chain(s, device, dtype, act, depthwise, stride)
+
+
+CONV_BUILDERS = {name: _builder(act, name.endswith("_dw"), stride)
+                 for act, stride in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw")}

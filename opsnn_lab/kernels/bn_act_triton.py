@@ -1,0 +1,408 @@
+"""BatchNorm + pointwise activation (+ max-pool) as Triton kernels: atomic-free, fixed-order two-stage sums."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from opsnn_lab.kernels._dispatch import _interpreting, calculate_settings
+from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, scale_shift
+
+__all__ = ["bn_act_forward_triton", "bn_act_backward_triton"]
+
+_CHUNK = 1024  # elements of one channel per program in the reductions (stage 1 of the two-stage sums)
+tl = None  # triton.language, bound on first kernel build so importing this file never imports triton
+_act_fwd = _act_grad = None  # the jitted helpers below, bound on first kernel build
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    """The jitted kernels; built per interpreter mode because triton picks the mode at decoration time."""
+    global tl, _act_fwd, _act_grad
+    import triton
+    import triton.language as language
+
+    tl = language
+    _act_fwd, _act_grad = triton.jit(_act_fwd_src), triton.jit(_act_grad_src)
+    fns = (_stats_partial_kernel, _stats_finalize_kernel, _sum_chunks_kernel, _bn_act_fwd_kernel,
+           _bn_act_pool_fwd_kernel, _bn_act_bwd_kernel)
+    return {f.__name__: triton.jit(f) for f in fns}
+
+
+# Activation codes are the index in kernels.bn_act.ACTS: relu 0, relu6 1, leaky_relu 2, silu 3, hardswish 4,
+# gelu 5 (erf), gelu_tanh 6. Formulas as aten's CPU kernels, evaluated in fp32.
+def _act_fwd_src(z, SLOPE, ACT: tl.constexpr):
+    if ACT == 0:
+        return tl.maximum(z, 0.0)
+    elif ACT == 1:
+        return tl.minimum(tl.maximum(z, 0.0), 6.0)
+    elif ACT == 2:
+        return tl.where(z > 0, z, z * SLOPE)
+    elif ACT == 3:
+        return z * tl.sigmoid(z)
+    elif ACT == 4:
+        return z * tl.minimum(tl.maximum(z + 3.0, 0.0), 6.0) / 6.0
+    elif ACT == 5:
+        return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+    else:
+        inner = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        return 0.5 * z * (1.0 + 2.0 * tl.sigmoid(2.0 * inner) - 1.0)
+
+
+def _act_grad_src(g, z, SLOPE, ACT: tl.constexpr):
+    # g * act'(z), with aten's conventions at the kinks (relu6: 0 at 0 and 6; hardswish: x/3 + 1/2 on [-3, 3]).
+    if ACT == 0:
+        return tl.where(z > 0, g, 0.0)
+    elif ACT == 1:
+        return tl.where((z > 0) & (z < 6.0), g, 0.0)
+    elif ACT == 2:
+        return tl.where(z > 0, g, g * SLOPE)
+    elif ACT == 3:
+        s = tl.sigmoid(z)
+        return g * s * (1.0 + z * (1.0 - s))
+    elif ACT == 4:
+        return tl.where(z < -3.0, 0.0, tl.where(z <= 3.0, g * (z / 3.0 + 0.5), g))
+    elif ACT == 5:
+        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+        return g * (cdf + z * pdf)
+    else:
+        inner = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        right = 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
+        return g * (0.5 * (1.0 + t) + right)
+
+
+def _stats_partial_kernel(
+    Y,  # pointer to the conv output, (N, C, H, W) with any strides
+    PMEAN, PM2, PCOUNT,  # pointers to fp32 [C, NUM_CHUNKS] chunk mean, sum of squared deviations, count
+    C, H, W, M,  # channels, plane height, plane width, elements per channel (N * H * W)
+    s_n, s_c, s_h, s_w,  # strides of Y in elements
+    NUM_CHUNKS,  # chunks per channel
+    BLOCK: tl.constexpr,  # elements per chunk
+):
+    # Stage 1 of the statistics: reads N*C*H*W elements once, writes 3 * C * NUM_CHUNKS fp32.
+    c = tl.program_id(0)
+    j = tl.program_id(1)
+    m = j * BLOCK + tl.arange(0, BLOCK)
+    mask = m < M
+    hw = H * W
+    n = (m // hw).to(tl.int64)
+    r = m % hw
+    off = n * s_n + c * s_c + (r // W) * s_h + (r % W) * s_w
+    y = tl.load(Y + off, mask=mask, other=0.0).to(tl.float32)
+    count = tl.minimum(M - j * BLOCK, BLOCK).to(tl.float32)
+    mean = tl.sum(y, axis=0) / count
+    d = tl.where(mask, y - mean, 0.0)
+    tl.store(PMEAN + c * NUM_CHUNKS + j, mean)
+    tl.store(PM2 + c * NUM_CHUNKS + j, tl.sum(d * d, axis=0))
+    tl.store(PCOUNT + c * NUM_CHUNKS + j, count)
+
+
+def _stats_finalize_kernel(
+    PMEAN, PM2, PCOUNT,  # pointers to fp32 [C, NUM_CHUNKS] partials from stage 1
+    MEAN, INVSTD, VAR,  # pointers to fp32 [C] outputs: batch mean, 1/sqrt(biased var + eps), unbiased var
+    NUM_CHUNKS,  # chunks per channel
+    M,  # elements per channel
+    eps,  # BatchNorm epsilon
+    BLOCK_P: tl.constexpr,  # partials merged per step
+):
+    # Stage 2: Chan's parallel merge in a fixed order (no atomics, so bit-identical run to run).
+    # Reads 3 * C * NUM_CHUNKS fp32 twice, writes 3 * C fp32.
+    c = tl.program_id(0)
+    base = c * NUM_CHUNKS
+    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for j0 in range(0, NUM_CHUNKS, BLOCK_P):
+        j = j0 + tl.arange(0, BLOCK_P)
+        jm = j < NUM_CHUNKS
+        acc += tl.load(PMEAN + base + j, mask=jm, other=0.0) * tl.load(PCOUNT + base + j, mask=jm, other=0.0)
+    mean = tl.sum(acc, axis=0) / M
+    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for j0 in range(0, NUM_CHUNKS, BLOCK_P):
+        j = j0 + tl.arange(0, BLOCK_P)
+        jm = j < NUM_CHUNKS
+        d = tl.load(PMEAN + base + j, mask=jm, other=0.0) - mean
+        acc += tl.load(PM2 + base + j, mask=jm, other=0.0) + tl.load(PCOUNT + base + j, mask=jm, other=0.0) * d * d
+    m2 = tl.sum(acc, axis=0)
+    tl.store(MEAN + c, mean)
+    tl.store(INVSTD + c, 1.0 / tl.sqrt(m2 / M + eps))
+    tl.store(VAR + c, m2 / tl.maximum(M - 1, 1))
+
+
+def _sum_chunks_kernel(
+    P,  # pointer to fp32 [C, NUM_CHUNKS] partial sums
+    OUT,  # pointer to fp32 [C] totals
+    NUM_CHUNKS,  # chunks per channel
+    BLOCK_P: tl.constexpr,  # partials summed per step
+):
+    # Stage 2 of the BN weight/bias gradients: fixed-order sum. Reads C * NUM_CHUNKS fp32, writes C fp32.
+    c = tl.program_id(0)
+    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for j0 in range(0, NUM_CHUNKS, BLOCK_P):
+        j = j0 + tl.arange(0, BLOCK_P)
+        acc += tl.load(P + c * NUM_CHUNKS + j, mask=j < NUM_CHUNKS, other=0.0)
+    tl.store(OUT + c, tl.sum(acc, axis=0))
+
+
+def _bn_act_fwd_kernel(
+    Y,  # pointer to the conv output (N, C, H, W)
+    OUT,  # pointer to act(y * scale + shift), same shape
+    SCALE, SHIFT,  # pointers to fp32 [C] folded affine
+    SLOPE,  # leaky_relu negative slope (unread by the other activations)
+    H, W, M,  # plane height, plane width, elements per channel
+    s_n, s_c, s_h, s_w,  # strides of Y
+    o_n, o_c, o_h, o_w,  # strides of OUT
+    ACT: tl.constexpr,  # activation code
+    BLOCK: tl.constexpr,  # elements per program
+):
+    # Element-wise: reads and writes N*C*H*W elements once each (2 x itemsize bytes per element).
+    c = tl.program_id(0)
+    m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = m < M
+    hw = H * W
+    n = (m // hw).to(tl.int64)
+    h = (m % hw) // W
+    w = m % W
+    y = tl.load(Y + n * s_n + c * s_c + h * s_h + w * s_w, mask=mask, other=0.0).to(tl.float32)
+    # Rounded to the storage dtype first: eager's activation reads the stored BN output.
+    z = (y * tl.load(SCALE + c) + tl.load(SHIFT + c)).to(OUT.dtype.element_ty).to(tl.float32)
+    a = _act_fwd(z, SLOPE, ACT)
+    tl.store(OUT + n * o_n + c * o_c + h * o_h + w * o_w, a.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _bn_act_pool_fwd_kernel(
+    Y,  # pointer to the conv output (N, C, H, W)
+    OUT,  # pointer to the pooled output (N, C, OH, OW)
+    IDX,  # pointer to uint8 within-window argmax (N, C, OH, OW), contiguous; KH * KW where act' is 0 (DEAD)
+    SCALE, SHIFT,  # pointers to fp32 [C] folded affine
+    SLOPE,  # leaky_relu negative slope
+    C, H, W, OH, OW,  # channels, input plane, output plane
+    s_n, s_c, s_h, s_w,  # strides of Y
+    o_n, o_c, o_h, o_w,  # strides of OUT
+    ACT: tl.constexpr,  # activation code
+    MONOTONE: tl.constexpr,  # pool the pre-activation, then activate the maximum (equal for a monotone act)
+    DEAD: tl.constexpr,  # relu / relu6: store the sentinel where the derivative at the maximum is 0
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,  # window and stride
+    PH: tl.constexpr, PW: tl.constexpr,  # padding
+    BLOCK: tl.constexpr,  # outputs per program
+):
+    # Reads each input element ~ceil(K/S)^2 times from cache (~N*C*H*W from memory), writes the pooled
+    # output and one uint8 per pooled element; the full-size activation never reaches memory.
+    nc = tl.program_id(0)
+    n = (nc // C).to(tl.int64)
+    c = nc % C
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = o < OH * OW
+    oh = o // OW
+    ow = o % OW
+    scale = tl.load(SCALE + c)
+    shift = tl.load(SHIFT + c)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    arg = tl.zeros([BLOCK], dtype=tl.int32)
+    for kh in tl.static_range(KH):
+        for kw in tl.static_range(KW):
+            h = oh * SH - PH + kh
+            w = ow * SW - PW + kw
+            ok = mask & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+            y = tl.load(Y + n * s_n + c * s_c + h * s_h + w * s_w, mask=ok, other=0.0).to(tl.float32)
+            # Round to the output dtype before comparing, so ties break as eager's pool over stored values.
+            a = (y * scale + shift).to(OUT.dtype.element_ty).to(tl.float32)
+            if not MONOTONE:
+                a = _act_fwd(a, SLOPE, ACT).to(OUT.dtype.element_ty).to(tl.float32)
+            a = tl.where(ok, a, float("-inf"))
+            take = a > best  # strict: the first maximum wins, as in aten's max_pool2d
+            best = tl.where(take, a, best)
+            arg = tl.where(take, kh * KW + kw, arg)
+    out = best
+    if MONOTONE:
+        out = _act_fwd(best, SLOPE, ACT)
+    if DEAD:
+        dead = out <= 0
+        if ACT == 1:
+            dead = dead | (out >= 6.0)
+        arg = tl.where(dead, KH * KW, arg)
+    tl.store(OUT + n * o_n + c * o_c + oh * o_h + ow * o_w, out.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(IDX + nc.to(tl.int64) * OH * OW + o, arg.to(tl.uint8), mask=mask)
+
+
+def _bn_act_bwd_kernel(
+    Y,  # pointer to the conv output (N, C, H, W); unread when NEED_Y is false
+    G,  # pointer to the upstream gradient: (N, C, H, W), or (N, C, OH, OW) when POOL
+    IDX,  # pointer to the uint8 within-window argmax (N, C, OH, OW) when POOL
+    GY,  # pointer to the gradient written in PHASE 1, strides as Y's
+    PG, PGX,  # pointers to fp32 [C, NUM_CHUNKS] partial sums of g and g * xhat (PHASE 0)
+    SCALE, SHIFT, MEAN, INVSTD,  # pointers to fp32 [C]: forward affine, batch mean and 1/std
+    CA, CB, CD,  # pointers to fp32 [C]: PHASE 1 writes CA * g + CB * xhat + CD
+    SLOPE,  # leaky_relu negative slope
+    H, W, OH, OW, M, NUM_CHUNKS,  # input plane, pooled plane, elements per channel, chunks per channel
+    s_n, s_c, s_h, s_w,  # strides of Y and GY
+    g_n, g_c, g_h, g_w,  # strides of G
+    i_n, i_c, i_h, i_w,  # strides of IDX
+    ACT: tl.constexpr, POOL: tl.constexpr, DEAD: tl.constexpr, NEED_Y: tl.constexpr, PHASE: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,  # pool window, stride
+    PH: tl.constexpr, PW: tl.constexpr,  # pool padding
+    NH: tl.constexpr, NW: tl.constexpr,  # windows that can cover one element: ceil(KH / SH), ceil(KW / SW)
+    BLOCK: tl.constexpr,  # elements of one channel per program
+):
+    # g = dL/d(pre-activation) is recomputed in both phases instead of stored: with POOL it is gathered from
+    # the <= ceil(K/S)^2 windows that can point at an element (a gather, so no atomics); then multiplied by
+    # act'(bn(y)) unless the sentinel already encodes it (POOL and DEAD). PHASE 0 reads y + grad
+    # (N*C*H*W*2 itemsize, pooled grad 1/S^2 of that) and writes 2 * C * NUM_CHUNKS fp32; PHASE 1 reads the
+    # same and writes N*C*H*W itemsize.
+    c = tl.program_id(0)
+    j = tl.program_id(1)
+    m = j * BLOCK + tl.arange(0, BLOCK)
+    mask = m < M
+    hw = H * W
+    n = (m // hw).to(tl.int64)
+    h = (m % hw) // W
+    w = m % W
+    y_off = n * s_n + c * s_c + h * s_h + w * s_w
+    if NEED_Y:
+        y = tl.load(Y + y_off, mask=mask, other=0.0).to(tl.float32)
+    else:
+        y = tl.zeros([BLOCK], dtype=tl.float32)
+    if POOL:
+        g = tl.zeros([BLOCK], dtype=tl.float32)
+        for ih in tl.static_range(NH):
+            oh = (h + PH) // SH - (NH - 1 - ih)  # ascending window order, as aten's scatter adds them
+            kh = h + PH - oh * SH
+            for iw in tl.static_range(NW):
+                ow = (w + PW) // SW - (NW - 1 - iw)
+                kw = w + PW - ow * SW
+                ok = mask & (oh >= 0) & (oh < OH) & (kh < KH) & (ow >= 0) & (ow < OW) & (kw < KW)
+                k = tl.load(IDX + n * i_n + c * i_c + oh * i_h + ow * i_w, mask=ok, other=KH * KW).to(tl.int32)
+                hit = ok & (k == kh * KW + kw)
+                g += tl.load(G + n * g_n + c * g_c + oh * g_h + ow * g_w, mask=hit, other=0.0).to(tl.float32)
+    else:
+        g = tl.load(G + n * g_n + c * g_c + h * g_h + w * g_w, mask=mask, other=0.0).to(tl.float32)
+    if not (POOL and DEAD):
+        # The pre-activation as the forward stored it (rounded to y's dtype), so the derivative is eager's.
+        z = (y * tl.load(SCALE + c) + tl.load(SHIFT + c)).to(GY.dtype.element_ty).to(tl.float32)
+        g = tl.where(mask, _act_grad(g, z, SLOPE, ACT), 0.0)
+    xhat = (y - tl.load(MEAN + c)) * tl.load(INVSTD + c)
+    if PHASE == 0:
+        tl.store(PG + c * NUM_CHUNKS + j, tl.sum(g, axis=0))
+        tl.store(PGX + c * NUM_CHUNKS + j, tl.sum(tl.where(mask, g * xhat, 0.0), axis=0))
+    else:
+        gy = tl.load(CA + c) * g + tl.load(CB + c) * xhat + tl.load(CD + c)
+        tl.store(GY + y_off, gy.to(GY.dtype.element_ty), mask=mask)
+
+
+def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
+    return tuple(t.stride())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pool_consts(pool: PoolSpec | None) -> dict:
+    k, s, p = (pool.kernel, pool.stride, pool.padding) if pool else ((1, 1), (1, 1), (0, 0))
+    return {"KH": k[0], "KW": k[1], "SH": s[0], "SW": s[1], "PH": p[0], "PW": p[1]}
+
+
+def _batch_stats(k, y: torch.Tensor, eps: float):
+    """Two-stage per-channel mean, 1/std and unbiased variance of ``y`` (fp32 [C] each)."""
+    n, c, h, w = y.shape
+    m = n * h * w
+    block, warps = calculate_settings(min(m, _CHUNK))
+    chunks = _cdiv(m, block)
+    part = torch.empty(3, c, chunks, device=y.device, dtype=torch.float32)
+    k["_stats_partial_kernel"][(c, chunks)](y, part[0], part[1], part[2], c, h, w, m, *_strides4(y), chunks,
+                                           BLOCK=block, num_warps=warps)
+    stats = torch.empty(3, c, device=y.device, dtype=torch.float32)
+    block_p, warps_p = calculate_settings(min(chunks, _CHUNK))
+    k["_stats_finalize_kernel"][(c,)](part[0], part[1], part[2], stats[0], stats[1], stats[2], chunks, m, eps,
+                                      BLOCK_P=block_p, num_warps=warps_p)
+    return stats[0], stats[1], stats[2]
+
+
+def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act: Act = RELU,
+                          pool: PoolSpec | None = None):
+    """Triton version of :func:`opsnn_lab.kernels.bn_act.bn_act_forward` (same shapes; stats fp32 [C]).
+
+    y: (N, C, H, W) fp32/fp16/bf16, any strides; weight/bias/running stats: [C] or None.
+    """
+    k = _kernels(_interpreting())
+    n, c, h, w = y.shape
+    if training:
+        mean, invstd, var = _batch_stats(k, y, eps)
+        if running_mean is not None:
+            running_mean.copy_(mean * momentum + running_mean.float() * (1 - momentum))
+            running_var.copy_(var * momentum + running_var.float() * (1 - momentum))
+    else:
+        mean = running_mean
+        invstd = None if running_var is None else torch.rsqrt(running_var.float() + eps)
+    scale, shift = scale_shift(c, weight, bias, mean, invstd, y.device)
+    if pool is None:
+        out = torch.empty_like(y)
+        block, warps = calculate_settings(min(n * h * w, _CHUNK))
+        grid = (c, _cdiv(n * h * w, block))
+        k["_bn_act_fwd_kernel"][grid](y, out, scale, shift, act.negative_slope, h, w, n * h * w, *_strides4(y),
+                                      *_strides4(out), ACT=act.code, BLOCK=block, num_warps=warps)
+        return out, mean, invstd, None
+    oh, ow = pool.out_size(h, w)
+    fmt = torch.channels_last if y.is_contiguous(memory_format=torch.channels_last) and c > 1 else None
+    out = torch.empty(n, c, oh, ow, device=y.device, dtype=y.dtype, memory_format=fmt or torch.contiguous_format)
+    idx = torch.empty(n, c, oh, ow, device=y.device, dtype=torch.uint8)
+    block, warps = calculate_settings(min(oh * ow, _CHUNK))
+    k["_bn_act_pool_fwd_kernel"][(n * c, _cdiv(oh * ow, block))](
+        y, out, idx, scale, shift, act.negative_slope, c, h, w, oh, ow, *_strides4(y), *_strides4(out),
+        ACT=act.code, MONOTONE=act.monotone, DEAD=act.has_dead_zone, **_pool_consts(pool), BLOCK=block,
+        num_warps=warps)
+    return out, mean, invstd, idx
+
+
+def bn_act_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, training, eps, act: Act = RELU,
+                           pool: PoolSpec | None = None, in_shape=None, output_mask=(True, True, True)):
+    """Triton version of :func:`opsnn_lab.kernels.bn_act.bn_act_backward`; BN weight/bias gradients by
+    two-stage fixed-order sums. grad_out: output-shaped, y's dtype; idx: uint8 (N, C, OH, OW) with a pool."""
+    k = _kernels(_interpreting())
+    n, c, h, w = tuple(y.shape) if y is not None else tuple(in_shape)
+    m = n * h * w
+    dev = grad_out.device
+    scale, shift = scale_shift(c, weight, bias, mean, invstd, dev)
+    zero = torch.zeros(c, device=dev, dtype=torch.float32)
+    mean32 = zero if mean is None else mean.float()
+    inv32 = torch.ones_like(zero) if invstd is None else invstd.float()
+    dead = pool is not None and act.has_dead_zone
+    need_y = y is not None and (not dead or training or output_mask[1])
+    if y is None and not dead:
+        raise ValueError(f"y is needed to recompute the {act.name} derivative")
+    like = y if y is not None else grad_out
+    gy = torch.empty_like(y) if y is not None else torch.empty(n, c, h, w, device=dev, dtype=grad_out.dtype)
+    block, warps = calculate_settings(min(m, _CHUNK))
+    chunks = _cdiv(m, block)
+    part = torch.empty(2, c, chunks, device=dev, dtype=torch.float32)
+    idx_t = idx if idx is not None else grad_out
+    pc = _pool_consts(pool)
+    cover = dict(NH=_cdiv(pc["KH"], pc["SH"]), NW=_cdiv(pc["KW"], pc["SW"]))
+    common = dict(ACT=act.code, POOL=pool is not None, DEAD=dead, NEED_Y=need_y, BLOCK=block, num_warps=warps,
+                  **pc, **cover)
+    ph = pool.out_size(h, w) if pool else (h, w)
+
+    def launch(phase, ca, cb, cd):
+        k["_bn_act_bwd_kernel"][(c, chunks)](
+            like, grad_out, idx_t, gy, part[0], part[1], scale, shift, mean32, inv32, ca, cb, cd,
+            act.negative_slope, h, w, ph[0], ph[1], m, chunks, *_strides4(gy), *_strides4(grad_out),
+            *_strides4(idx_t), PHASE=phase, **common)
+
+    gw = gb = None
+    if training or (weight is not None and any(output_mask[1:])):
+        launch(0, zero, zero, zero)
+        sums = torch.empty(2, c, device=dev, dtype=torch.float32)
+        block_p, warps_p = calculate_settings(min(chunks, _CHUNK))
+        for i in range(2):
+            k["_sum_chunks_kernel"][(c,)](part[i], sums[i], chunks, BLOCK_P=block_p, num_warps=warps_p)
+        gb, gw = sums[0], sums[1]
+    a_coef = inv32 * (1.0 if weight is None else weight.float())
+    if training:
+        launch(1, a_coef, -a_coef * gw / m, -a_coef * gb / m)
+    else:
+        launch(1, a_coef, zero, zero)
+
+    def cast(t, on):
+        return None if t is None or not on or weight is None else t.to(weight.dtype)
+    return gy, cast(gw, output_mask[1]), cast(gb, output_mask[2])

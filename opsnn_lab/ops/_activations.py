@@ -1,0 +1,51 @@
+"""Which pointwise activation a module computes: torch.nn activations and Hugging Face ``ACT2FN`` objects."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from opsnn_lab.kernels.bn_act import Act
+
+__all__ = ["activation_of", "SUPPORTED_ACTIVATIONS"]
+
+_TORCH = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu", nn.Hardswish: "hardswish"}
+# Hugging Face classes by name (transformers is never imported here). The tanh-GELU variants differ from
+# F.gelu(approximate="tanh") only in rounding; each is also probed below, so a class whose behaviour changes
+# in some release is refused instead of silently computing another function.
+_HF = {"GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh",
+       "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "AccurateGELUActivation": "gelu_tanh",
+       "SiLUActivation": "silu"}
+SUPPORTED_ACTIVATIONS = ("ReLU", "ReLU6", "LeakyReLU", "SiLU", "Hardswish", "GELU", *_HF)
+_PROBE_TOL = 1e-5  # fp32 abs error of the HF tanh-GELU formulas against F.gelu(approximate="tanh") is ~5e-7
+
+
+def _reference(act: Act, x: torch.Tensor) -> torch.Tensor:
+    return act.forward(x.clone(), inplace=True)
+
+
+def activation_of(module, name: str = "act") -> tuple[Act | None, str]:
+    """``(Act, '')`` for a supported activation module, else ``(None, reason)``; ``name`` is the argument's name."""
+    if not isinstance(module, nn.Module):
+        return None, f"{name} must be an nn.Module activation, got {type(module).__name__}"
+    kind = type(module)
+    if kind in _TORCH:
+        slope = float(module.negative_slope) if kind is nn.LeakyReLU else 0.01
+        return Act(_TORCH[kind], slope), ""
+    if kind is nn.GELU:
+        return Act("gelu_tanh" if module.approximate == "tanh" else "gelu"), ""
+    act_name = _HF.get(kind.__name__) if kind.__module__.startswith("transformers") else None
+    if act_name is None:
+        return None, (f"{name} must be one of {', '.join(SUPPORTED_ACTIVATIONS)} (torch.nn or Hugging Face "
+                      f"ACT2FN), got {kind.__module__}.{kind.__name__}")
+    act = Act(act_name)
+    probe = torch.linspace(-6.0, 6.0, 97)
+    with torch.no_grad():
+        try:
+            got = module(probe)
+        except Exception as exc:  # a module that cannot run on a CPU fp32 vector is not a pointwise activation
+            return None, f"{name} ({kind.__name__}) failed on a probe tensor: {type(exc).__name__}: {exc}"
+    err = (got.float() - _reference(act, probe)).abs().max().item()
+    if err > _PROBE_TOL:
+        return None, f"{name} ({kind.__name__}) does not compute {act_name} (max error {err:.1e} on a probe)"
+    return act, ""
