@@ -71,7 +71,7 @@ def gated_act_bwd_reference(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out
     grad_gu = torch.empty(gu.shape, dtype=gu.dtype, device=gu.device)
     dg, du = _halves(grad_gu)
     dg.copy_(act_backward(grad_out * u, g, act))
-    du.copy_(grad_out * a)
+    torch.mul(grad_out, a, out=du)  # straight into the packed half: one pass fewer
     out = None
     if want_out:
         out = a.mul_(u).to(gu.dtype)
