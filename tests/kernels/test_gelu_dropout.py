@@ -184,12 +184,12 @@ def _check_act(fwd, bwd, m, n, p, act, with_bias):
 @pytest.mark.parametrize("act", list(_ACT_EAGER))
 @pytest.mark.parametrize("p, with_bias", [(0.0, False), (0.3, True)])
 def test_every_activation_reference_matches_eager(act, p, with_bias):
-    _check_act(gd.act_dropout_fwd, gd.act_dropout_bwd, 19, 45, p, act, with_bias)
+    _check_act(gd.act_dropout_fwd_reference, gd.act_dropout_bwd_reference, 19, 45, p, act, with_bias)
 
 
 @pytest.mark.parametrize("act", ["quick_gelu", "silu", "relu"])
 def test_every_activation_triton_interpreter_matches_eager(interpreted, act):
-    _check_act(interpreted.act_dropout_fwd, interpreted.act_dropout_bwd, 17, 37, 0.3, act, True)
+    _check_act(interpreted.act_dropout_fwd, interpreted.act_dropout_bwd, 5, 37, 0.3, act, True)
 
 
 def test_activation_names_are_checked():
