@@ -174,7 +174,8 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
         m.params = {"linear": lin.obj, "gelu": act.obj if act.obj is not None else nn.GELU(approximate=approx),
                     "dropout": _dropout_module(drop), "linear2": fc2.obj if m.pattern.endswith("_linear") else None}
         name = "FusedLinearGELUDropoutLinear" if m.params["linear2"] is not None else "FusedLinearGELUDropout"
-        m.reason = _op_support(name, build=lambda m=m: build_linear_gelu_dropout(m)) or _common_checks(g, m.nodes)
+        mods = [m.params[k] for k in ("linear", "gelu", "dropout", "linear2")][:4 if m.params["linear2"] else 3]
+        m.reason = _op_support(name, *mods) or _common_checks(g, m.nodes)  # the ops have supports()
         m.ok = not m.reason
         out.append(m)
     return out
