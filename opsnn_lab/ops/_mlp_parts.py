@@ -18,7 +18,8 @@ from torch import nn
 from opsnn_lab.kernels.gelu_dropout import ACTS, act_forward
 from opsnn_lab.ops.dropout import Dropout
 
-__all__ = ["ACTS", "activation_name", "linear_layout", "dropout_p", "features", "in_out", "linear2d", "grad_weight"]
+__all__ = ["ACTS", "activation_name", "linear_layout", "dropout_p", "features", "parse_chain", "supports_of", "in_out",
+           "linear2d", "grad_weight"]
 
 _HF_ACTS = {  # class name -> activation (transformers.activations, 4.x and 5.x)
     "GELUActivation": "gelu",
@@ -96,6 +97,38 @@ def dropout_p(dropout) -> tuple[float | None, str]:
     if isinstance(dropout, (nn.Dropout, Dropout)):
         return float(dropout.p), ""
     return None, f"dropout must be nn.Dropout or opsnn_lab.ops.Dropout, got {type(dropout).__name__}"
+
+
+# ------------------------------------------------------------------ one parse for supports() and from_modules()
+def parse_chain(linear, act, dropout, linear2=None, *, names=("linear", "act", "dropout", "linear2"), second=False):
+    """``(transposed, act_name, p, transposed2)`` or raises TypeError/ValueError naming the argument."""
+    transposed, why = linear_layout(linear)
+    if transposed is None:
+        raise TypeError(f"{names[0]}: {why}")
+    act_name, why = activation_name(act)
+    if act_name is None:
+        raise TypeError(f"{names[1]}: {why}")
+    p, why = dropout_p(dropout)
+    if p is None:
+        raise TypeError(f"{names[2]}: {why}")
+    if not second:
+        return transposed, act_name, p, None
+    transposed2, why = linear_layout(linear2)
+    if transposed2 is None:
+        raise TypeError(f"{names[3]}: {why}")
+    out1 = features(linear.weight, transposed)[1]
+    in2 = features(linear2.weight, transposed2)[0]
+    if in2 != out1:
+        raise ValueError(f"{names[3]} must have in_features={out1} ({names[0]}'s out_features), got {in2}")
+    return transposed, act_name, p, transposed2
+
+
+def supports_of(parse, *args) -> tuple[bool, str]:
+    try:
+        parse(*args)
+    except (TypeError, ValueError) as exc:
+        return False, str(exc)
+    return True, ""
 
 
 # --------------------------------------------------------------------------- GEMMs in either layout

@@ -141,37 +141,6 @@ LinearGELUDropoutLinearFunction = LinearActDropoutLinearFunction
 
 
 # --------------------------------------------------------------------------- recognising modules
-def _parse(linear, act, dropout, linear2=None, *, names=("linear", "act", "dropout", "linear2"), second=False):
-    """``(transposed, act_name, p, transposed2)`` or raises TypeError/ValueError naming the argument."""
-    transposed, why = parts.linear_layout(linear)
-    if transposed is None:
-        raise TypeError(f"{names[0]}: {why}")
-    act_name, why = parts.activation_name(act)
-    if act_name is None:
-        raise TypeError(f"{names[1]}: {why}")
-    p, why = parts.dropout_p(dropout)
-    if p is None:
-        raise TypeError(f"{names[2]}: {why}")
-    if not second:
-        return transposed, act_name, p, None
-    transposed2, why = parts.linear_layout(linear2)
-    if transposed2 is None:
-        raise TypeError(f"{names[3]}: {why}")
-    out1 = parts.features(linear.weight, transposed)[1]
-    in2 = parts.features(linear2.weight, transposed2)[0]
-    if in2 != out1:
-        raise ValueError(f"{names[3]} must have in_features={out1} ({names[0]}'s out_features), got {in2}")
-    return transposed, act_name, p, transposed2
-
-
-def _supports(parse, *args) -> tuple[bool, str]:
-    try:
-        parse(*args)
-    except (TypeError, ValueError) as exc:
-        return False, str(exc)
-    return True, ""
-
-
 def _dropout_seed(dropout, seed):
     # Carry the stream of an already counter-based Dropout unless a seed is given explicitly.
     return dropout.rng_seed if seed is None and isinstance(dropout, Dropout) else seed
@@ -244,11 +213,11 @@ class FusedLinearActDropout(_FusedActBase):
     @classmethod
     def supports(cls, linear, act, dropout=None) -> tuple[bool, str]:
         """``(True, "")`` if ``from_modules(linear, act, dropout)`` would build, else ``(False, reason)``."""
-        return _supports(cls._parse, linear, act, dropout)
+        return parts.supports_of(cls._parse, linear, act, dropout)
 
     @classmethod
     def _parse(cls, linear, act, dropout):
-        return _parse(linear, act, dropout)
+        return parts.parse_chain(linear, act, dropout)
 
     @classmethod
     def from_modules(cls, linear: nn.Module, act: nn.Module, dropout: nn.Module | None = None, *,
@@ -321,11 +290,11 @@ class FusedLinearActDropoutLinear(_FusedActBase):
     @classmethod
     def supports(cls, linear1, act, dropout=None, linear2=None) -> tuple[bool, str]:
         """``(True, "")`` if ``from_modules(linear1, act, dropout, linear2)`` would build, else ``(False, reason)``."""
-        return _supports(cls._parse, linear1, act, dropout, linear2)
+        return parts.supports_of(cls._parse, linear1, act, dropout, linear2)
 
     @classmethod
     def _parse(cls, linear1, act, dropout, linear2):
-        return _parse(linear1, act, dropout, linear2, names=cls._NAMES, second=True)
+        return parts.parse_chain(linear1, act, dropout, linear2, names=cls._NAMES, second=True)
 
     @classmethod
     def from_modules(cls, linear1: nn.Module, act: nn.Module, dropout: nn.Module | None, linear2: nn.Module, *,
@@ -390,7 +359,7 @@ class FusedLinearGELUDropout(FusedLinearActDropout):
 
     @classmethod
     def _parse(cls, linear, gelu, dropout):
-        return _gelu_only(_parse(linear, gelu, dropout, names=("linear", "gelu", "dropout")), "gelu")
+        return _gelu_only(parts.parse_chain(linear, gelu, dropout, names=("linear", "gelu", "dropout")), "gelu")
 
     @classmethod
     def _build(cls, weight, bias, p, act, **kw):
@@ -415,7 +384,7 @@ class FusedLinearGELUDropoutLinear(FusedLinearActDropoutLinear):
 
     @classmethod
     def _parse(cls, linear1, gelu, dropout, linear2):
-        return _gelu_only(_parse(linear1, gelu, dropout, linear2, names=cls._NAMES, second=True), "gelu")
+        return _gelu_only(parts.parse_chain(linear1, gelu, dropout, linear2, names=cls._NAMES, second=True), "gelu")
 
     @classmethod
     def _build(cls, weight, bias, linear2, p, act, **kw):
