@@ -232,3 +232,20 @@ def test_eager_oracle_is_the_plain_computation():
     x = seeded(3, 16, seed=11)
     gate, up, down = mods
     assert_close_dtype(_eager(mods, "silu")(x), down(F.silu(gate(x)) * up(x)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_matches_eager_error_bound(act, dtype):
+    mods = [m.cuda() for m in _modules(h=1024, inter=2816, bias=False, dtype=dtype)]
+    mods64 = [m.cuda() for m in _modules(h=1024, inter=2816, bias=False, dtype=torch.float64)]
+    x64 = seeded(1151, 1024, seed=12, dtype=torch.float64, device="cuda", scale=0.5, requires_grad=True)
+    x = x64.detach().to(dtype).requires_grad_(True)
+    out, grads = run_fwd_bwd(_fused(mods, act, 0.1), [x], _params(mods))
+    eager, eager_grads = run_fwd_bwd(_eager(mods, act, 0.1), [x], _params(mods))
+    ref, ref_grads = run_fwd_bwd(_eager(mods64, act, 0.1), [x64], _params(mods64))
+    assert_within_eager_error(out, eager, ref)
+    for i, (g, e, r) in enumerate(zip(grads, eager_grads, ref_grads)):
+        assert_within_eager_error(g, e, r, name=f"grad {i}")
