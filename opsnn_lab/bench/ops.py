@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from opsnn_lab.bench import chains_mlp
 from opsnn_lab.bench.chains_conv import CONV_BUILDERS, CONV_CHAINS
 from opsnn_lab.bench.common import format_table, interleaved_medians, machine_line, sync, write_json
 from opsnn_lab.measuring import activation_bytes
@@ -154,7 +155,8 @@ def _encoder_chain(s, device, dtype):
     return Chain("encoder_layer", layer, fused, (x,), note="QKV+attention+MLP+dropouts fused by hand")
 
 
-CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "encoder_layer", *CONV_CHAINS)
+CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "encoder_layer", *CONV_CHAINS,
+          *chains_mlp.CHAINS)
 
 
 def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str] | None = None):
@@ -172,6 +174,7 @@ def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str
         chains.append(stem) if stem is not None else skipped.append(why)
     builders = {"qkv": _qkv_chain, "attention": _attention_chain, "encoder_layer": _encoder_chain, **CONV_BUILDERS}
     chains += [build(shapes, device, dtype) for name, build in builders.items() if name in wanted]
+    chains += chains_mlp.build_chains(shapes, device, dtype, wanted)
     return chains, skipped
 
 

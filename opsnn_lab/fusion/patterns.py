@@ -202,7 +202,8 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
                     "transposed": [bool(n.obj is not None and is_transposed_linear(n.obj)) for n in (lin, fc2)
                                    if n is not None and n.op == "linear"]}
         name = "FusedLinearGELUDropoutLinear" if m.params["linear2"] is not None else "FusedLinearGELUDropout"
-        m.reason = _op_support(name, build=lambda m=m: build_linear_gelu_dropout(m)) or _common_checks(g, m.nodes)
+        mods = [m.params[k] for k in ("linear", "gelu", "dropout", "linear2")][:4 if m.params["linear2"] else 3]
+        m.reason = _op_support(name, *mods) or _common_checks(g, m.nodes)  # the ops have supports()
         m.ok = not m.reason
         out.append(m)
     return out

@@ -1,7 +1,11 @@
-"""Bias + GELU (erf or tanh) + counter-based dropout, forward and backward: Triton kernels and torch reference.
+"""Bias + pointwise activation + counter-based dropout, forward and backward: Triton kernels and torch reference.
+
+Activations (named as in ``torch.nn.functional`` / Hugging Face ``ACT2FN``): ``gelu`` (erf), ``gelu_tanh``
+(GPT-2's ``gelu_new``), ``quick_gelu`` (``x * sigmoid(1.702 x)``, CLIP), ``silu`` and ``relu``.
+``act_value_and_grad`` / ``act_forward`` / ``act_backward`` are shared with the gated-MLP kernels.
 
 Forward keeps only the pre-activation ``h``; backward regenerates the dropout mask from (seed, offset)
-and recomputes GELU (and, on request, the forward output that a following Linear needs for its weight
+and recomputes the activation (and, on request, the forward output that a following Linear needs for its weight
 gradient). The bias gradient is reduced in two fixed-order stages (per-program partial column sums,
 then one pass over the partials), never with atomics, so it is bitwise deterministic.
 
@@ -25,9 +29,13 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-__all__ = ["gelu_dropout_fwd", "gelu_dropout_bwd", "gelu_dropout_fwd_reference", "gelu_dropout_bwd_reference"]
+__all__ = ["ACTS", "act_forward", "act_backward", "act_dropout_fwd", "act_dropout_bwd", "act_dropout_fwd_reference",
+           "act_dropout_bwd_reference", "gelu_dropout_fwd", "gelu_dropout_bwd", "gelu_dropout_fwd_reference",
+           "gelu_dropout_bwd_reference"]
 
-_APPROX = ("none", "tanh")
+ACTS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu")  # index = the kernels' ACT constexpr
+_APPROX = {"none": "gelu", "tanh": "gelu_tanh"}  # nn.GELU(approximate=...) -> activation name
+_QUICK = 1.702
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _TILE_N = 1024  # columns per program (the row is tiled so N is unbounded)
 _ROWS = 16  # rows per program: each program's bias partial covers 16 rows, the second stage M / 16
@@ -38,52 +46,106 @@ def _scale(p: float) -> float:
 
 
 # --------------------------------------------------------------------------- torch reference
-def gelu_dropout_fwd_reference(h, p, seed, offset, approximate="none", bias=None):
+def _wide(h):
+    # Half-precision inputs are computed in fp32 and rounded once (eager rounds after every op).
+    return h.float() if h.dtype in (torch.float16, torch.bfloat16) else h
+
+
+def act_forward(h, act):
+    """``act(h)`` as a new tensor of h's dtype."""
+    if act == "gelu":
+        return F.gelu(h)
+    if act == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    if act == "silu":
+        return F.silu(h)
+    if act == "relu":
+        return F.relu(h)
+    w = _wide(h)
+    return (w * torch.sigmoid(_QUICK * w)).to(h.dtype)
+
+
+def act_backward(grad, h, act):
+    """``grad * act'(h)`` as a new tensor of h's dtype."""
+    if act in ("gelu", "gelu_tanh"):
+        return torch.ops.aten.gelu_backward(grad, h, approximate="tanh" if act == "gelu_tanh" else "none")
+    if act == "silu":
+        return torch.ops.aten.silu_backward(grad, h)
+    if act == "relu":
+        return torch.ops.aten.threshold_backward(grad, h, 0)
+    w = _wide(h)
+    s = torch.sigmoid(_QUICK * w)
+    return (_wide(grad) * (s + _QUICK * w * s * (1.0 - s))).to(h.dtype)
+
+
+def act_dropout_fwd_reference(h, p, seed, offset, act="gelu", bias=None):
     """Torch path: ``(out, h)``; with ``bias``, ``h`` is updated in place to ``h + bias`` first."""
     if bias is not None:
         h.add_(bias)
-    out = F.gelu(h, approximate=approximate)
+    out = act_forward(h, act)
     if p > 0:  # float 0/1 mask, then the rescale: x * m is exact, so one rounding as in nn.Dropout
         out.mul_(dropout_mask(seed, offset, h.shape, p, h.device, dtype=h.dtype)).mul_(_scale(p))
     return out, h
 
 
-def gelu_dropout_bwd_reference(grad_out, h, p, seed, offset, approximate="none", want_bias=False, want_out=False):
+def act_dropout_bwd_reference(grad_out, h, p, seed, offset, act="gelu", want_bias=False, want_out=False):
     """Torch path: ``(grad_h, grad_bias | None, out | None)`` with ``out`` the recomputed forward output."""
     keep = dropout_mask(seed, offset, h.shape, p, h.device, dtype=h.dtype) if p > 0 else None
     out = None
     if want_out:
-        out = F.gelu(h, approximate=approximate)
+        out = act_forward(h, act)
         if keep is not None:
             out.mul_(keep).mul_(_scale(p))
-    grad_h = torch.ops.aten.gelu_backward(grad_out if keep is None else grad_out * keep, h, approximate=approximate)
+    grad_h = act_backward(grad_out if keep is None else grad_out * keep, h, act)
     if keep is not None:
         grad_h.mul_(_scale(p))
     grad_bias = grad_h.sum(0) if want_bias else None
     return grad_h, grad_bias, out
 
 
+def gelu_dropout_fwd_reference(h, p, seed, offset, approximate="none", bias=None):
+    """``act_dropout_fwd_reference`` with nn.GELU's ``approximate`` ("none" or "tanh")."""
+    return act_dropout_fwd_reference(h, p, seed, offset, _APPROX[approximate], bias)
+
+
+def gelu_dropout_bwd_reference(grad_out, h, p, seed, offset, approximate="none", want_bias=False, want_out=False):
+    """``act_dropout_bwd_reference`` with nn.GELU's ``approximate``."""
+    return act_dropout_bwd_reference(grad_out, h, p, seed, offset, _APPROX[approximate], want_bias, want_out)
+
+
 # --------------------------------------------------------------------------- Triton kernels
 if triton is not None:
 
     @triton.jit
-    def _gelu_and_grad(x, APPROX_TANH: tl.constexpr):
-        # erf form: 0.5 x (1 + erf(x / sqrt 2)); tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-        if APPROX_TANH:
-            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-            t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)  # tanh(u), saturates cleanly at +-1
-            cdf = 0.5 * (1.0 + t)
-            dcdf = 0.5 * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+    def act_value_and_grad(x, ACT: tl.constexpr):
+        """``(act(x), act'(x))`` in fp32 for ``ACT`` = index into ``ACTS``."""
+        # All but relu are x * cdf(x): gelu's cdf is 0.5 (1 + erf(x / sqrt 2)), gelu_tanh's
+        # 0.5 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), quick_gelu's sigmoid(1.702 x), silu's sigmoid(x).
+        if ACT == 4:
+            y = tl.where(x > 0.0, x, 0.0)
+            dy = tl.where(x > 0.0, 1.0, 0.0)
         else:
-            cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-            dcdf = 0.3989422804014327 * tl.exp(-0.5 * x * x)
-        return x * cdf, cdf + x * dcdf
+            if ACT == 0:
+                cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+                dcdf = 0.3989422804014327 * tl.exp(-0.5 * x * x)
+            elif ACT == 1:
+                u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+                t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)  # tanh(u), saturates cleanly at +-1
+                cdf = 0.5 * (1.0 + t)
+                dcdf = 0.5 * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+            else:
+                k = 1.702 if ACT == 2 else 1.0
+                cdf = 1.0 / (1.0 + tl.exp(-k * x))
+                dcdf = k * cdf * (1.0 - cdf)
+            y = x * cdf
+            dy = cdf + x * dcdf
+        return y, dy
 
     @triton.jit
-    def _gelu_dropout_fwd_kernel(
+    def _act_dropout_fwd_kernel(
         H,  # pointer to the (M, N) pre-activation without bias; h + bias is written back when HAS_BIAS
         BIAS,  # pointer to the (N,) bias (unused unless HAS_BIAS)
-        OUT,  # pointer to the (M, N) output, dropout(gelu(h))
+        OUT,  # pointer to the (M, N) output, dropout(act(h))
         M,  # rows
         N,  # columns
         OFFSET,  # dropout counter of element (0, 0)
@@ -93,7 +155,7 @@ if triton is not None:
         SCALE,  # 1 / (1 - p)
         HAS_BIAS: tl.constexpr,  # add the bias and store the pre-activation
         DROPOUT: tl.constexpr,  # p > 0
-        APPROX_TANH: tl.constexpr,  # tanh approximation instead of erf
+        ACT: tl.constexpr,  # activation, index into ACTS
         ROWS: tl.constexpr,  # rows per program
         BLOCK_N: tl.constexpr,  # columns per program
     ):
@@ -110,14 +172,14 @@ if triton is not None:
             if HAS_BIAS:
                 x = x + b
                 tl.store(H + idx, x.to(H.dtype.element_ty), mask=m)
-            y, _ = _gelu_and_grad(x, APPROX_TANH)
+            y, _ = act_value_and_grad(x, ACT)
             if DROPOUT:
                 keep = dropout_keep(OFFSET + idx, S1, S2, THRESHOLD)
                 y = tl.where(keep, y * SCALE, 0.0)
             tl.store(OUT + idx, y.to(OUT.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _gelu_dropout_bwd_kernel(
+    def _act_dropout_bwd_kernel(
         GRAD,  # pointer to the (M, N) upstream gradient
         H,  # pointer to the (M, N) saved pre-activation
         GRAD_H,  # pointer to the (M, N) gradient w.r.t. h (output)
@@ -131,7 +193,7 @@ if triton is not None:
         THRESHOLD,  # keep iff u16 >= THRESHOLD
         SCALE,  # 1 / (1 - p)
         DROPOUT: tl.constexpr,  # p > 0
-        APPROX_TANH: tl.constexpr,  # tanh approximation
+        ACT: tl.constexpr,  # activation, index into ACTS
         WANT_OUT: tl.constexpr,  # also write the recomputed forward output
         WANT_BIAS: tl.constexpr,  # also write partial bias sums
         ROWS: tl.constexpr,  # rows per program
@@ -149,7 +211,7 @@ if triton is not None:
             m = cmask & (idx < M * N)
             x = tl.load(H + idx, mask=m, other=0.0).to(tl.float32)
             g = tl.load(GRAD + idx, mask=m, other=0.0).to(tl.float32)
-            y, dy = _gelu_and_grad(x, APPROX_TANH)
+            y, dy = act_value_and_grad(x, ACT)
             if DROPOUT:
                 keep = dropout_keep(OFFSET + idx, S1, S2, THRESHOLD)
                 g = tl.where(keep, g * SCALE, 0.0)
@@ -191,19 +253,19 @@ def _grid(m, n):
     return (triton.cdiv(m, _ROWS), triton.cdiv(n, block_n)), block_n, warps
 
 
-def _fwd_triton(h, p, seed, offset, approximate, bias):
+def _fwd_triton(h, p, seed, offset, act, bias):
     m, n = h.shape
     out = torch.empty_like(h)
     if h.numel():
         grid, block_n, warps = _grid(m, n)
-        _gelu_dropout_fwd_kernel[grid](
+        _act_dropout_fwd_kernel[grid](
             h, bias if bias is not None else h, out, m, n, *_rng_args(p, seed, offset),
-            HAS_BIAS=bias is not None, DROPOUT=p > 0, APPROX_TANH=approximate == "tanh",
+            HAS_BIAS=bias is not None, DROPOUT=p > 0, ACT=ACTS.index(act),
             ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
     return out, h
 
 
-def _bwd_triton(grad_out, h, p, seed, offset, approximate, want_bias, want_out):
+def _bwd_triton(grad_out, h, p, seed, offset, act, want_bias, want_out):
     m, n = h.shape
     grad_h = torch.empty_like(h)
     out = torch.empty_like(h) if want_out else None
@@ -211,50 +273,66 @@ def _bwd_triton(grad_out, h, p, seed, offset, approximate, want_bias, want_out):
     if h.numel():
         grid, block_n, warps = _grid(m, n)
         partial = torch.empty(grid[0], n, dtype=torch.float32, device=h.device) if want_bias else grad_h
-        _gelu_dropout_bwd_kernel[grid](
+        _act_dropout_bwd_kernel[grid](
             grad_out, h, grad_h, out if want_out else grad_h, partial, m, n, *_rng_args(p, seed, offset),
-            DROPOUT=p > 0, APPROX_TANH=approximate == "tanh", WANT_OUT=want_out, WANT_BIAS=want_bias,
+            DROPOUT=p > 0, ACT=ACTS.index(act), WANT_OUT=want_out, WANT_BIAS=want_bias,
             ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
         if want_bias:
             _column_sum_kernel[(grid[1],)](partial, grad_bias, grid[0], n, BLOCK_N=block_n, num_warps=warps)
     return grad_h, grad_bias, out
 
 
-def _check(h, p, approximate, name="h"):
+def _check(h, p, act, name="h"):
     check_tensor(name, h, dtypes=_FLOATS, dim=2)
     check_range("p", p, 0.0, 1.0)
-    check_choice("approximate", approximate, _APPROX)
+    check_choice("act", act, ACTS)
 
 
-def gelu_dropout_fwd(h, p, seed, offset, approximate="none", bias=None):
-    """``out = dropout(gelu(h [+ bias]))`` and the pre-activation.
+def act_dropout_fwd(h, p, seed, offset, act="gelu", bias=None):
+    """``out = dropout(act(h [+ bias]))`` and the pre-activation.
 
     h: (M, N) float tensor (made contiguous); with ``bias`` (N,) of h's dtype, ``h`` is updated in place to
     ``h + bias`` (the GEMM before it can then skip its bias). Returns ``(out, h)``, both (M, N) in h's dtype.
-    ``p`` in [0, 1]; ``seed``/``offset`` pick the mask (element (i, j) uses counter ``offset + i * N + j``).
+    ``act`` in ``ACTS``; ``p`` in [0, 1]; ``seed``/``offset`` pick the mask (element (i, j) uses counter
+    ``offset + i * N + j``).
     """
-    _check(h, p, approximate)
+    _check(h, p, act)
     if bias is not None:
         check_tensor("bias", bias, dtypes=(h.dtype,), dim=1, device=h.device)
         if bias.shape[0] != h.shape[1]:
             raise ValueError(f"bias must have {h.shape[1]} elements (h's columns), got {bias.shape[0]}")
     h = h.contiguous()
     if backend_for(h) == "triton":
-        return _fwd_triton(h, p, seed, offset, approximate, None if bias is None else bias.contiguous())
-    return gelu_dropout_fwd_reference(h, p, seed, offset, approximate, bias)
+        return _fwd_triton(h, p, seed, offset, act, None if bias is None else bias.contiguous())
+    return act_dropout_fwd_reference(h, p, seed, offset, act, bias)
 
 
-def gelu_dropout_bwd(grad_out, h, p, seed, offset, approximate="none", want_bias=False, want_out=False):
-    """Gradient of ``dropout(gelu(h))`` w.r.t. ``h``, regenerating the mask.
+def act_dropout_bwd(grad_out, h, p, seed, offset, act="gelu", want_bias=False, want_out=False):
+    """Gradient of ``dropout(act(h))`` w.r.t. ``h``, regenerating the mask.
 
     grad_out, h: (M, N) of one float dtype. Returns ``(grad_h, grad_bias, out)``: grad_h (M, N); grad_bias (N,)
     (sum of grad_h over rows, two-stage fixed order on Triton) when ``want_bias``; ``out`` (M, N), the
     recomputed forward output, when ``want_out``.
     """
-    _check(h, p, approximate)
+    _check(h, p, act)
     check_tensor("grad_out", grad_out, dtypes=(h.dtype,), dim=2, device=h.device)
     if grad_out.shape != h.shape:
         raise ValueError(f"grad_out must have h's shape {tuple(h.shape)}, got {tuple(grad_out.shape)}")
     if backend_for(h) == "triton":
-        return _bwd_triton(grad_out.contiguous(), h.contiguous(), p, seed, offset, approximate, want_bias, want_out)
-    return gelu_dropout_bwd_reference(grad_out, h, p, seed, offset, approximate, want_bias, want_out)
+        return _bwd_triton(grad_out.contiguous(), h.contiguous(), p, seed, offset, act, want_bias, want_out)
+    return act_dropout_bwd_reference(grad_out, h, p, seed, offset, act, want_bias, want_out)
+
+
+def _gelu_act(approximate):
+    check_choice("approximate", approximate, tuple(_APPROX))
+    return _APPROX[approximate]
+
+
+def gelu_dropout_fwd(h, p, seed, offset, approximate="none", bias=None):
+    """``act_dropout_fwd`` for GELU, with nn.GELU's ``approximate`` ("none" or "tanh")."""
+    return act_dropout_fwd(h, p, seed, offset, _gelu_act(approximate), bias)
+
+
+def gelu_dropout_bwd(grad_out, h, p, seed, offset, approximate="none", want_bias=False, want_out=False):
+    """``act_dropout_bwd`` for GELU, with nn.GELU's ``approximate``."""
+    return act_dropout_bwd(grad_out, h, p, seed, offset, _gelu_act(approximate), want_bias, want_out)

@@ -9,6 +9,9 @@ from opsnn_lab._lazy import lazy_exports
 _EXPORTS = {
     "FusedLinearGELUDropout": "linear_gelu_dropout",
     "FusedLinearGELUDropoutLinear": "linear_gelu_dropout",
+    "FusedLinearActDropout": "linear_gelu_dropout",
+    "FusedLinearActDropoutLinear": "linear_gelu_dropout",
+    "FusedGatedMLP": "gated_mlp",
     "FusedConvBNReLU": "conv_bn_relu",
     "FusedConvBNAct": "conv_bn_relu",
     "FusedQKV": "qkv",

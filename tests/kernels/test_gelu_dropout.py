@@ -156,3 +156,44 @@ def test_gpu_kernel_mask_bits_equal_cpu_torch_path():
 def _gpu_tol(dtype):
     return {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}[dtype]
+
+
+# --------------------------------------------------------------------------- every activation
+_ACT_EAGER = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+              "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t), "silu": F.silu, "relu": F.relu}
+
+
+def _check_act(fwd, bwd, m, n, p, act, with_bias):
+    a, b, g = seeded(m, n, seed=1), seeded(n, seed=2) if with_bias else None, seeded(m, n, seed=3)
+    a_ref = a.clone().requires_grad_(True)
+    b_ref = None if b is None else b.clone().requires_grad_(True)
+    z = a_ref if b_ref is None else a_ref + b_ref
+    ref = _ACT_EAGER[act](z)
+    if p > 0:
+        ref = ref * rng.dropout_mask(7, 99, z.shape, p) * (0.0 if p == 1 else 1 / (1 - p))
+    ref.backward(g)
+    out, h = fwd(a.clone(), p, 7, 99, act, bias=b)
+    assert_close_dtype(out, ref.detach())
+    grad_h, grad_b, again = bwd(g, h, p, 7, 99, act, want_bias=True, want_out=True)
+    assert_close_dtype(grad_h, a_ref.grad)
+    assert torch.equal(again, out)
+    if b_ref is not None:
+        assert_close_dtype(grad_b, b_ref.grad, msg="bias grad")
+
+
+@pytest.mark.parametrize("act", list(_ACT_EAGER))
+@pytest.mark.parametrize("p, with_bias", [(0.0, False), (0.3, True)])
+def test_every_activation_reference_matches_eager(act, p, with_bias):
+    _check_act(gd.act_dropout_fwd_reference, gd.act_dropout_bwd_reference, 19, 45, p, act, with_bias)
+
+
+@pytest.mark.parametrize("act", ["quick_gelu", "silu", "relu"])
+def test_every_activation_triton_interpreter_matches_eager(interpreted, act):
+    _check_act(interpreted.act_dropout_fwd, interpreted.act_dropout_bwd, 5, 37, 0.3, act, True)
+
+
+def test_activation_names_are_checked():
+    with pytest.raises(ValueError, match="act"):
+        gd.act_dropout_fwd(torch.zeros(2, 3), 0.0, 0, 0, act="swish")
+    with pytest.raises(ValueError, match="approximate"):
+        gd.gelu_dropout_bwd(torch.zeros(2, 3), torch.zeros(2, 3), 0.0, 0, 0, approximate="gelu")

@@ -6,7 +6,12 @@ from torch import nn
 
 from opsnn_lab.bench import activation_bytes
 from opsnn_lab.kernels import rng
-from opsnn_lab.ops import FusedLinearGELUDropout, FusedLinearGELUDropoutLinear
+from opsnn_lab.ops import (
+    FusedLinearActDropout,
+    FusedLinearActDropoutLinear,
+    FusedLinearGELUDropout,
+    FusedLinearGELUDropoutLinear,
+)
 from opsnn_lab.testing import assert_close_dtype, assert_within_eager_error, non_contiguous, run_fwd_bwd, seeded
 
 
@@ -225,3 +230,169 @@ def test_eager_reference_uses_plain_gelu():
     mods = _modules(p=0.0)
     x = seeded(3, 16, seed=11)
     assert_close_dtype(_eager_with_mask("single", mods, 0)(x), F.gelu(mods[0](x)))
+
+
+# --------------------------------------------------------------------------- every activation, nn.Linear and HF Conv1D
+class Conv1D(nn.Module):  # stand-in for transformers.pytorch_utils.Conv1D: weight [in, out], y = x @ W + b
+    def __init__(self, nf, nx, bias=True):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1) if bias else None
+
+    def forward(self, x):
+        y = x.reshape(-1, x.shape[-1]) @ self.weight
+        return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.nf)
+
+
+class NewGELUActivation(nn.Module):  # GPT-2's gelu_new, as Hugging Face writes it
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class QuickGELUActivation(nn.Module):  # CLIP
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)
+
+
+ACT_MODULES = {"gelu": nn.GELU, "gelu_tanh": NewGELUActivation, "quick_gelu": QuickGELUActivation,
+               "silu": nn.SiLU, "relu": nn.ReLU}
+
+
+def _layers(kind, k=16, hidden=40, out=12, dtype=torch.float32, bias=True):
+    torch.manual_seed(0)
+    if kind == "conv1d":
+        return Conv1D(hidden, k, bias).to(dtype), Conv1D(out, hidden, bias).to(dtype)
+    return nn.Linear(k, hidden, bias=bias).to(dtype), nn.Linear(hidden, out, bias=bias).to(dtype)
+
+
+def _act_eager(l1, act, p, l2, step=0):
+    def fn(x):
+        h = act(l1(x))
+        if p > 0:
+            h = h * rng.dropout_mask(11, step * rng.MAX_NUMEL, h.shape, p, h.device) * (0.0 if p == 1 else 1 / (1 - p))
+        return h if l2 is None else l2(h)
+    return fn
+
+
+def _act_fused(l1, act, p, l2, **kw):
+    if l2 is None:
+        return FusedLinearActDropout.from_modules(l1, act, nn.Dropout(p), seed=11, **kw)
+    return FusedLinearActDropoutLinear.from_modules(l1, act, nn.Dropout(p), l2, seed=11, **kw)
+
+
+def _all_params(*layers):
+    return [t for m in layers if m is not None for t in (m.weight, m.bias) if t is not None]
+
+
+@pytest.mark.parametrize("act", list(ACT_MODULES))
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("second", [False, True])
+@pytest.mark.parametrize("p, recompute", [(0.0, False), (0.3, True), (0.3, False)])
+def test_every_activation_and_layout_match_eager(act, kind, second, p, recompute):
+    l1, l2 = _layers(kind)
+    l2 = l2 if second else None
+    fused = _act_fused(l1, ACT_MODULES[act](), p, l2, recompute=recompute)
+    assert fused.act == act and fused.transposed == (kind == "conv1d")
+    x = seeded(3, 5, 16, seed=12, requires_grad=True)
+    out, grads = run_fwd_bwd(fused, [x], _all_params(l1, l2))
+    ref, ref_grads = run_fwd_bwd(_act_eager(l1, ACT_MODULES[act](), p, l2), [x], _all_params(l1, l2))
+    assert_close_dtype(out, ref)
+    assert len(grads) == len(ref_grads) == 1 + 2 * (1 + second)
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert_close_dtype(g, r, msg=f"grad {i}")
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "quick_gelu", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_activation_low_precision_within_twice_eager_error(act, dtype):
+    (l1, l2), (m1, m2) = _layers("conv1d", dtype=torch.float64), _layers("conv1d", dtype=dtype)
+    x64 = seeded(4, 7, 16, seed=13, dtype=torch.float64, requires_grad=True)
+    x = x64.detach().to(dtype).requires_grad_(True)
+    ref, ref_grads = run_fwd_bwd(_act_eager(l1, ACT_MODULES[act](), 0.2, l2), [x64], _all_params(l1, l2))
+    eager, eager_grads = run_fwd_bwd(_act_eager(m1, ACT_MODULES[act](), 0.2, m2), [x], _all_params(m1, m2))
+    out, grads = run_fwd_bwd(_act_fused(m1, ACT_MODULES[act](), 0.2, m2), [x], _all_params(m1, m2))
+    assert_within_eager_error(out, eager, ref)
+    for i, (g, e, r) in enumerate(zip(grads, eager_grads, ref_grads)):
+        assert_within_eager_error(g, e, r, name=f"grad {i}")
+
+
+def test_conv1d_equals_linear_with_the_transposed_weight():
+    c1, c2 = _layers("conv1d", k=17, hidden=33, out=7)
+    l1, l2 = nn.Linear(17, 33), nn.Linear(33, 7)
+    with torch.no_grad():
+        for c, lin in ((c1, l1), (c2, l2)):
+            lin.weight.copy_(c.weight.t())
+            lin.bias.copy_(c.bias)
+    x = non_contiguous(seeded(1823, 17, seed=14)).requires_grad_(True)
+    out_c, grads_c = run_fwd_bwd(_act_fused(c1, nn.SiLU(), 0.1, c2), [x], _all_params(c1, c2))
+    out_l, grads_l = run_fwd_bwd(_act_fused(l1, nn.SiLU(), 0.1, l2), [x], _all_params(l1, l2))
+    assert_close_dtype(out_c, out_l)
+    for g_c, g_l in zip(grads_c, grads_l):
+        assert_close_dtype(g_c, g_l.t() if g_l.dim() == 2 and g_l.shape != g_c.shape else g_l)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_every_activation_eval_empty_and_saved_bytes(kind):
+    l1, l2 = _layers(kind)
+    fused = _act_fused(l1, QuickGELUActivation(), 0.5, l2).eval()
+    x = seeded(4, 16, seed=15, requires_grad=True)
+    assert_close_dtype(fused(x), _act_eager(l1, QuickGELUActivation(), 0.0, l2)(x))
+    assert fused.rng_step == 0
+    out, grads = run_fwd_bwd(_act_fused(l1, nn.ReLU(), 0.2, l2), [torch.zeros(0, 16, requires_grad=True)],
+                             _all_params(l1, l2))
+    assert out.shape == (0, 12) and all(g is None or not g.any() for g in grads)
+    assert activation_bytes(lambda: _act_fused(l1, nn.SiLU(), 0.1, l2).train()(x)) == x.nbytes + 4 * 40 * 4
+
+
+def test_act_ops_supports_and_bad_arguments():
+    l1, l2 = _layers("conv1d")
+    assert FusedLinearActDropoutLinear.supports(l1, NewGELUActivation(), nn.Dropout(0.1), l2) == (True, "")
+    cases = [((nn.Conv1d(16, 40, 1), nn.SiLU(), None, l2), TypeError, "linear1"),
+             ((l1, nn.Tanh(), None, l2), TypeError, "act"),
+             ((l1, nn.SiLU(), nn.ReLU(), l2), TypeError, "dropout"),
+             ((l1, nn.SiLU(), None, Conv1D(3, 41)), ValueError, "linear2")]
+    for args, exc, word in cases:
+        ok, why = FusedLinearActDropoutLinear.supports(*args)
+        assert not ok and word in why, why
+        with pytest.raises(exc, match=word):
+            FusedLinearActDropoutLinear.from_modules(*args)
+    assert FusedLinearActDropout.supports(l1, nn.Hardswish())[1].startswith("act:")
+    assert "GELU only" in FusedLinearGELUDropout.supports(l1, nn.SiLU())[1]
+    assert FusedLinearGELUDropout.from_modules(l1, NewGELUActivation()).approximate == "tanh"
+    with pytest.raises(ValueError, match="act"):
+        FusedLinearActDropout(l1.weight, l1.bias, act="swish")
+    with pytest.raises(ValueError, match="x"):
+        FusedLinearActDropout.from_modules(l1, nn.SiLU())(torch.zeros(2, 40))
+
+
+def test_act_triton_interpreter_matches_eager(interpreted):
+    l1, l2 = _layers("conv1d", k=8, hidden=20, out=6)
+    x = seeded(2, 3, 8, seed=16, requires_grad=True)
+    out, grads = run_fwd_bwd(_act_fused(l1, QuickGELUActivation(), 0.3, l2), [x], _all_params(l1, l2))
+    ref, ref_grads = run_fwd_bwd(_act_eager(l1, QuickGELUActivation(), 0.3, l2), [x], _all_params(l1, l2))
+    assert_close_dtype(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert_close_dtype(g, r)
+
+
+@pytest.mark.slow  # importing transformers takes 10-25 s on the CI machine
+def test_gpt2_and_clip_mlps_fuse_and_match():
+    pytest.importorskip("transformers")
+    from transformers import CLIPTextConfig, GPT2Config
+    from transformers.models.clip.modeling_clip import CLIPMLP
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    torch.manual_seed(0)
+    gpt2 = GPT2MLP(64, GPT2Config(n_embd=16, activation_function="gelu_new", resid_pdrop=0.0))
+    fused = FusedLinearActDropoutLinear.from_modules(gpt2.c_fc, gpt2.act, None, gpt2.c_proj)
+    clip = CLIPMLP(CLIPTextConfig(hidden_size=16, intermediate_size=64, hidden_act="quick_gelu"))
+    fused_clip = FusedLinearActDropoutLinear.from_modules(clip.fc1, clip.activation_fn, None, clip.fc2)
+    assert (fused.act, fused.transposed, fused_clip.act) == ("gelu_tanh", True, "quick_gelu")
+    x = seeded(2, 5, 16, seed=17, requires_grad=True)
+    for f, eager, layers in ((fused, gpt2, (gpt2.c_fc, gpt2.c_proj)), (fused_clip, clip, (clip.fc1, clip.fc2))):
+        out, grads = run_fwd_bwd(f, [x], _all_params(*layers))
+        ref, ref_grads = run_fwd_bwd(eager, [x], _all_params(*layers))
+        assert_close_dtype(out, ref)
+        for g, r in zip(grads, ref_grads):
+            assert_close_dtype(g, r)

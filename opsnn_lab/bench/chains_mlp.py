@@ -1,0 +1,117 @@
+"""MLP-family rows of ``python -m opsnn_lab.bench ops``: gated MLPs (SwiGLU, GeGLU) and Linear -> act -> Linear.
+
+Rows (names follow the fusion pattern names):
+
+* ``gated_mlp_silu``: Llama's MLP, ``down(silu(gate(x)) * up(x))``, Llama-7B widths scaled to the CPU
+  (hidden 1024, intermediate 2816; the 7B model has 4096 / 11008, the same 2.69 ratio), no bias.
+* ``gated_mlp_gelu``: T5 v1.1's gated-gelu (``gelu_new`` = tanh GELU, dropout before ``wo``), same widths.
+* ``linear_gelu_tanh_linear[gpt2]``: GPT-2's MLP, Conv1D -> ``NewGELUActivation`` -> Conv1D, BERT-base widths.
+* ``linear_quick_gelu_linear``: CLIP's MLP (QuickGELU written as in Hugging Face), BERT-base widths.
+* ``linear_silu_dropout_linear``: nn.Linear -> SiLU -> Dropout -> nn.Linear, BERT-base widths.
+
+The eager side is written as Hugging Face writes these modules (Conv1D and the activations are copied here
+so that the benchmark does not import transformers); the fused side is built by ``from_modules`` on the
+same modules, sharing their parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["CHAINS", "build_chains", "LLAMA_FULL"]
+
+CHAINS = ("gated_mlp_silu", "gated_mlp_gelu", "linear_gelu_tanh_linear[gpt2]", "linear_quick_gelu_linear",
+          "linear_silu_dropout_linear")
+LLAMA_FULL = dict(hidden=1024, inter=2816)  # Llama-7B's 4096 / 11008 scaled by 1/4
+TARGETS = {"bytes_fused_vs_eager[gated_mlp_*]": 0.67, "bytes_fused_vs_compile[gated_mlp_*]": 1.0}
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D``: weight ``[in, out]``, ``y = x @ W + b``."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+class NewGELUActivation(nn.Module):
+    """GPT-2's ``gelu_new``, as Hugging Face writes it."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class QuickGELUActivation(nn.Module):
+    """CLIP's activation, as Hugging Face writes it."""
+
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)
+
+
+class GatedMLP(nn.Module):
+    """Llama's ``LlamaMLP`` / T5's ``T5DenseGatedActDense`` (dropout before the down projection)."""
+
+    def __init__(self, hidden: int, inter: int, act: nn.Module, p: float = 0.0):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn, self.dropout = act, nn.Dropout(p)
+
+    def forward(self, x):
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def _gated_dims(s: dict) -> tuple[int, int]:
+    # full run: Llama-7B-like widths; quick run: the CI-sized widths it was given
+    return (LLAMA_FULL["hidden"], LLAMA_FULL["inter"]) if s["hidden"] >= 768 else (s["hidden"], s["inter"])
+
+
+def _gated(name, s, device, dtype, act, p):
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    hidden, inter = _gated_dims(s)
+    eager = GatedMLP(hidden, inter, act, p).to(device, dtype)
+    fused = ops.FusedGatedMLP.from_modules(eager.gate_proj, eager.up_proj, eager.down_proj, eager.act_fn,
+                                           eager.dropout, register=False)
+    x = torch.randn(s["batch"], s["tokens"], hidden, device=device, dtype=dtype, requires_grad=True)
+    return Chain(name, eager, fused, (x,), note=f"hidden {hidden}, intermediate {inter}")
+
+
+def _two_layer(name, s, device, dtype, first, act, p, second):
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    drop = nn.Dropout(p)
+    eager = nn.Sequential(first, act, drop, second).to(device, dtype)
+    fused = ops.FusedLinearActDropoutLinear.from_modules(first, act, drop if p else None, second,
+                                                         register_second=False)
+    x = torch.randn(s["batch"], s["tokens"], s["hidden"], device=device, dtype=dtype, requires_grad=True)
+    return Chain(name, eager, fused, (x,))
+
+
+def build_chains(shapes: dict, device, dtype, wanted) -> list:
+    """The rows of ``CHAINS`` named in ``wanted``, as ``bench.ops.Chain`` objects."""
+    h, i, p = shapes["hidden"], shapes["inter"], shapes["p"]
+    builders = {
+        "gated_mlp_silu": lambda: _gated("gated_mlp_silu", shapes, device, dtype, nn.SiLU(), 0.0),
+        "gated_mlp_gelu": lambda: _gated("gated_mlp_gelu", shapes, device, dtype, NewGELUActivation(), p),
+        "linear_gelu_tanh_linear[gpt2]": lambda: _two_layer(
+            "linear_gelu_tanh_linear[gpt2]", shapes, device, dtype, Conv1D(i, h), NewGELUActivation(), 0.0,
+            Conv1D(h, i)),
+        "linear_quick_gelu_linear": lambda: _two_layer(
+            "linear_quick_gelu_linear", shapes, device, dtype, nn.Linear(h, i), QuickGELUActivation(), 0.0,
+            nn.Linear(i, h)),
+        "linear_silu_dropout_linear": lambda: _two_layer(
+            "linear_silu_dropout_linear", shapes, device, dtype, nn.Linear(h, i), nn.SiLU(), p, nn.Linear(i, h)),
+    }
+    return [build() for name, build in builders.items() if name in wanted]
+

@@ -1,0 +1,217 @@
+"""Gated activation ``dropout(act(gate) * up)`` over the packed ``[gate | up]`` GEMM output: Triton kernels and torch reference.
+
+The gated MLP (SwiGLU, GeGLU) computes ``gu = x @ [W_gate | W_up].T`` as one GEMM, so ``gu`` is (M, 2I) with
+the gate pre-activation in columns ``[0, I)`` and the up projection in ``[I, 2I)``. The forward writes
+``out = dropout(act(g) * u)`` (M, I) and keeps nothing else; the backward reads ``gu`` again, writes the
+packed gradient ``[dg | du]`` (M, 2I) that the one backward GEMM consumes, and on request the recomputed
+``out`` that the down projection's weight gradient needs. Activations and their derivatives are the ones
+of ``gelu_dropout`` (``ACTS``). Element ``(i, j)`` of the (M, I) product uses dropout counter
+``offset + i * I + j`` (see ``rng``); ``p = 0`` skips the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opsnn_lab._checks import check_choice, check_range, check_tensor
+from opsnn_lab.kernels._dispatch import backend_for, calculate_settings
+from opsnn_lab.kernels.gelu_dropout import ACTS, act_backward, act_forward
+from opsnn_lab.kernels.rng import dropout_mask, keep_threshold, seed_keys
+
+try:
+    import triton
+    import triton.language as tl
+
+    from opsnn_lab.kernels.gelu_dropout import act_value_and_grad
+    from opsnn_lab.kernels.rng import dropout_keep
+except ImportError:  # pragma: no cover
+    triton = None
+
+__all__ = ["gated_act_fwd", "gated_act_bwd", "gated_act_fwd_reference", "gated_act_bwd_reference"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_TILE_N = 1024  # product columns per program (the row is tiled so I is unbounded)
+_ROWS = 8  # rows per program
+
+
+def _scale(p: float) -> float:
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+
+
+def _halves(gu):
+    i = gu.shape[1] // 2
+    return gu[:, :i], gu[:, i:]
+
+
+def _keep(p, seed, offset, shape, like):
+    return dropout_mask(seed, offset, shape, p, like.device, dtype=like.dtype) if p > 0 else None
+
+
+# --------------------------------------------------------------------------- torch reference
+def gated_act_fwd_reference(gu, act, p=0.0, seed=0, offset=0):
+    """Torch path: ``dropout(act(gate) * up)`` (M, I) from the packed (M, 2I) ``gu``."""
+    g, u = _halves(gu)
+    low = gu.dtype in (torch.float16, torch.bfloat16)
+    a = act_forward(g.float() if low else g, act)  # low precision: one rounding at the end
+    out = a.mul_(u).to(gu.dtype)
+    keep = _keep(p, seed, offset, out.shape, out)
+    return out if keep is None else out.mul_(keep).mul_(_scale(p))
+
+
+def gated_act_bwd_reference(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out=False):
+    """Torch path: ``(grad_gu, out | None)``: packed ``[d gate | d up]`` (M, 2I) and the recomputed output."""
+    g, u = _halves(gu)
+    keep = _keep(p, seed, offset, grad_out.shape, grad_out)
+    if keep is not None:
+        grad_out = grad_out * keep * _scale(p)
+    low = gu.dtype in (torch.float16, torch.bfloat16)
+    if low:
+        g, u, grad_out = g.float(), u.float(), grad_out.float()
+    a = act_forward(g, act)
+    grad_gu = torch.empty(gu.shape, dtype=gu.dtype, device=gu.device)
+    dg, du = _halves(grad_gu)
+    dg.copy_(act_backward(grad_out * u, g, act))
+    torch.mul(grad_out, a, out=du)  # straight into the packed half: one pass fewer
+    out = None
+    if want_out:
+        out = a.mul_(u).to(gu.dtype)
+        if keep is not None:
+            out.mul_(keep).mul_(_scale(p))
+    return grad_gu, out
+
+
+# --------------------------------------------------------------------------- Triton kernels
+if triton is not None:
+
+    @triton.jit
+    def _gated_act_fwd_kernel(
+        GU,  # pointer to the (M, 2N) packed [gate | up] pre-activations
+        OUT,  # pointer to the (M, N) output, dropout(act(gate) * up)
+        M,  # rows
+        N,  # product columns (half of GU's)
+        OFFSET,  # dropout counter of element (0, 0)
+        S1,  # seed word 1 (rng.seed_keys)
+        S2,  # seed word 2
+        THRESHOLD,  # keep iff u16 >= THRESHOLD (rng.keep_threshold)
+        SCALE,  # 1 / (1 - p)
+        ACT: tl.constexpr,  # activation, index into ACTS
+        DROPOUT: tl.constexpr,  # p > 0
+        ROWS: tl.constexpr,  # rows per program
+        BLOCK_N: tl.constexpr,  # product columns per program
+    ):
+        # Bytes per product element: read gate and up (2s), write out (s): 3s, s = dtype size.
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        for r in range(ROWS):
+            row = tl.program_id(0).to(tl.int64) * ROWS + r
+            m = cmask & (cols * 0 + row < M)  # block-shaped: a scalar row mask is not a valid load mask
+            g = tl.load(GU + row * 2 * N + cols, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(GU + row * 2 * N + N + cols, mask=m, other=0.0).to(tl.float32)
+            a, _ = act_value_and_grad(g, ACT)
+            y = a * u
+            if DROPOUT:
+                keep = dropout_keep(OFFSET + row * N + cols, S1, S2, THRESHOLD)
+                y = tl.where(keep, y * SCALE, 0.0)
+            tl.store(OUT + row * N + cols, y.to(OUT.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _gated_act_bwd_kernel(
+        GRAD,  # pointer to the (M, N) upstream gradient of the output
+        GU,  # pointer to the (M, 2N) saved packed pre-activations
+        GRAD_GU,  # pointer to the (M, 2N) packed gradient [d gate | d up] (output)
+        OUT,  # pointer to the (M, N) recomputed forward output (unused unless WANT_OUT)
+        M,  # rows
+        N,  # product columns
+        OFFSET,  # dropout counter of element (0, 0)
+        S1,  # seed word 1
+        S2,  # seed word 2
+        THRESHOLD,  # keep iff u16 >= THRESHOLD
+        SCALE,  # 1 / (1 - p)
+        ACT: tl.constexpr,  # activation, index into ACTS
+        DROPOUT: tl.constexpr,  # p > 0
+        WANT_OUT: tl.constexpr,  # also write the recomputed forward output
+        ROWS: tl.constexpr,  # rows per program
+        BLOCK_N: tl.constexpr,  # product columns per program
+    ):
+        # Bytes per product element: read grad, gate, up (3s), write d gate, d up (2s), out (s) if WANT_OUT: 5s-6s.
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        for r in range(ROWS):
+            row = tl.program_id(0).to(tl.int64) * ROWS + r
+            m = cmask & (cols * 0 + row < M)  # block-shaped: a scalar row mask is not a valid load mask
+            packed = row * 2 * N + cols
+            g = tl.load(GU + packed, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(GU + packed + N, mask=m, other=0.0).to(tl.float32)
+            d = tl.load(GRAD + row * N + cols, mask=m, other=0.0).to(tl.float32)
+            a, da = act_value_and_grad(g, ACT)
+            if DROPOUT:
+                keep = dropout_keep(OFFSET + row * N + cols, S1, S2, THRESHOLD)
+                d = tl.where(keep, d * SCALE, 0.0)
+            tl.store(GRAD_GU + packed, (d * u * da).to(GRAD_GU.dtype.element_ty), mask=m)
+            tl.store(GRAD_GU + packed + N, (d * a).to(GRAD_GU.dtype.element_ty), mask=m)
+            if WANT_OUT:
+                y = a * u
+                if DROPOUT:
+                    y = tl.where(keep, y * SCALE, 0.0)
+                tl.store(OUT + row * N + cols, y.to(OUT.dtype.element_ty), mask=m)
+
+
+def _launch(m, i):
+    block_n, warps = calculate_settings(min(i, _TILE_N))
+    return (triton.cdiv(m, _ROWS), triton.cdiv(i, block_n)), block_n, warps
+
+
+def _rng_args(p, seed, offset):
+    s1, s2 = seed_keys(seed) if p > 0 else (0, 0)
+    return offset, s1, s2, keep_threshold(p), _scale(p)
+
+
+def _check(gu, act, p):
+    check_tensor("gu", gu, dtypes=_FLOATS, dim=2)
+    if gu.shape[1] % 2:
+        raise ValueError(f"gu must have an even number of columns ([gate | up]), got shape {tuple(gu.shape)}")
+    check_choice("act", act, ACTS)
+    check_range("p", p, 0.0, 1.0)
+
+
+def gated_act_fwd(gu, act, p=0.0, seed=0, offset=0):
+    """``dropout(act(gate) * up)``.
+
+    gu: (M, 2I) float tensor, the packed [gate | up] GEMM output (made contiguous). Returns (M, I) in gu's
+    dtype. ``act`` in ``ACTS``; ``p`` in [0, 1] with ``seed``/``offset`` picking the mask.
+    """
+    _check(gu, act, p)
+    gu = gu.contiguous()
+    if backend_for(gu) != "triton":
+        return gated_act_fwd_reference(gu, act, p, seed, offset)
+    m, i = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
+    if out.numel():
+        grid, block_n, warps = _launch(m, i)
+        _gated_act_fwd_kernel[grid](gu, out, m, i, *_rng_args(p, seed, offset), ACT=ACTS.index(act), DROPOUT=p > 0,
+                                    ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
+    return out
+
+
+def gated_act_bwd(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out=False):
+    """Gradient of ``gated_act_fwd`` w.r.t. the packed ``gu``, regenerating the mask.
+
+    grad_out: (M, I), gu: (M, 2I), one float dtype. Returns ``(grad_gu, out)``: grad_gu (M, 2I) packed
+    ``[d gate | d up]``; ``out`` (M, I), the recomputed forward output, when ``want_out`` (else None).
+    """
+    _check(gu, act, p)
+    check_tensor("grad_out", grad_out, dtypes=(gu.dtype,), dim=2, device=gu.device)
+    if grad_out.shape != (gu.shape[0], gu.shape[1] // 2):
+        raise ValueError(f"grad_out must have shape {(gu.shape[0], gu.shape[1] // 2)}, got {tuple(grad_out.shape)}")
+    if backend_for(gu) != "triton":
+        return gated_act_bwd_reference(grad_out, gu, act, p, seed, offset, want_out)
+    gu, grad_out = gu.contiguous(), grad_out.contiguous()
+    m, i = grad_out.shape
+    grad_gu = torch.empty_like(gu)
+    out = torch.empty_like(grad_out) if want_out else None
+    if grad_out.numel():
+        grid, block_n, warps = _launch(m, i)
+        _gated_act_bwd_kernel[grid](grad_out, gu, grad_gu, out if want_out else grad_out, m, i,
+                                    *_rng_args(p, seed, offset), ACT=ACTS.index(act), DROPOUT=p > 0,
+                                    WANT_OUT=want_out, ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
+    return grad_gu, out

@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from opsnn_lab.bench import activation_bytes, chains_mlp, ops
+from opsnn_lab.testing import assert_close_dtype
+
+
+def test_rows_are_registered_in_the_ops_bench():
+    assert set(chains_mlp.CHAINS) <= set(ops.CHAINS)
+    chains, skipped = ops.build_chains(ops.QUICK, only=list(chains_mlp.CHAINS))
+    assert [c.name for c in chains] == list(chains_mlp.CHAINS) and not skipped
+
+
+def test_full_gated_rows_use_llama_like_widths():
+    assert chains_mlp._gated_dims(ops.FULL) == (1024, 2816)
+    assert chains_mlp._gated_dims(ops.QUICK) == (ops.QUICK["hidden"], ops.QUICK["inter"])
+
+
+@pytest.mark.parametrize("name", ["gated_mlp_silu", "linear_gelu_tanh_linear[gpt2]", "linear_quick_gelu_linear"])
+def test_fused_side_computes_the_eager_side(name):
+    (chain,) = chains_mlp.build_chains(ops.QUICK, "cpu", torch.float32, [name])  # p = 0 rows: no masks to align
+    x = chain.inputs[0]
+    out, ref = chain.fused(x), chain.eager(x)
+    assert_close_dtype(out, ref)
+    g = torch.randn_like(out)
+    assert_close_dtype(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x, g)[0])
+
+
+@pytest.mark.parametrize("name", ["gated_mlp_silu", "gated_mlp_gelu"])
+def test_gated_rows_meet_the_bytes_target(name):
+    (chain,) = chains_mlp.build_chains(ops.QUICK, "cpu", torch.float32, [name])
+    fused = activation_bytes(lambda: chain.fused(*chain.inputs))
+    eager = activation_bytes(lambda: chain.eager(*chain.inputs))
+    assert fused / eager <= chains_mlp.TARGETS["bytes_fused_vs_eager[gated_mlp_*]"]
+
+
+def test_conv1d_stand_in_is_the_hugging_face_layer():
+    conv = chains_mlp.Conv1D(5, 3)
+    x = torch.randn(2, 4, 3)
+    assert_close_dtype(conv(x), x @ conv.weight + conv.bias)

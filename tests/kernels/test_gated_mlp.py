@@ -1,0 +1,148 @@
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opsnn_lab.kernels import gated_mlp as gm
+from opsnn_lab.kernels import gelu_dropout, rng, triton_available
+from opsnn_lab.testing import assert_close_dtype, seeded
+
+ACTS = ["gelu", "gelu_tanh", "quick_gelu", "silu", "relu"]
+
+
+def _act(z, act):
+    """Activations written as the models write them (HF ACT2FN modules / torch.nn.functional)."""
+    return {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+            "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t), "silu": F.silu, "relu": F.relu}[act](z)
+
+
+def _eager(gu, act, p, seed, offset):
+    g, u = gu.chunk(2, dim=1)
+    out = _act(g, act) * u
+    if p > 0:
+        out = out * rng.dropout_mask(seed, offset, out.shape, p, out.device) * (0.0 if p == 1 else 1 / (1 - p))
+    return out
+
+
+def _check(fwd, bwd, m, i, act, p, dtype=torch.float32):
+    gu = seeded(m, 2 * i, seed=1, dtype=dtype)
+    grad = seeded(m, i, seed=2, dtype=dtype)
+    ref_in = gu.clone().requires_grad_(True)
+    ref = _eager(ref_in, act, p, 5, 2**32 + 7)
+    ref.backward(grad)
+    out = fwd(gu, act, p, 5, 2**32 + 7)
+    assert_close_dtype(out, ref.detach())
+    grad_gu, again = bwd(grad, gu, act, p, 5, 2**32 + 7, want_out=True)
+    assert_close_dtype(grad_gu, ref_in.grad)
+    assert_close_dtype(again, out)
+    assert bwd(grad, gu, act, p, 5, 2**32 + 7)[1] is None
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+def test_reference_matches_eager_autograd(act, p):
+    _check(gm.gated_act_fwd_reference, gm.gated_act_bwd_reference, 13, 21, act, p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_public_entry_points_on_cpu_with_non_contiguous_gu(dtype):
+    gu = seeded(7, 22, seed=3, dtype=dtype).t().contiguous().t()  # column-major
+    assert not gu.is_contiguous()
+    assert_close_dtype(gm.gated_act_fwd(gu, "silu"), _eager(gu, "silu", 0.0, 0, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "quick_gelu"])
+def test_low_precision_rounds_once(dtype, act):
+    # computed in fp32 and rounded once: never further from fp64 than eager's op-by-op rounding
+    gu = seeded(64, 96, seed=4, dtype=dtype)
+    grad = seeded(64, 48, seed=5, dtype=dtype)
+    ref = _eager(gu.double(), act, 0.0, 0, 0)
+    eager_err = (_eager(gu, act, 0.0, 0, 0).double() - ref).abs().max()
+    fused_err = (gm.gated_act_fwd(gu, act).double() - ref).abs().max()
+    assert fused_err <= eager_err + torch.finfo(dtype).eps * ref.abs().max()
+    g64 = gu.double().requires_grad_(True)
+    _eager(g64, act, 0.0, 0, 0).backward(grad.double())
+    grad_gu, _ = gm.gated_act_bwd(grad, gu, act)
+    torch.testing.assert_close(grad_gu.double(), g64.grad, atol=4e-2, rtol=2e-2)
+
+
+def test_empty_batch():
+    out = gm.gated_act_fwd(torch.empty(0, 6), "silu", 0.5, 1, 0)
+    grad_gu, again = gm.gated_act_bwd(torch.empty(0, 3), torch.empty(0, 6), "silu", 0.5, 1, 0, want_out=True)
+    assert out.shape == again.shape == (0, 3) and grad_gu.shape == (0, 6)
+
+
+def test_bad_arguments_name_the_argument():
+    gu = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="act"):
+        gm.gated_act_fwd(gu, "swish")
+    with pytest.raises(ValueError, match="gu"):
+        gm.gated_act_fwd(torch.zeros(3, 7), "silu")
+    with pytest.raises(ValueError, match="gu"):
+        gm.gated_act_fwd(torch.zeros(8), "silu")
+    with pytest.raises(TypeError, match="gu"):
+        gm.gated_act_fwd(gu.int(), "silu")
+    with pytest.raises(ValueError, match="p"):
+        gm.gated_act_fwd(gu, "silu", p=-0.1)
+    with pytest.raises(ValueError, match="grad_out"):
+        gm.gated_act_bwd(torch.zeros(3, 8), gu, "silu")
+    with pytest.raises(TypeError, match="grad_out"):
+        gm.gated_act_bwd(torch.zeros(3, 4, dtype=torch.float64), gu, "silu")
+
+
+# --------------------------------------------------------------------------- Triton under the interpreter
+@pytest.fixture(scope="module")
+def interpreted():
+    """gated_mlp (and the activation helpers it imports) reloaded under TRITON_INTERPRET=1, OPSNN_BACKEND=triton."""
+    if not triton_available():
+        pytest.skip("triton not installed")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    mp.setenv("OPSNN_BACKEND", "triton")
+    try:
+        importlib.reload(rng)
+        importlib.reload(gelu_dropout)
+        yield importlib.reload(gm)
+    finally:
+        mp.undo()
+        for mod in (rng, gelu_dropout, gm):
+            importlib.reload(mod)
+
+
+# 10 x 1030 product columns: two row groups (8 rows each) and two column tiles (1024 each), both partial.
+@pytest.mark.parametrize("m, i, act, p", [
+    (5, 37, "silu", 0.3),
+    (5, 37, "gelu", 0.0),
+    (4, 9, "gelu_tanh", 0.2),
+    (3, 8, "quick_gelu", 0.0),
+    (3, 8, "relu", 1.0),
+    (10, 1030, "silu", 0.25),
+])
+def test_triton_interpreter_matches_eager(interpreted, m, i, act, p):
+    _check(interpreted.gated_act_fwd, interpreted.gated_act_bwd, m, i, act, p)
+
+
+def test_triton_interpreter_mask_bits_equal_torch_path(interpreted):
+    gu = torch.full((6, 22), 50.0)  # silu(50) * 50 is exact, so the output reveals the mask
+    out = interpreted.gated_act_fwd(gu, "silu", 0.5, 3, 12345)
+    assert torch.equal(out != 0, rng.dropout_mask(3, 12345, (6, 11), 0.5))
+    assert torch.equal(out, gm.gated_act_fwd_reference(gu, "silu", 0.5, 3, 12345))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gpu_kernels_match_reference(dtype, act):
+    gu = seeded(1151, 2 * 2816, seed=1, dtype=dtype, device="cuda")
+    grad = seeded(1151, 2816, seed=2, dtype=dtype, device="cuda")
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    out = gm.gated_act_fwd(gu, act, 0.1, 9, 77)
+    torch.testing.assert_close(out.double(), gm.gated_act_fwd_reference(gu.double(), act, 0.1, 9, 77),
+                               atol=tol, rtol=tol)
+    grad_gu, again = gm.gated_act_bwd(grad, gu, act, 0.1, 9, 77, want_out=True)
+    ref, _ = gm.gated_act_bwd_reference(grad.double(), gu.double(), act, 0.1, 9, 77)
+    torch.testing.assert_close(grad_gu.double(), ref, atol=tol, rtol=tol)
+    assert torch.equal(again, out)
