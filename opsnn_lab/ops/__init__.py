@@ -13,6 +13,13 @@ _EXPORTS = {
     "FusedQKV": "qkv",
     "FusedAttention": "attention",
     "Dropout": "dropout",
+    "FusedLayerNorm": "norm",
+    "FusedRMSNorm": "norm",
+    "FusedAddLayerNorm": "norm",
+    "FusedAddRMSNorm": "norm",
+    "FusedLinearCrossEntropy": "linear_cross_entropy",
+    "linear_cross_entropy": "linear_cross_entropy",
+    "lm_head_loss": "lm_head",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
