@@ -51,9 +51,10 @@ def norm_fwd_reference(x, weight, bias, residual, eps, rms, weight_offset=0.0):
 
 def _rms_bwd(grad_y, s, rstd, w, want_w):
     # aten has no CPU backward for _fused_rms_norm: ds = rstd * (g - xhat * mean(g * xhat)), g = dy * w, in fp32.
-    xhat = s.float() * rstd
-    dy = grad_y.float()
-    g = dy if w is None else dy * w.float()
+    acc = torch.float64 if s.dtype == torch.float64 else torch.float32
+    xhat = s.to(acc) * rstd
+    dy = grad_y.to(acc)
+    g = dy if w is None else dy * w.to(acc)
     ds = (g - xhat * (xhat * g).mean(-1, keepdim=True)).mul_(rstd)
     grad_w = (dy * xhat).sum(0).to(w.dtype) if want_w else None
     return ds.to(s.dtype), grad_w

@@ -19,7 +19,8 @@ Contract for the fusion rewrite (``supports`` says yes or gives the reason; ``fr
 ``(1 + weight)`` form is detected from its source and handled with ``weight_offset=1.0``). The fused module
 registers the original ``weight``/``bias`` Parameter objects, so ``state_dict`` keys and values are unchanged.
 ``FusedAddLayerNorm`` / ``FusedAddRMSNorm`` take the same modules; their ``forward(x, residual)`` returns
-``(normed, summed)``: the normalised output and ``x + residual``, which the residual stream continues with.
+``(normed, summed)``: the normalised output and ``x + residual``, which the residual stream continues with
+(out of place, ``h = summed + ...``: backward reads the saved sum, so autograd refuses in-place updates of it).
 """
 
 from __future__ import annotations
