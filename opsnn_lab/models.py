@@ -346,7 +346,7 @@ class MaskedTokenTask:
         if head is None:
             logits = model(batch["input_ids"], target_mask=targets)
             return F.cross_entropy(logits.float(), labels[targets])
-        from opsnn_lab.ops.linear_cross_entropy import linear_cross_entropy
+        from opsnn_lab.ops.fused_linear_cross_entropy import linear_cross_entropy
 
         with _head_input(head) as hidden:
             model(batch["input_ids"], target_mask=targets)

@@ -17,8 +17,8 @@ _EXPORTS = {
     "FusedRMSNorm": "norm",
     "FusedAddLayerNorm": "norm",
     "FusedAddRMSNorm": "norm",
-    "FusedLinearCrossEntropy": "linear_cross_entropy",
-    "linear_cross_entropy": "linear_cross_entropy",
+    "FusedLinearCrossEntropy": "fused_linear_cross_entropy",
+    "linear_cross_entropy": "fused_linear_cross_entropy",
     "lm_head_loss": "lm_head",
 }
 __all__ = list(_EXPORTS)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_tensor, check_type
-from opsnn_lab.ops.linear_cross_entropy import linear_cross_entropy
+from opsnn_lab.ops.fused_linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["lm_head_loss", "lm_head_kind"]
 

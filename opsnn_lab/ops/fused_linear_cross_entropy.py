@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opsnn_lab._checks import check_choice, check_positive, check_range, check_tensor, check_type, same_device
-from opsnn_lab.kernels.linear_cross_entropy import cross_entropy_chunk
+from opsnn_lab.kernels.fused_linear_cross_entropy import cross_entropy_chunk
 
 __all__ = ["LinearCrossEntropyFunction", "FusedLinearCrossEntropy", "linear_cross_entropy"]
 
