@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from opsnn_lab.bench.chains_norm import NORM_BUILDERS, NORM_CHAINS
 from opsnn_lab.bench.common import format_table, interleaved_medians, sync, write_json
 from opsnn_lab.bench.memory import activation_bytes
 
@@ -153,7 +154,7 @@ def _encoder_chain(s, device, dtype):
     return Chain("encoder_layer", layer, fused, (x,), note="QKV+attention+MLP+dropouts fused by hand")
 
 
-CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "encoder_layer")
+CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "encoder_layer", *NORM_CHAINS)
 
 
 def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str] | None = None):
@@ -169,7 +170,7 @@ def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str
     if "conv_bn_relu_maxpool" in wanted:
         stem, why = _stem_chain(shapes, device, dtype)
         chains.append(stem) if stem is not None else skipped.append(why)
-    builders = {"qkv": _qkv_chain, "attention": _attention_chain, "encoder_layer": _encoder_chain}
+    builders = {"qkv": _qkv_chain, "attention": _attention_chain, "encoder_layer": _encoder_chain, **NORM_BUILDERS}
     chains += [build(shapes, device, dtype) for name, build in builders.items() if name in wanted]
     return chains, skipped
 
