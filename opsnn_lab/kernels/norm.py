@@ -61,21 +61,28 @@ def _rms_bwd(grad_y, s, rstd, w, want_w):
 
 
 def norm_bwd_reference(grad_y, s, mean, rstd, weight, rms, weight_offset=0.0, has_bias=False, grad_sum=None,
-                       want_weight=True):
+                       want_weight=True, bias=None):
     """Torch path: ``(grad_s, grad_weight | None, grad_bias | None)``; ``grad_sum`` (the gradient that
-    reaches ``s`` directly, when the sum is also an output) is added to ``grad_s``."""
+    reaches ``s`` directly, when the sum is also an output) is added to ``grad_s``. ``bias`` (optional) lets
+    LayerNorm's aten backward produce the bias gradient in its own pass."""
     n = s.shape[-1]
     w = _effective_weight(weight, weight_offset, s.dtype)
     want_w = weight is not None and want_weight
     if rms:
         grad_s, grad_w = _rms_bwd(grad_y, s, rstd.view(-1, 1), w, want_w)
     else:
-        grad_s, grad_w, _ = torch.ops.aten.native_layer_norm_backward(
-            grad_y, s, [n], mean.view(-1, 1), rstd.view(-1, 1), w, None, [True, want_w, False])
+        in_pass = has_bias and bias is not None
+        grad_s, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            grad_y, s, [n], mean.view(-1, 1), rstd.view(-1, 1), w, bias if in_pass else None,
+            [True, want_w, in_pass])
+        if in_pass:
+            return _add_sum(grad_s, grad_sum), grad_w if want_w else None, grad_b
     grad_b = grad_y.sum(0) if has_bias else None
-    if grad_sum is not None:
-        grad_s = grad_s.add_(grad_sum)
-    return grad_s, grad_w if want_w else None, grad_b
+    return _add_sum(grad_s, grad_sum), grad_w if want_w else None, grad_b
+
+
+def _add_sum(grad_s, grad_sum):
+    return grad_s if grad_sum is None else grad_s.add_(grad_sum)
 
 
 # --------------------------------------------------------------------------- Triton kernels
@@ -275,7 +282,7 @@ def norm_fwd(x, weight=None, bias=None, residual=None, eps=1e-5, rms=False, weig
 
 
 def norm_bwd(grad_y, s, mean, rstd, weight=None, rms=False, weight_offset=0.0, has_bias=False, grad_sum=None,
-             want_weight=True):
+             want_weight=True, bias=None):
     """Gradients of ``norm_fwd`` from its saved ``s``, ``mean``, ``rstd``.
 
     grad_y, grad_sum: (M, N) in s's dtype (grad_sum: the gradient of the sum output, or None). Returns
@@ -291,4 +298,5 @@ def norm_bwd(grad_y, s, mean, rstd, weight=None, rms=False, weight_offset=0.0, h
     if _use_triton(s):
         return _bwd_triton(grad_y.contiguous(), s.contiguous(), mean, rstd, weight, rms, weight_offset, has_bias,
                            grad_sum, want_weight)
-    return norm_bwd_reference(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, grad_sum, want_weight)
+    return norm_bwd_reference(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, grad_sum, want_weight,
+                              bias)

@@ -49,21 +49,21 @@ class AddNormFunction(torch.autograd.Function):
         r2 = None if residual is None else residual.reshape(-1, n)
         y, s, mean, rstd = norm_fwd(x.reshape(-1, n), weight, bias, r2, eps, rms, weight_offset)
         ctx.cfg, ctx.shape = (rms, weight_offset, bias is not None, residual is not None), x.shape
-        ctx.save_for_backward(s, mean, rstd, weight)
+        ctx.save_for_backward(s, mean, rstd, weight, bias)
         ctx.set_materialize_grads(False)
         y = y.view(x.shape)
         return y if residual is None else (y, s.view(x.shape))
 
     @staticmethod
     def backward(ctx, grad_y, grad_sum=None):
-        s, mean, rstd, weight = ctx.saved_tensors
+        s, mean, rstd, weight, bias = ctx.saved_tensors
         rms, weight_offset, has_bias, has_residual = ctx.cfg
         need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
         n = s.shape[-1]
         gy = torch.zeros_like(s) if grad_y is None else grad_y.reshape(-1, n).to(s.dtype)
         gs = None if grad_sum is None else grad_sum.reshape(-1, n).to(s.dtype)
         grad_s, grad_w, grad_b = norm_bwd(gy, s, mean, rstd, weight, rms, weight_offset, has_bias and need_b, gs,
-                                          want_weight=need_w)
+                                          want_weight=need_w, bias=bias)
         grad_s = grad_s.view(ctx.shape)
         return (grad_s if need_x else None, grad_s if has_residual and need_r else None,
                 grad_w if need_w else None, grad_b if need_b else None, None, None, None)
@@ -153,7 +153,8 @@ class _FusedNorm(nn.Module):
         return math.prod(self.normalized_shape)
 
     def _flat(self, p):
-        return None if p is None else p.view(-1)
+        # 1-D parameters go in as they are: a view would add a ViewBackward copy of each gradient
+        return p if p is None or p.dim() == 1 else p.view(-1)
 
     def _check(self, x, name="x"):
         check_tensor(name, x, dtypes=_FLOATS, min_dim=1)
@@ -163,6 +164,8 @@ class _FusedNorm(nn.Module):
         same_device(weight=self.weight, **{name: x})
 
     def _apply_norm(self, x, residual):
+        if len(self.normalized_shape) == 1:
+            return AddNormFunction.apply(x, residual, self.weight, self.bias, self.eps, self._rms, self.weight_offset)
         lead = x.shape[:x.dim() - len(self.normalized_shape)]
         flat = x.reshape(*lead, self.features)
         res = None if residual is None else residual.reshape(*lead, self.features)
