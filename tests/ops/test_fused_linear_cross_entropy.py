@@ -100,6 +100,19 @@ def test_low_precision_within_twice_eager_error_vs_fp64(dtype, upstream, recompu
         assert_within_eager_error(a, e, r, name=f"grad {name}")
 
 
+def test_fp16_gradients_survive_a_loss_scale():
+    # 512 tokens, small weights: unscaled gradients (~1e-6) are fp16 subnormals; the loss scale (2**12) only
+    # arrives in backward, so the op must keep them wider until then, as eager does by scaling first.
+    hidden, weight, bias, target = _problem(shape=(512,), v=64, h=16, dtype=torch.float16, bias=False, seed=4)
+    weight = (weight.float() * 3e-3).half()
+    g = torch.tensor(2.0**12)
+    _, ref = _grads(eager_linear_cross_entropy, hidden.double(), weight.double(), None, target, g.double())
+    _, eager = _grads(eager_linear_cross_entropy, hidden, weight, None, target, g)
+    _, got = _grads(ops.linear_cross_entropy, hidden, weight, None, target, g, recompute=False)
+    for name, a, e, r in zip(["hidden", "weight"], got, eager, ref):
+        assert_within_eager_error(a, e, r, name=f"grad {name}")
+
+
 class _LargestTensor(TorchDispatchMode):
     def __init__(self):
         super().__init__()
