@@ -82,8 +82,8 @@ def _grad_pass(h2, weight, bias, target, row_scale, cfg, need):
         # Plain mm (no out=, no addmm_): strict() swaps aten's mm/addmm for fixed-order ones, not their variants.
         if need_h:
             grad_h[a:b] = z.to(acc) @ w_acc
-        if need_w:
-            grad_w += z.t() @ hc.float()  # fp32 GEMM: the chunks' partial sums are never rounded
+        if need_w:  # fp32 sum over chunks; bf16 chunk GEMMs (fp32 inside) run ~7x faster than fp32 ones on CPU
+            grad_w += (z.to(acc).t() @ hc).float() if acc == torch.bfloat16 else z.t() @ hc.to(z.dtype)
         if need_b:
             grad_b += z.sum(0)
     grad_w = None if grad_w is None else grad_w.to(acc)
