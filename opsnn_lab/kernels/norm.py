@@ -261,13 +261,19 @@ def _check_param(name, p, x):
     return p.contiguous()
 
 
-def norm_fwd(x, weight=None, bias=None, residual=None, eps=1e-5, rms=False, weight_offset=0.0):
+def norm_fwd(x, weight=None, bias=None, residual=None, eps=1e-5, rms=False, weight_offset=0.0, check=True):
     """LayerNorm (``rms=False``) or RMSNorm of ``x [+ residual]`` over the last dim.
 
     x, residual: (M, N) of one float dtype (made contiguous); weight, bias: (N,) or None. Returns
     ``(y, s, mean, rstd)``: y and s (M, N) in x's dtype, ``s = x + residual`` (``x`` itself without a
     residual); mean (M,) fp32 (None for RMSNorm) and rstd (M,) fp32, the only statistics backward needs.
+    ``check=False`` skips argument validation (for callers that validated already: it is per-call overhead).
     """
+    if not check:
+        if _use_triton(x):
+            return _fwd_triton(x.contiguous(), weight, bias, None if residual is None else residual.contiguous(),
+                               eps, rms, weight_offset)
+        return norm_fwd_reference(x, weight, bias, residual, eps, rms, weight_offset)
     check_tensor("x", x, dtypes=_FLOATS, dim=2)
     if residual is not None:
         check_tensor("residual", residual, dtypes=(x.dtype,), dim=2, device=x.device)
@@ -282,17 +288,15 @@ def norm_fwd(x, weight=None, bias=None, residual=None, eps=1e-5, rms=False, weig
 
 
 def norm_bwd(grad_y, s, mean, rstd, weight=None, rms=False, weight_offset=0.0, has_bias=False, grad_sum=None,
-             want_weight=True, bias=None):
+             want_weight=True, bias=None, check=True):
     """Gradients of ``norm_fwd`` from its saved ``s``, ``mean``, ``rstd``.
 
     grad_y, grad_sum: (M, N) in s's dtype (grad_sum: the gradient of the sum output, or None). Returns
     ``(grad_s, grad_weight, grad_bias)``: grad_s (M, N) is the gradient of both x and residual; grad_weight
     and grad_bias (N,) (None when absent / not wanted), reduced in a fixed order.
     """
-    check_tensor("s", s, dtypes=_FLOATS, dim=2)
-    check_tensor("grad_y", grad_y, dtypes=(s.dtype,), dim=2, device=s.device)
-    if grad_y.shape != s.shape:
-        raise ValueError(f"grad_y must have s's shape {tuple(s.shape)}, got {tuple(grad_y.shape)}")
+    if check:
+        _check_bwd(grad_y, s)
     if grad_sum is not None:
         grad_sum = grad_sum.contiguous()
     if _use_triton(s):
@@ -300,3 +304,10 @@ def norm_bwd(grad_y, s, mean, rstd, weight=None, rms=False, weight_offset=0.0, h
                            grad_sum, want_weight)
     return norm_bwd_reference(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, grad_sum, want_weight,
                               bias)
+
+
+def _check_bwd(grad_y, s):
+    check_tensor("s", s, dtypes=_FLOATS, dim=2)
+    check_tensor("grad_y", grad_y, dtypes=(s.dtype,), dim=2, device=s.device)
+    if grad_y.shape != s.shape:
+        raise ValueError(f"grad_y must have s's shape {tuple(s.shape)}, got {tuple(grad_y.shape)}")
