@@ -17,6 +17,8 @@ something: a batch depends only on ``(seed, step)``, never on global RNG state.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -253,6 +255,34 @@ def _generator(seed: int, step: int) -> torch.Generator:
     return g
 
 
+def _fusable_head(model: nn.Module) -> nn.Linear | None:
+    """The Encoder's ``head`` Linear when the fused head + loss can run it, else None (plain path)."""
+    inner = getattr(model, "module", model)  # DistributedDataParallel keeps the model at .module
+    head = getattr(inner, "head", None)
+    if not isinstance(head, nn.Linear):
+        return None
+    # A sharded (FSDP) model's parameters only exist inside its forward: the head is not usable after it.
+    if any("FullyShard" in type(m).__name__ or type(m).__name__.startswith("FSDP") for m in model.modules()):
+        return None
+    return head
+
+
+@contextmanager
+def _head_input(head: nn.Linear) -> Iterator[list[torch.Tensor]]:
+    """Capture the head's input and hand the head 0 rows of it, so the forward computes no logits."""
+    box: list[torch.Tensor] = []
+
+    def keep_input(_module, args):
+        box.append(args[0])
+        return (args[0][:0], *args[1:])
+
+    handle = head.register_forward_pre_hook(keep_input)
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
 @dataclass
 class MaskedTokenTask:
     """Masked-token prediction on arithmetic token sequences.
@@ -261,6 +291,11 @@ class MaskedTokenTask:
     stride from ``strides``; 15% of positions are replaced by the mask token and must be
     recovered from their neighbours. Chance-level loss is ``log(vocab)``; a model that
     learned the rule reaches near zero.
+
+    ``fused_head`` (default True): ``loss`` runs the vocabulary head and the cross-entropy as one
+    ``ops.linear_cross_entropy`` (the masked rows' logits are never held); False, or a model whose
+    ``head`` is not an ``nn.Linear`` (or is FSDP-sharded), takes the plain ``head -> F.cross_entropy`` path.
+    Both give the same loss and gradients within fp32 tolerance.
     """
 
     vocab_size: int = 128
@@ -269,8 +304,11 @@ class MaskedTokenTask:
     seed: int = 0
     mask_prob: float = 0.15
     strides: tuple[int, ...] = (1, 2, 3, 5)
+    fused_head: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.fused_head, bool):
+            raise TypeError(f"fused_head must be bool, got {type(self.fused_head).__name__}")
         check_positive("vocab_size", self.vocab_size, integer=True)
         check_positive("seq_len", self.seq_len, integer=True)
         check_positive("batch_size", self.batch_size, allow_zero=True, integer=True)
@@ -304,8 +342,15 @@ class MaskedTokenTask:
         """Cross-entropy over the masked positions only (the head runs on those rows alone)."""
         labels = batch["labels"]
         targets = labels != -100
-        logits = model(batch["input_ids"], target_mask=targets)
-        return F.cross_entropy(logits.float(), labels[targets])
+        head = _fusable_head(model) if self.fused_head else None
+        if head is None:
+            logits = model(batch["input_ids"], target_mask=targets)
+            return F.cross_entropy(logits.float(), labels[targets])
+        from opsnn_lab.ops.fused_linear_cross_entropy import linear_cross_entropy
+
+        with _head_input(head) as hidden:
+            model(batch["input_ids"], target_mask=targets)
+        return linear_cross_entropy(hidden[0], head.weight, labels[targets], head.bias)
 
     def model(self, cfg: EncoderConfig | None = None, **overrides) -> Encoder:
         """An ``Encoder`` sized for this task (vocabulary and length filled in)."""

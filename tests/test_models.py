@@ -122,3 +122,47 @@ def test_target_mask_gives_the_selected_rows_of_the_full_logits():
         model(batch["input_ids"], target_mask=targets[:, :5])
     with pytest.raises(TypeError, match="target_mask"):
         model(batch["input_ids"], target_mask=targets.long())
+
+
+class _WrappedEncoder(torch.nn.Module):  # how DistributedDataParallel holds a model: at .module
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def _loss_and_grads(task, model, batch):
+    loss = task.loss(model, batch)
+    return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_fused_head_loss_equals_the_plain_path_with_every_gradient(wrap):
+    torch.manual_seed(0)
+    fused_task = MaskedTokenTask(seq_len=16, batch_size=4)
+    plain_task = MaskedTokenTask(seq_len=16, batch_size=4, fused_head=False)
+    model = fused_task.model(EncoderConfig.tiny(dropout=0.0, attn_dropout=0.0))
+    model = _WrappedEncoder(model) if wrap else model
+    calls = []
+    head = model.module.head if wrap else model.head
+    head.register_forward_hook(lambda m, args, out: calls.append(out.shape[0]))
+    batch = fused_task.batch(3)
+    got_loss, got = _loss_and_grads(fused_task, model, batch)
+    want_loss, want = _loss_and_grads(plain_task, model, batch)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    n_masked = int((batch["labels"] != -100).sum())
+    assert calls == [0, n_masked]  # the fused path's head ran on 0 rows: no logits were computed
+    assert not head._forward_pre_hooks  # the capture hook is gone
+
+
+def test_fused_head_switch_is_validated_and_non_linear_heads_fall_back():
+    with pytest.raises(TypeError, match="fused_head"):
+        MaskedTokenTask(fused_head=1)
+    task = MaskedTokenTask(seq_len=8, batch_size=2)
+    model = task.model(EncoderConfig.tiny(dropout=0.0, attn_dropout=0.0))
+    model.head = torch.nn.Sequential(model.head)  # not an nn.Linear: the plain path runs
+    assert torch.isfinite(task.loss(model, task.batch(0)))

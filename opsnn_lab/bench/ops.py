@@ -20,6 +20,7 @@ from torch import nn
 
 from opsnn_lab.bench import chains_mlp
 from opsnn_lab.bench.chains_conv import CONV_BUILDERS, CONV_CHAINS
+from opsnn_lab.bench.chains_norm import NORM_BUILDERS, NORM_CHAINS
 from opsnn_lab.bench.common import format_table, interleaved_medians, machine_line, sync, write_json
 from opsnn_lab.measuring import activation_bytes
 
@@ -156,7 +157,7 @@ def _encoder_chain(s, device, dtype):
 
 
 CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "encoder_layer", *CONV_CHAINS,
-          *chains_mlp.CHAINS)
+          *chains_mlp.CHAINS, *NORM_CHAINS)
 
 
 def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str] | None = None):
@@ -172,7 +173,8 @@ def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str
     if "conv_bn_relu_maxpool" in wanted:
         stem, why = _stem_chain(shapes, device, dtype)
         chains.append(stem) if stem is not None else skipped.append(why)
-    builders = {"qkv": _qkv_chain, "attention": _attention_chain, "encoder_layer": _encoder_chain, **CONV_BUILDERS}
+    builders = {"qkv": _qkv_chain, "attention": _attention_chain, "encoder_layer": _encoder_chain, **CONV_BUILDERS,
+                **NORM_BUILDERS}
     chains += [build(shapes, device, dtype) for name, build in builders.items() if name in wanted]
     chains += chains_mlp.build_chains(shapes, device, dtype, wanted)
     return chains, skipped

@@ -17,6 +17,14 @@ _EXPORTS = {
     "FusedQKV": "qkv",
     "FusedAttention": "attention",
     "Dropout": "dropout",
+    "FusedLayerNorm": "norm",
+    "FusedRMSNorm": "norm",
+    "FusedAddLayerNorm": "norm",
+    "FusedAddRMSNorm": "norm",
+    "FusedLinearCrossEntropy": "fused_linear_cross_entropy",
+    "linear_cross_entropy": "fused_linear_cross_entropy",
+    "lm_head_loss": "lm_head",
+    "lm_head_kind": "lm_head",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -13,7 +13,7 @@ from torch import nn
 from opsnn_lab.consistency import ConsistencyChecker, ConsistencyReport
 from opsnn_lab.models import EncoderConfig, MaskedTokenTask
 
-TASK = MaskedTokenTask(batch_size=2, seq_len=8)
+TASK = MaskedTokenTask(batch_size=2, seq_len=8, fused_head=False)  # the head runs as a module: "head" is named
 
 
 def make_model() -> nn.Module:

@@ -1,0 +1,114 @@
+"""Normalisation and vocabulary-head rows of ``python -m opsnn_lab.bench ops``.
+
+Rows (names follow the fusion pattern names):
+
+* ``layer_norm`` / ``add_layer_norm``: ``nn.LayerNorm`` (after ``x + residual``), BERT-base width (768).
+  ``nn.LayerNorm`` already saves only its input and two row statistics, so the bytes ratio is ~1.0 in fp32
+  (and under CPU autocast, which keeps layer_norm in bf16); the fused op's gain there is the add in the same pass.
+* ``rms_norm`` / ``add_rms_norm``: Hugging Face's ``LlamaRMSNorm`` as it is written (pow / mean / rsqrt / mul,
+  fp32 upcast, copied here so the benchmark does not import transformers), Llama-7B width scaled to 1024.
+  ``add_rms_norm[bf16]``: the same in bf16, as Llama trains (eager then keeps an fp32 copy of the input).
+  In fp32 eager saves ``x``, ``x * rstd`` and ``rstd``, the fused op ``x`` and ``rstd``: ``(H + 1) / (2H + 1)``,
+  0.5002 at H = 1024.
+* ``rms_norm[nn.RMSNorm]``: PyTorch's own module, which on CPU saves the input and its normalised copy.
+* ``linear_cross_entropy`` / ``linear_cross_entropy[bf16]``: the vocabulary head + ``F.cross_entropy`` at
+  vocabulary 32000, 2048 tokens, hidden 512 (``QUICK``: 64 tokens, vocabulary 1000, hidden 32). Eager upcasts the
+  logits to fp32 before the loss, as Hugging Face's loss does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["NORM_CHAINS", "NORM_BUILDERS", "LlamaRMSNorm", "TARGETS"]
+
+TARGETS = {"bytes_fused_vs_eager[*rms_norm, *layer_norm]": 0.5, "bytes_fused_vs_eager[linear_cross_entropy]": 0.25,
+           "time_fused_vs_eager[linear_cross_entropy]": 1.10}
+LCE_FULL = dict(tokens=2048, vocab=32000, hidden=512)
+LCE_QUICK = dict(tokens=64, vocab=1000, hidden=32)
+
+
+class LlamaRMSNorm(nn.Module):
+    """Hugging Face's ``LlamaRMSNorm``, verbatim."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class _AddNorm(nn.Module):
+    """Eager ``s = x + residual; return norm(s), s``: the residual stream continues with ``s``."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x, residual):
+        s = x + residual
+        return self.norm(s), s
+
+
+def _norm_chain(s, device, dtype, name):
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    quick = s["hidden"] < 256
+    if "layer_norm" in name:
+        width = s["hidden"]
+        norm = nn.LayerNorm(width)
+    else:
+        width = s["hidden"] if quick else 1024
+        norm = nn.RMSNorm(width, eps=1e-6) if "nn.RMSNorm" in name else LlamaRMSNorm(width)
+    dtype = torch.bfloat16 if name.endswith("[bf16]") else dtype
+    norm = norm.to(device, dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    add = name.startswith("add_")
+    fused_cls = {(False, False): ops.FusedLayerNorm, (False, True): ops.FusedAddLayerNorm,
+                 (True, False): ops.FusedRMSNorm, (True, True): ops.FusedAddRMSNorm}[("rms" in name, add)]
+    fused = fused_cls.from_modules(norm)
+    shape = (s["batch"], s["tokens"], width)
+    inputs = tuple(torch.randn(*shape, device=device, dtype=dtype, requires_grad=True) for _ in range(1 + add))
+    eager = _AddNorm(norm) if add else norm
+    return Chain(name, eager, fused, inputs, note=f"{type(norm).__name__}, {shape}")
+
+
+def _lce_chain(s, device, dtype, name):
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    p = LCE_QUICK if s["hidden"] < 256 else LCE_FULL
+    dtype = torch.bfloat16 if name.endswith("[bf16]") else dtype
+    head = nn.Linear(p["hidden"], p["vocab"], bias=False).to(device, dtype)
+    with torch.no_grad():
+        head.weight.normal_(0.0, 0.02)
+    hidden = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, p["vocab"], (p["tokens"],), device=device)
+    target[::7] = -100  # some padding, as in a real batch
+
+    def eager(h, t):
+        return F.cross_entropy(head(h).float(), t)
+
+    fused = ops.FusedLinearCrossEntropy.from_modules(head)
+    return Chain(name, eager, fused, (hidden, target),
+                 note=f"{p['tokens']} tokens, hidden {p['hidden']}, vocab {p['vocab']}, {str(dtype)[6:]}")
+
+
+def _builder(build, name):
+    return lambda s, device, dtype: build(s, device, dtype, name)
+
+
+_NORMS = ("layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "add_rms_norm[bf16]", "rms_norm[nn.RMSNorm]")
+_LCE = ("linear_cross_entropy", "linear_cross_entropy[bf16]")
+NORM_CHAINS = _NORMS + _LCE
+NORM_BUILDERS = {**{n: _builder(_norm_chain, n) for n in _NORMS}, **{n: _builder(_lce_chain, n) for n in _LCE}}

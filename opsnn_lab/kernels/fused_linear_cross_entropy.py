@@ -1,0 +1,118 @@
+"""Cross-entropy over a chunk of logits, loss and logit gradient in one pass: Triton kernel and torch reference.
+
+The vocabulary head's loss is computed chunk by chunk (``ops.linear_cross_entropy``): each chunk's fp32 logits
+``(C, V)`` are turned in place into ``d loss / d logits`` scaled per row, so the full ``(N, V)`` logits and
+their softmax never exist. Per row: ``lse = logsumexp(z)``, ``loss = (1 - eps) (lse - z_t) + eps (lse -
+mean(z))`` (``eps`` = label smoothing, as ``F.cross_entropy``), 0 for ignored rows; gradient ``softmax(z) -
+(1 - eps) onehot(t) - eps / V`` times the row scale. One program per row, no atomics: the row losses are
+summed afterwards in a fixed order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opsnn_lab.kernels._dispatch import backend_for
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+__all__ = ["cross_entropy_chunk", "cross_entropy_chunk_reference"]
+
+_BLOCK_V = 4096  # vocabulary columns per loop step of the Triton kernel (the row is tiled, V is unbounded)
+
+
+# --------------------------------------------------------------------------- torch reference
+def cross_entropy_chunk_reference(logits, target, ignore_index, smoothing, row_scale=None):
+    """Torch path: ``(loss, lse)`` per row, both (C,) fp32; with ``row_scale`` (C,) fp32 the logits (C, V)
+    fp32 are overwritten by the scaled gradient (ignored rows must have scale 0)."""
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = lse - logits.gather(1, safe[:, None]).squeeze(1)
+    if smoothing:
+        loss = loss.mul_(1.0 - smoothing).add_(lse - logits.mean(-1), alpha=smoothing)
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if row_scale is not None:
+        grad = logits.sub_(lse[:, None]).exp_()
+        if smoothing:
+            grad.sub_(smoothing / logits.shape[1])
+        grad.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], smoothing - 1.0))
+        grad.mul_(row_scale[:, None])
+    return loss, lse
+
+
+# --------------------------------------------------------------------------- Triton kernel
+if triton is not None:
+
+    @triton.jit
+    def _cross_entropy_chunk_kernel(
+        LOGITS,  # pointer to the (C, V) fp32 logits, overwritten by the scaled gradient when WANT_GRAD
+        TARGET,  # pointer to the (C,) int64 targets
+        ROW_SCALE,  # pointer to the (C,) fp32 gradient scale per row (0 for ignored rows)
+        LOSS,  # pointer to the (C,) fp32 row losses (output)
+        LSE,  # pointer to the (C,) fp32 row logsumexp (output)
+        V,  # vocabulary size
+        IGNORE,  # ignore_index
+        SMOOTH,  # label smoothing in [0, 1]
+        WANT_GRAD: tl.constexpr,  # write the gradient over the logits
+        BLOCK_V: tl.constexpr,  # columns per loop step
+    ):
+        # Bytes per row: read V fp32 twice (online logsumexp, then gradient) and write V fp32: 12 V; the
+        # logits chunk stays in cache on CPU-sized chunks, and the (N, V) tensor never exists.
+        row = tl.program_id(0).to(tl.int64)
+        base = LOGITS + row * V
+        cols = tl.arange(0, BLOCK_V)
+        m = tl.full([BLOCK_V], -1e30, tl.float32)  # finite start: exp(m_old - m_new) stays defined
+        d = tl.full([BLOCK_V], 0.0, tl.float32)
+        zsum = tl.full([BLOCK_V], 0.0, tl.float32)
+        for start in range(0, V, BLOCK_V):
+            mask = start + cols < V
+            z = tl.load(base + start + cols, mask=mask, other=float("-inf"))
+            m_new = tl.maximum(m, z)
+            d = d * tl.exp(m - m_new) + tl.exp(z - m_new)
+            m = m_new
+            zsum += tl.where(mask, z, 0.0)
+        m_row = tl.max(m, axis=0)
+        lse = m_row + tl.log(tl.sum(d * tl.exp(m - m_row), axis=0))
+        t = tl.load(TARGET + row)
+        valid = t != IGNORE
+        z_t = tl.load(base + tl.where(valid, t, 0))
+        loss = (1.0 - SMOOTH) * (lse - z_t) + SMOOTH * (lse - tl.sum(zsum, axis=0) / V)
+        tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+        tl.store(LSE + row, lse)
+        if WANT_GRAD:
+            scale = tl.load(ROW_SCALE + row)
+            for start in range(0, V, BLOCK_V):
+                mask = start + cols < V
+                z = tl.load(base + start + cols, mask=mask, other=0.0)
+                g = tl.exp(z - lse) - SMOOTH / V - tl.where(start + cols == t, 1.0 - SMOOTH, 0.0)
+                tl.store(base + start + cols, g * scale, mask=mask)
+
+
+def _chunk_triton(logits, target, ignore_index, smoothing, row_scale):
+    c, v = logits.shape
+    loss = torch.empty(c, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(loss)
+    if c:
+        block = min(_BLOCK_V, triton.next_power_of_2(v))
+        _cross_entropy_chunk_kernel[(c,)](
+            logits, target, row_scale if row_scale is not None else loss, loss, lse, v, ignore_index,
+            float(smoothing), WANT_GRAD=row_scale is not None, BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
+    return loss, lse
+
+
+def cross_entropy_chunk(logits, target, ignore_index=-100, smoothing=0.0, row_scale=None):
+    """Row losses and logsumexp of a logits chunk; with ``row_scale``, the scaled gradient in place.
+
+    logits: (C, V) contiguous fp32 (overwritten when ``row_scale`` is given); target: (C,) int64 with values in
+    [0, V) or ``ignore_index``; row_scale: (C,) fp32, 0 on ignored rows. Returns ``(loss, lse)``, (C,) fp32 each.
+    """
+    if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+        raise ValueError(f"logits must be a contiguous 2-D fp32 chunk, got {logits.dtype} {tuple(logits.shape)}")
+    if backend_for(logits) == "triton":
+        return _chunk_triton(logits, target.contiguous(), ignore_index, smoothing, row_scale)
+    return cross_entropy_chunk_reference(logits, target, ignore_index, smoothing, row_scale)

@@ -1,0 +1,253 @@
+"""LayerNorm and RMSNorm, alone or with the residual add before them, as single autograd ops.
+
+What is saved for backward, per row of ``N`` features (``s`` = the input, or ``x + residual``):
+
+=========================================  ======================================  ==================
+chain                                       eager saves                             fused saves
+=========================================  ======================================  ==================
+``nn.LayerNorm`` (fp32)                     s, mean, rstd                           s, mean, rstd (same)
+``nn.LayerNorm`` under bf16 autocast        an fp32 copy of s, mean, rstd            bf16 s, mean, rstd
+``nn.RMSNorm`` / HF ``*RMSNorm``            s (fp32 copy), s * rstd, rstd, ...       s, rstd
+=========================================  ======================================  ==================
+
+The fused ops compute the statistics and the output in fp32 and round once to the input dtype (HF's
+Llama rounds before the weight multiply; the fused result is the more accurate of the two).
+
+Contract for the fusion rewrite (``supports`` says yes or gives the reason; ``from_modules`` raises
+``ValueError`` with that reason): ``FusedLayerNorm`` takes an ``nn.LayerNorm``; ``FusedRMSNorm`` takes an
+``nn.RMSNorm`` or a Hugging Face ``*RMSNorm`` (``weight`` plus ``variance_epsilon`` or ``eps``; Gemma's
+``(1 + weight)`` form is detected from its source and handled with ``weight_offset=1.0``). The fused module
+registers the original ``weight``/``bias`` Parameter objects, so ``state_dict`` keys and values are unchanged.
+``FusedAddLayerNorm`` / ``FusedAddRMSNorm`` take the same modules; their ``forward(x, residual)`` returns
+``(normed, summed)``: the normalised output and ``x + residual``, which the residual stream continues with
+(out of place, ``h = summed + ...``: backward reads the saved sum, so autograd refuses in-place updates of it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch import nn
+
+from opsnn_lab._checks import check_tensor, check_type, same_device
+from opsnn_lab.kernels.norm import norm_bwd, norm_fwd
+
+__all__ = ["AddNormFunction", "FusedLayerNorm", "FusedRMSNorm", "FusedAddLayerNorm", "FusedAddRMSNorm",
+           "rms_norm_form"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class AddNormFunction(torch.autograd.Function):
+    """``y = norm(x [+ residual])``; saves ``s`` (the input or the sum) and fp32 ``rstd`` (and ``mean``)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, rms, weight_offset):
+        n = x.shape[-1]
+        r2 = None if residual is None else residual.reshape(-1, n)
+        y, s, mean, rstd = norm_fwd(x.reshape(-1, n), weight, bias, r2, eps, rms, weight_offset, check=False)
+        ctx.cfg, ctx.shape = (rms, weight_offset, bias is not None, residual is not None), x.shape
+        ctx.save_for_backward(s, mean, rstd, weight, bias)
+        ctx.set_materialize_grads(False)
+        y = y.view(x.shape)
+        return y if residual is None else (y, s.view(x.shape))
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_sum=None):
+        s, mean, rstd, weight, bias = ctx.saved_tensors
+        rms, weight_offset, has_bias, has_residual = ctx.cfg
+        need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
+        n = s.shape[-1]
+        gy = torch.zeros_like(s) if grad_y is None else grad_y.reshape(-1, n).to(s.dtype)
+        gs = None if grad_sum is None else grad_sum.reshape(-1, n).to(s.dtype)
+        grad_s, grad_w, grad_b = norm_bwd(gy, s, mean, rstd, weight, rms, weight_offset, has_bias and need_b, gs,
+                                          want_weight=need_w, bias=bias, check=False)
+        grad_s = grad_s.view(ctx.shape)
+        return (grad_s if need_x else None, grad_s if has_residual and need_r else None,
+                grad_w if need_w else None, grad_b if need_b else None, None, None, None)
+
+
+# --------------------------------------------------------------------------- what can be fused
+def _eps_of(module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        eps = getattr(module, name, None)
+        if isinstance(eps, (int, float)) and not isinstance(eps, bool):
+            return float(eps)
+    return None
+
+
+def rms_norm_form(module: nn.Module) -> tuple[float | None, str]:
+    """``(weight_offset, reason)`` for an RMSNorm-like module: offset 0.0 (``weight * xhat``), 1.0 (Gemma's
+    ``(1 + weight) * xhat``) or None with the reason it cannot be fused."""
+    if isinstance(module, nn.RMSNorm):
+        return 0.0, "nn.RMSNorm"
+    name = type(module).__name__
+    if not name.endswith("RMSNorm"):
+        return None, f"{name} is neither nn.RMSNorm nor a Hugging Face *RMSNorm"
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return None, f"{name} has no 1-D weight Parameter"
+    if getattr(module, "bias", None) is not None:
+        return None, f"{name} has a bias; RMSNorm with a bias is not a known form"
+    if _eps_of(module) is None:
+        return None, f"{name} has neither variance_epsilon nor eps"
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    if len(params) != 1:
+        return None, f"{name}.forward takes {len(params)} required inputs (a gated norm?); only one is fused"
+    try:
+        src = inspect.getsource(type(module))
+    except (OSError, TypeError):
+        return None, f"{name}: source unavailable, so its weight form cannot be checked"
+    compact = src.replace(" ", "")
+    if "rsqrt" not in compact or "mean(-1" not in compact or "pow(2)" not in compact:
+        return None, f"{name}: forward is not pow(2).mean(-1) -> rsqrt, the RMSNorm form"
+    if "(1.0+self.weight" in compact or "(1+self.weight" in compact:
+        return 1.0, f"{name}: (1 + weight) form"
+    if "self.weight*" in compact or "*self.weight" in compact:
+        return 0.0, f"{name}: weight * xhat form"
+    return None, f"{name}: the weight's use is not weight * xhat nor (1 + weight) * xhat"
+
+
+def _layer_norm_support(module) -> tuple[bool, str]:
+    if not isinstance(module, nn.LayerNorm):
+        return False, f"expected nn.LayerNorm, got {type(module).__name__}"
+    return True, "nn.LayerNorm over the last dims"
+
+
+def _rms_norm_support(module) -> tuple[bool, str]:
+    offset, reason = rms_norm_form(module)
+    return offset is not None, reason
+
+
+# --------------------------------------------------------------------------- modules
+class _FusedNorm(nn.Module):
+    _rms = False
+    _add = False
+
+    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None = None, eps: float = 1e-5,
+                 normalized_shape: tuple[int, ...] | None = None, weight_offset: float = 0.0):
+        super().__init__()
+        check_type("weight", weight, nn.Parameter, allow_none=True)
+        check_type("bias", bias, nn.Parameter, allow_none=True)
+        check_type("eps", eps, (int, float))
+        if eps < 0 or isinstance(eps, bool):
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if normalized_shape is None:
+            if weight is None:
+                raise ValueError("normalized_shape is required when weight is None")
+            normalized_shape = tuple(weight.shape)
+        self.normalized_shape = tuple(int(d) for d in normalized_shape)
+        for name, p in (("weight", weight), ("bias", bias)):
+            if p is not None and tuple(p.shape) != self.normalized_shape:
+                raise ValueError(f"{name} must have shape {self.normalized_shape}, got {tuple(p.shape)}")
+        self.register_parameter("weight", weight)
+        self.register_parameter("bias", bias)
+        self.eps = float(eps)
+        self.weight_offset = float(check_type("weight_offset", weight_offset, (int, float)))
+
+    @property
+    def features(self) -> int:
+        return math.prod(self.normalized_shape)
+
+    def _flat(self, p):
+        # 1-D parameters go in as they are: a view would add a ViewBackward copy of each gradient
+        return p if p is None or p.dim() == 1 else p.view(-1)
+
+    def _check(self, x, name="x"):
+        check_tensor(name, x, dtypes=_FLOATS, min_dim=1)
+        k = len(self.normalized_shape)
+        if tuple(x.shape[x.dim() - k:]) != self.normalized_shape:
+            raise ValueError(f"{name} must end with {self.normalized_shape}, got shape {tuple(x.shape)}")
+        same_device(weight=self.weight, **{name: x})
+
+    def _apply_norm(self, x, residual):
+        if len(self.normalized_shape) == 1:
+            return AddNormFunction.apply(x, residual, self.weight, self.bias, self.eps, self._rms, self.weight_offset)
+        lead = x.shape[:x.dim() - len(self.normalized_shape)]
+        flat = x.reshape(*lead, self.features)
+        res = None if residual is None else residual.reshape(*lead, self.features)
+        out = AddNormFunction.apply(flat, res, self._flat(self.weight), self._flat(self.bias), self.eps, self._rms,
+                                    self.weight_offset)
+        if residual is None:
+            return out.view(x.shape)
+        return out[0].view(x.shape), out[1].view(x.shape)
+
+    def extra_repr(self) -> str:
+        extra = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        return f"{self.normalized_shape}, eps={self.eps}, bias={self.bias is not None}{extra}"
+
+
+class _NormForward(_FusedNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check(x)
+        return self._apply_norm(x, None)
+
+
+class _AddNormForward(_FusedNorm):
+    _add = True
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``."""
+        self._check(x)
+        self._check(residual, "residual")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual must match x's shape and dtype {tuple(x.shape)}/{x.dtype}, got "
+                             f"{tuple(residual.shape)}/{residual.dtype}")
+        return self._apply_norm(x, residual)
+
+
+class _LayerNormFactory:
+    @classmethod
+    def supports(cls, norm: nn.Module) -> tuple[bool, str]:
+        """``(True, why)`` when ``from_modules(norm)`` will fuse it, else ``(False, reason)``."""
+        return _layer_norm_support(norm)
+
+    @classmethod
+    def from_modules(cls, norm: nn.LayerNorm):
+        ok, reason = cls.supports(norm)
+        if not ok:
+            raise ValueError(f"norm: {reason}")
+        return cls(norm.weight, norm.bias, norm.eps, tuple(norm.normalized_shape)).train(norm.training)
+
+
+class _RMSNormFactory:
+    @classmethod
+    def supports(cls, norm: nn.Module) -> tuple[bool, str]:
+        """``(True, form)`` for ``nn.RMSNorm`` and HF ``*RMSNorm`` modules it can fuse, else ``(False, reason)``."""
+        return _rms_norm_support(norm)
+
+    @classmethod
+    def from_modules(cls, norm: nn.Module):
+        offset, reason = rms_norm_form(norm)
+        if offset is None:
+            raise ValueError(f"norm: {reason}")
+        eps = _eps_of(norm)
+        if isinstance(norm, nn.RMSNorm):
+            if eps is None:  # nn.RMSNorm's default: the input dtype's machine epsilon
+                dtype = norm.weight.dtype if norm.weight is not None else torch.get_default_dtype()
+                eps = torch.finfo(dtype).eps
+            return cls(norm.weight, None, eps, tuple(norm.normalized_shape)).train(norm.training)
+        return cls(norm.weight, None, eps, weight_offset=offset).train(norm.training)
+
+
+class FusedLayerNorm(_LayerNormFactory, _NormForward):
+    """``nn.LayerNorm`` in one op; saves the input and fp32 mean/rstd per row."""
+
+
+class FusedAddLayerNorm(_LayerNormFactory, _AddNormForward):
+    """``s = x + residual; y = LayerNorm(s)`` in one op; returns ``(y, s)``; saves s and mean/rstd per row."""
+
+
+class FusedRMSNorm(_RMSNormFactory, _NormForward):
+    """``nn.RMSNorm`` or a HF ``*RMSNorm`` in one op; saves the input and fp32 rstd per row."""
+
+    _rms = True
+
+
+class FusedAddRMSNorm(_RMSNormFactory, _AddNormForward):
+    """``s = x + residual; y = RMSNorm(s)`` in one op; returns ``(y, s)``; saves s and rstd per row."""
+
+    _rms = True

@@ -1,0 +1,55 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opsnn_lab.kernels import fused_linear_cross_entropy as K
+from opsnn_lab.testing import seeded, triton_interpreter_ready
+
+
+def _case(c, v, ignore_rows=(), seed=0):
+    logits = seeded(c, v, seed=seed, scale=3.0)
+    target = torch.randint(0, v, (c,), generator=torch.Generator().manual_seed(seed))
+    target[list(ignore_rows)] = -100
+    return logits, target
+
+
+def _eager(logits, target, smoothing, row_scale):
+    z = logits.clone().requires_grad_(True)
+    loss = F.cross_entropy(z, target, ignore_index=-100, reduction="none", label_smoothing=smoothing)
+    (loss * row_scale).sum().backward()
+    return loss.detach(), torch.logsumexp(logits, -1), z.grad
+
+
+def _check(fn, c, v, smoothing, ignore_rows=(), tol=1e-5):
+    logits, target = _case(c, v, ignore_rows)
+    row_scale = seeded(c, seed=9).abs() * (target != -100)
+    want_loss, want_lse, want_grad = _eager(logits, target, smoothing, row_scale)
+    loss, lse = fn(logits.clone(), target, -100, smoothing)  # no row_scale: the logits are left alone
+    torch.testing.assert_close(loss, want_loss, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=tol, rtol=tol)
+    work = logits.clone()
+    fn(work, target, -100, smoothing, row_scale)
+    torch.testing.assert_close(work, want_grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_reference_matches_f_cross_entropy(smoothing):
+    _check(K.cross_entropy_chunk_reference, 9, 37, smoothing, ignore_rows=(0, 4))
+
+
+def test_public_entry_rejects_what_it_would_corrupt():
+    with pytest.raises(ValueError, match="logits"):
+        K.cross_entropy_chunk(torch.zeros(3, 4, dtype=torch.float16), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="logits"):
+        K.cross_entropy_chunk(torch.zeros(4, 3).t(), torch.zeros(3, dtype=torch.long))
+    loss, lse = K.cross_entropy_chunk(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))
+    assert loss.shape == lse.shape == (0,)
+
+
+# 4099 columns: two 4096-wide tiles, the second almost empty; rows 1 and 5 ignored.
+@pytest.mark.parametrize("c, v, smoothing", [(6, 37, 0.0), (6, 37, 0.2), (3, 4099, 0.1)])
+def test_triton_interpreter_matches_eager(monkeypatch, c, v, smoothing):
+    if not triton_interpreter_ready():
+        pytest.skip("needs triton with TRITON_INTERPRET=1")
+    monkeypatch.setenv("OPSNN_BACKEND", "triton")
+    _check(K.cross_entropy_chunk, c, v, smoothing, ignore_rows=(1,) if c < 6 else (1, 5), tol=2e-5)

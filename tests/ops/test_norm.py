@@ -1,0 +1,207 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from opsnn_lab import ops
+from opsnn_lab.bench import activation_bytes
+from opsnn_lab.testing import (
+    assert_close_dtype,
+    assert_within_eager_error,
+    non_contiguous,
+    seeded,
+    triton_interpreter_ready,
+)
+
+H = 67  # odd width: a partly masked Triton block
+
+
+def _hf(kind):
+    transformers = pytest.importorskip("transformers")
+    if kind == "llama":
+        return transformers.models.llama.modeling_llama.LlamaRMSNorm(H, eps=1e-6)
+    return transformers.models.gemma.modeling_gemma.GemmaRMSNorm(H, eps=1e-6)
+
+
+def _module(kind, dtype=torch.float32):
+    torch.manual_seed(0)
+    norm = {"layer_norm": lambda: nn.LayerNorm(H), "rms_norm": lambda: nn.RMSNorm(H, eps=1e-6)}.get(
+        kind, lambda: _hf(kind))()
+    with torch.no_grad():  # non-trivial affine parameters, so weight and bias gradients are tested for real
+        for p in norm.parameters():
+            p.copy_(seeded(*p.shape, seed=hash(kind) % 97, scale=0.5) + (0.0 if kind == "gemma" else 1.0))
+    return norm.to(dtype)
+
+
+def _fused_cls(kind, add):
+    rms = kind != "layer_norm"
+    return {(False, False): ops.FusedLayerNorm, (False, True): ops.FusedAddLayerNorm,
+            (True, False): ops.FusedRMSNorm, (True, True): ops.FusedAddRMSNorm}[(rms, add)]
+
+
+def _eager_fn(norm, add):
+    if add:
+        def run(x, r):
+            s = x + r
+            return norm(s), s
+        return run
+    return norm
+
+
+def _run(fn, inputs, params, seed=11):
+    outs = fn(*inputs)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    grads = [seeded(*o.shape, seed=seed + i, dtype=o.dtype) for i, o in enumerate(outs)]
+    leaves = list(inputs) + list(params)
+    got = torch.autograd.grad(outs, leaves, grads)
+    return [o.detach() for o in outs], list(got)
+
+
+def _inputs(shape, dtype, add, contiguous=True):
+    x = seeded(*shape, seed=1, dtype=dtype, scale=2.0) + 0.3
+    r = seeded(*shape, seed=2, dtype=dtype)
+    xs = [x, r] if add else [x]
+    if not contiguous:
+        xs = [non_contiguous(t) for t in xs]
+    return [t.requires_grad_(True) for t in xs]
+
+
+KINDS = ["layer_norm", "rms_norm", "llama", "gemma"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("shape, contiguous", [((3, 5, H), True), ((7, H), False), ((0, H), True)])
+def test_fp32_forward_and_every_gradient_match_eager(kind, add, shape, contiguous):
+    norm = _module(kind)
+    fused = _fused_cls(kind, add).from_modules(norm)
+    params = list(norm.parameters())
+    inputs = _inputs(shape, torch.float32, add, contiguous)
+    want_out, want_grads = _run(_eager_fn(norm, add), inputs, params)
+    got_out, got_grads = _run(fused, inputs, params)
+    for got, want in zip(got_out + got_grads, want_out + want_grads):
+        assert_close_dtype(got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_within_twice_eager_error_vs_fp64(kind, add, dtype):
+    norm64, norm = _module(kind, torch.float64), _module(kind, dtype)
+    fused = _fused_cls(kind, add).from_modules(norm)
+    inputs = _inputs((9, H), dtype, add)
+    inputs64 = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref_out, ref_grads = _run(_eager_fn(norm64, add), inputs64, list(norm64.parameters()))
+    eager_out, eager_grads = _run(_eager_fn(norm, add), inputs, list(norm.parameters()))
+    got_out, got_grads = _run(fused, inputs, list(norm.parameters()))
+    names = [f"out{i}" for i in range(len(ref_out))] + [f"grad{i}" for i in range(len(ref_grads))]
+    for name, got, eager, ref in zip(names, got_out + got_grads, eager_out + eager_grads, ref_out + ref_grads):
+        assert got.dtype == eager.dtype, name
+        assert_within_eager_error(got, eager, ref, name=f"{kind} {name}")
+
+
+@pytest.mark.parametrize("kind, add", [("layer_norm", False), ("layer_norm", True), ("llama", False),
+                                       ("rms_norm", True)])
+def test_saves_the_input_or_sum_and_row_statistics_only(kind, add):
+    norm = _module(kind)
+    fused = _fused_cls(kind, add).from_modules(norm)
+    inputs = _inputs((6, 10, H), torch.float32, add)
+    rows, stats = 60, 1 if kind != "layer_norm" else 2
+    assert activation_bytes(lambda: fused(*inputs)) == rows * H * 4 + stats * rows * 4
+    if kind != "layer_norm":  # eager RMSNorm keeps more than twice that
+        assert activation_bytes(lambda: _eager_fn(norm, add)(*inputs)) > 2 * rows * H * 4
+
+
+def test_parameters_are_shared_and_state_dict_keys_unchanged():
+    norm = _module("layer_norm")
+    fused = ops.FusedLayerNorm.from_modules(norm)
+    assert fused.weight is norm.weight and fused.bias is norm.bias
+    assert fused.state_dict().keys() == norm.state_dict().keys()
+    gemma = ops.FusedRMSNorm.from_modules(_module("gemma"))
+    assert gemma.weight_offset == 1.0 and "weight_offset=1.0" in repr(gemma)
+    assert ops.FusedRMSNorm.from_modules(_module("llama")).eps == 1e-6
+
+
+def test_multi_dim_normalized_shape_and_default_rms_eps():
+    ln = nn.LayerNorm((4, 6))
+    x = seeded(3, 4, 6, seed=1, requires_grad=True)
+    assert_close_dtype(ops.FusedLayerNorm.from_modules(ln)(x), ln(x))
+    rms = nn.RMSNorm(6)  # eps=None: the dtype's machine epsilon
+    assert ops.FusedRMSNorm.from_modules(rms).eps == torch.finfo(torch.float32).eps
+
+
+class GatedRMSNorm(nn.Module):  # a forward with a second input: not an RMSNorm the op can replace
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+        self.eps = 1e-6
+
+    def forward(self, x, gate):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * gate
+
+
+class ScaledRMSNorm(GatedRMSNorm):  # RMSNorm-shaped, but the weight is used in an unknown way
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) / self.weight
+
+
+def test_supports_gives_reasons_and_from_modules_rejects_with_them():
+    assert ops.FusedLayerNorm.supports(nn.LayerNorm(4))[0]
+    assert ops.FusedRMSNorm.supports(nn.RMSNorm(4))[0]
+    for module, words in [(nn.Linear(4, 4), "Linear"), (GatedRMSNorm(), "2 required inputs"),
+                          (ScaledRMSNorm(), "weight's use")]:
+        ok, reason = ops.FusedRMSNorm.supports(module)
+        assert not ok and words in reason
+        with pytest.raises(ValueError, match="norm"):
+            ops.FusedAddRMSNorm.from_modules(module)
+    ok, reason = ops.FusedLayerNorm.supports(nn.RMSNorm(4))
+    assert not ok and "LayerNorm" in reason
+
+
+def test_bad_arguments_name_the_argument():
+    fused = ops.FusedAddLayerNorm.from_modules(nn.LayerNorm(4))
+    x = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="x"):
+        fused(torch.zeros(2, 5), x)
+    with pytest.raises(ValueError, match="residual"):
+        fused(x, torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="x"):
+        fused(x.long(), x)
+    with pytest.raises(TypeError, match="weight"):
+        ops.FusedLayerNorm(torch.ones(4))
+    with pytest.raises(ValueError, match="eps"):
+        ops.FusedLayerNorm(nn.Parameter(torch.ones(4)), eps=-1.0)
+    with pytest.raises(ValueError, match="bias"):
+        ops.FusedLayerNorm(nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(5)))
+
+
+def test_add_variant_without_the_sum_gradient_and_in_place_guard():
+    norm = _module("rms_norm")
+    fused = ops.FusedAddRMSNorm.from_modules(norm)
+    x, r = _inputs((4, H), torch.float32, True)
+    y, s = fused(x, r)
+    y.sum().backward()  # the sum output unused: its gradient is None inside backward
+    x_grad = x.grad.clone()
+    x.grad = r.grad = None
+    norm(x + r).sum().backward()
+    assert_close_dtype(x_grad, x.grad)
+    y, s = fused(x, r)
+    with pytest.raises(RuntimeError, match="inplace"):  # the saved sum: refused, never wrong gradients
+        s.add_(1.0)
+        y.sum().backward()
+
+
+def test_triton_interpreter_through_the_op(monkeypatch):
+    if not triton_interpreter_ready():
+        pytest.skip("needs triton with TRITON_INTERPRET=1")
+    for kind, add in [("gemma", True), ("layer_norm", True)]:
+        norm = _module(kind)
+        fused = _fused_cls(kind, add).from_modules(copy.deepcopy(norm))
+        inputs = _inputs((2, 9, H), torch.float32, add)
+        want_out, want_grads = _run(_eager_fn(norm, add), inputs, list(norm.parameters()))
+        monkeypatch.setenv("OPSNN_BACKEND", "triton")
+        got_out, got_grads = _run(fused, inputs, list(fused.parameters()))
+        monkeypatch.delenv("OPSNN_BACKEND")
+        for got, want in zip(got_out + got_grads, want_out + want_grads):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
