@@ -111,7 +111,8 @@ def prepare(model: nn.Module, task, *, fuse: bool, precision: str, seed: int | N
             from opsnn_lab.parallel.optim import DistributedMasterWeightOptimizer as MasterWeightOptimizer
 
             model = _wrap(model, parallel, ctx, precision, strict, extras)
-        optimizer = MasterWeightOptimizer(model, lr=lr, scaler=scaler, grad_dtype=grad_dtype)
+        kw = {"uniform_update": strict} if ctx is not None else {}
+        optimizer = MasterWeightOptimizer(model, lr=lr, scaler=scaler, grad_dtype=grad_dtype, **kw)
     else:
         if ctx is not None:
             model = _wrap(model, parallel, ctx, precision, strict, extras)

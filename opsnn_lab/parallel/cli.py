@@ -47,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/train", help="directory for metrics.json and state.sha256")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective waits for a peer")
+    p.add_argument("--save", default=None, metavar="DIR", help="write a torch.distributed.checkpoint at the end")
+    p.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint written by --save")
     p.add_argument("--inject-overflow", default=None, metavar="RANK:STEP[,STEP]",
                    help="testing aid: set one gradient to inf on RANK after the gradient sync at each STEP")
     return p
@@ -56,6 +58,9 @@ def _check_args(args) -> None:
     for name in ("steps", "global_batch_size", "threads"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if (args.save or args.resume) and not args.precision.endswith("-master"):
+        raise SystemExit("--save/--resume need --precision fp16-master or bf16-master: a checkpoint holds "
+                         "their fp32 masters and moments")
     if args.block_rows is not None and args.block_rows <= 0:
         raise SystemExit(f"--block-rows must be a positive integer, got {args.block_rows}")
 
@@ -123,6 +128,7 @@ def run(args) -> dict:
 
     import opsnn_lab as ol
     from opsnn_lab.bench.common import machine_info
+    from opsnn_lab.parallel.checkpoint import ResumeCallback, checkpoint_step, save_checkpoint
     from opsnn_lab.parallel.runtime import init_distributed
     from opsnn_lab.parallel.state import master_weights, state_sha256
 
@@ -133,11 +139,17 @@ def run(args) -> dict:
     if args.strict and block_rows is None:
         block_rows = max(1, args.global_batch_size // 4)
     rec = _Recorder(args.global_batch_size, ctx.rank, _parse_injection(args.inject_overflow))
+    callbacks, start = [rec], 0
+    if args.resume is not None:
+        start = checkpoint_step(args.resume)
+        callbacks.insert(0, ResumeCallback(args.resume))
     try:
         result = ol.train(model, task, args.steps, lr=args.lr, fuse=args.fuse, precision=args.precision,
                           seed=args.seed, strict=args.strict, parallel=args.parallel, block_rows=block_rows,
-                          callbacks=[rec], record_grad_amax=False, progress=ctx.is_main,
+                          callbacks=callbacks, record_grad_amax=False, progress=ctx.is_main, start_step=start,
                           desc=f"{args.parallel} x{ctx.world_size}")
+        if args.save is not None:
+            save_checkpoint(args.save, result.extras["optimizer"], start + args.steps)
         weights = master_weights(result.model, result.extras["optimizer"])
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@ from opsnn_lab.precision.master import MasterWeightOptimizer
 
 __all__ = ["DistributedMasterWeightOptimizer", "is_dtensor", "local"]
 
+_PAD = 64  # elements: whole AVX-512 double vectors (2 x 16 fp32), as strict()'s elementwise ops pad
+
 
 def is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
@@ -39,11 +41,12 @@ class DistributedMasterWeightOptimizer(MasterWeightOptimizer):
     (the skip decision needs every rank's scan before any update).
     """
 
-    def __init__(self, params, *args, group=None, **kwargs):
+    def __init__(self, params, *args, group=None, uniform_update: bool = False, **kwargs):
         if kwargs.get("pipelined"):
             raise ValueError("pipelined=True is not supported across ranks: the skip decision needs all ranks")
         super().__init__(params, *args, **kwargs)
         self.group = group
+        self.uniform_update = bool(uniform_update)
         self.dparams = list(self.params)
         if any(is_dtensor(p) for p in self.dparams):
             with torch.no_grad():
@@ -107,6 +110,38 @@ class DistributedMasterWeightOptimizer(MasterWeightOptimizer):
         self._apply(idx, grads, step=self.steps_taken + 1)
         self.steps_taken += 1
         return True
+
+    def _apply(self, idx, grads, step):
+        """``uniform_update``: one update over all local elements, zero padded to whole vector blocks.
+
+        The CPU fused update runs a vectorised main loop and a scalar tail per tensor; the two can round
+        differently (contracted multiply-adds), and which elements fall in the tail depends on the shard
+        sizes, hence on the world size. Concatenated and padded to a multiple of ``_PAD`` elements, every
+        element takes the vectorised path whatever the sharding (strict mode's bit-identity needs it).
+        """
+        if not self.uniform_update or not idx:
+            return super()._apply(idx, grads, step)
+        parts = [self.params[i].data for i in idx]
+        sizes = [t.numel() for t in parts]
+        pad = -sum(sizes) % _PAD
+
+        def flat(ts):
+            return torch.cat([t.reshape(-1) for t in ts] + [ts[0].new_zeros(pad)])
+
+        p, w = flat(parts), flat([self.masters[i] for i in idx])
+        states = [flat([s[i] for i in idx]) for s in self.state]
+        g = flat(grads)
+        saved = self.params, self.masters, self.state
+        self.params, self.masters, self.state = [p], [w], [[t] for t in states]
+        try:
+            super()._apply([0], [g], step)
+        finally:
+            self.params, self.masters, self.state = saved
+        with torch.no_grad():
+            for dst, src in ((parts, p), ([self.masters[i] for i in idx], w),
+                             *(([s[i] for i in idx], t) for s, t in zip(self.state, states))):
+                for d, chunk in zip(dst, src[:sum(sizes)].split(sizes)):
+                    d.copy_(chunk.view_as(d))
 
     def full_masters(self) -> list[torch.Tensor]:
         """Every master as a full fp32 tensor (an all-gather per sharded parameter; call on every rank)."""
