@@ -122,6 +122,8 @@ def train(
     seed: int | None = None,
     strict: bool = False,
     record: bool = False,
+    parallel: str | None = None,
+    block_rows: int | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``task`` for ``steps`` steps and return the recorded history.
 
@@ -129,6 +131,9 @@ def train(
     AdamW(lr) (or the master-weight optimizer the ``precision`` asks for). ``progress=None``
     shows a bar when the run is long enough to want one. See the module docstring for the
     switchboard arguments ``fuse``, ``precision``, ``seed``, ``strict`` and ``record``.
+    ``parallel="ddp" | "fsdp"`` trains across the ranks ``torchrun`` started (``task.batch(step)`` is
+    the global batch; see :mod:`opsnn_lab.parallel`); with ``strict``, ``block_rows`` sets the row
+    blocks whose gradients are summed in a fixed tree.
     """
     check_type("model", model, nn.Module)
     if not (hasattr(task, "batch") and hasattr(task, "loss")):
@@ -140,10 +145,15 @@ def train(
         check_type(name, flag, bool)
     if seed is not None:
         check_positive("seed", seed, allow_zero=True, integer=True)
+    if parallel is not None:
+        check_choice("parallel", parallel, ("ddp", "fsdp"))
+    if block_rows is not None:
+        check_positive("block_rows", block_rows, integer=True)
     from opsnn_lab.training_setup import prepare
 
     setup = prepare(model, task, fuse=fuse, precision=precision, seed=seed, record=record, lr=lr,
-                    optimizer=optimizer, start_step=start_step)
+                    optimizer=optimizer, start_step=start_step, parallel=parallel, strict=strict,
+                    block_rows=block_rows)
     model, optimizer, scaler = setup.model, setup.optimizer, setup.scaler
     callbacks = [*setup.callbacks, *callbacks]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -157,7 +167,7 @@ def train(
 
             stack.enter_context(strict_mode())
         _loop(model, task, steps, optimizer, scaler, callbacks, result, params, names, record_grad_amax,
-              progress, start_step, desc, setup.autocast)
+              progress, start_step, desc, setup.autocast, setup.forward_backward)
     if scaler is not None:
         result.extras["scaler_history"] = scaler.history
     result.skipped_steps = getattr(optimizer, "skipped_steps", 0)
@@ -167,7 +177,7 @@ def train(
 
 
 def _loop(model, task, steps, optimizer, scaler, callbacks, result, params, names, record_grad_amax,
-          progress, start_step, desc, autocast) -> None:
+          progress, start_step, desc, autocast, forward_backward=None) -> None:
     for cb in callbacks:
         cb.on_train_start(model, optimizer)
 
@@ -181,9 +191,12 @@ def _loop(model, task, steps, optimizer, scaler, callbacks, result, params, name
         for cb in callbacks:
             cb.on_step_start(step, batch)
         optimizer.zero_grad(set_to_none=True)
-        with autocast():
-            loss = task.loss(model, batch)
-        (scaler.scale_loss(loss) if scaler is not None else loss).backward()
+        if forward_backward is not None:
+            loss = forward_backward(model, batch)
+        else:
+            with autocast():
+                loss = task.loss(model, batch)
+            (scaler.scale_loss(loss) if scaler is not None else loss).backward()
         for cb in callbacks:
             cb.on_after_backward(step, model, loss)
         if record_grad_amax:

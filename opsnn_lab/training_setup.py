@@ -25,6 +25,7 @@ class Setup:
     callbacks: list = field(default_factory=list)
     extras: dict = field(default_factory=dict)
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    forward_backward: Callable | None = None  # across ranks: replaces the loop's loss + backward
 
 
 class _TraceFirstStep:
@@ -65,8 +66,14 @@ def _optimizer(model, optimizer, lr):
 
 
 def prepare(model: nn.Module, task, *, fuse: bool, precision: str, seed: int | None, record: bool, lr: float,
-            optimizer, start_step: int) -> Setup:
+            optimizer, start_step: int, parallel: str | None = None, strict: bool = False,
+            block_rows: int | None = None) -> Setup:
     extras: dict = {}
+    ctx = None
+    if parallel is not None:
+        from opsnn_lab.parallel.runtime import init_distributed
+
+        ctx = extras["dist"] = init_distributed()
     if seed is not None:
         torch.manual_seed(seed)
     if fuse:
@@ -80,7 +87,9 @@ def prepare(model: nn.Module, task, *, fuse: bool, precision: str, seed: int | N
     if seed is not None:
         from opsnn_lab.consistency import make_reproducible
 
-        make_reproducible(model, seed=seed)
+        # across ranks (not strict): each rank's rows get their own masks; strict keeps the seed so a
+        # world of one draws the same masks (see opsnn_lab.parallel.step for what strict asks of dropout)
+        make_reproducible(model, seed=seed + (1_000_003 * ctx.rank if ctx is not None and not strict else 0))
     device = _device_of(model)
     scaler, autocast = None, contextlib.nullcontext
     if precision in ("fp16-master", "bf16-master"):
@@ -98,8 +107,15 @@ def prepare(model: nn.Module, task, *, fuse: bool, precision: str, seed: int | N
             grad_dtype = torch.float16  # CPU: fp32 compute, fp16 gradient pipeline
         if precision == "fp16-master":
             scaler = DynamicScaler()
-        optimizer = MasterWeightOptimizer(model, lr=lr, scaler=scaler, grad_dtype=grad_dtype)
+        if ctx is not None:
+            from opsnn_lab.parallel.optim import DistributedMasterWeightOptimizer as MasterWeightOptimizer
+
+            model = _wrap(model, parallel, ctx, precision, strict, extras)
+        kw = {"uniform_update": strict} if ctx is not None else {}
+        optimizer = MasterWeightOptimizer(model, lr=lr, scaler=scaler, grad_dtype=grad_dtype, **kw)
     else:
+        if ctx is not None:
+            model = _wrap(model, parallel, ctx, precision, strict, extras)
         optimizer = _optimizer(model, optimizer, lr)
         if precision == "bf16":
             autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
@@ -113,4 +129,27 @@ def prepare(model: nn.Module, task, *, fuse: bool, precision: str, seed: int | N
         checker = ConsistencyChecker(dump_on_failure=False)
         callbacks += [stats, _TraceFirstStep(checker)]
         extras.update(gradient_stats=stats, consistency=checker)
-    return Setup(model, optimizer, scaler, callbacks, extras, autocast)
+    forward_backward = None
+    if ctx is not None:
+        from opsnn_lab.parallel.step import make_forward_backward
+
+        extras.update(optimizer=optimizer, scaler=scaler)  # the run's state, for hashes and checkpoints
+
+        forward_backward = make_forward_backward(task, ctx, parallel=parallel, scaler=scaler, autocast=autocast,
+                                                 strict=strict, block_rows=block_rows,
+                                                 comms=extras.get("ordered_comms", ()))
+    return Setup(model, optimizer, scaler, callbacks, extras, autocast, forward_backward)
+
+
+def _wrap(model, parallel, ctx, precision, strict, extras):
+    """DDP (fp16 comm hook for fp16-master, unless strict sums in its own order) or FSDP2."""
+    from opsnn_lab.parallel.wrap import wrap_model
+
+    model.to(ctx.device)
+    wrapped, state = wrap_model(model, parallel, device=ctx.device,
+                                fp16_hook=precision == "fp16-master" and not strict, ordered_grads=strict)
+    if parallel == "ddp":
+        extras["comm_state"] = state
+    else:
+        extras["ordered_comms"] = state
+    return wrapped

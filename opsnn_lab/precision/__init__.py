@@ -14,6 +14,7 @@ _EXPORTS = {
     "NonFiniteGradientError": "local_scaler",
     "GradientStats": "grad_stats",
     "GradientTrace": "grad_stats",
+    "GradientRecorder": "grad_recorder",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -1,0 +1,1 @@
+"""Glue to other libraries (one module per library, as Hugging Face keeps it)."""

@@ -1,0 +1,58 @@
+"""Which modules FSDP2 shards, and fused ops following the parameters their owners hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import opsnn_lab as ol
+from opsnn_lab.models import ImageTask, MaskedTokenTask
+from opsnn_lab.parallel.wrap import follow_owners, layer_units, shardable_units, wrap_model
+
+
+def test_layer_units_of_the_embedded_models():
+    enc = MaskedTokenTask().model(layers=3)
+    assert layer_units(enc) == ["layers.0", "layers.1", "layers.2"]
+    cnn = ImageTask().model(blocks=(2, 1))
+    assert layer_units(cnn) == ["stages.0.0", "stages.0.1", "stages.1.0"]
+    assert layer_units(nn.Linear(2, 2)) == []
+
+
+def test_fused_encoder_keeps_its_layers_as_units():
+    task = MaskedTokenTask(batch_size=2, seq_len=8)
+    fused, _ = ol.fusion.fuse(task.model(), task.inputs(task.batch(0)))
+    assert shardable_units(fused) == layer_units(fused) == ["layers.0", "layers.1"]
+
+
+def test_a_fused_chain_called_from_above_keeps_its_layer_in_the_parent_group():
+    task = ImageTask(batch_size=2, image_size=16)
+    fused, _ = ol.fusion.fuse(task.model(), task.inputs(task.batch(0)))
+    called_from_root = {m.rsplit(".", 1)[0] for path, s in fused.named_modules() if hasattr(s, "fused_modules")
+                        and "." not in path for m in s.fused_modules if "." in m}
+    assert set(shardable_units(fused)).isdisjoint(called_from_root)
+
+
+def test_fused_ops_read_the_parameter_their_owner_holds_now():
+    """What FSDP2 does on every forward: replace a module's parameter; the fused op must follow."""
+    task = MaskedTokenTask(batch_size=2, seq_len=8)
+    fused, _ = ol.fusion.fuse(task.model(dropout=0.0, attn_dropout=0.0), task.inputs(task.batch(0)))
+    assert follow_owners(fused) > 0
+    fused.train()
+    fc1 = fused.layers[0].mlp.fc1
+    new = nn.Parameter(fc1.weight.detach() * 2)
+    fc1._parameters["weight"] = new  # as FSDP2's unshard does
+    task.loss(fused, task.batch(0)).backward()
+    assert new.grad is not None and new.grad.abs().sum() > 0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="parallel"):
+        wrap_model(nn.Linear(2, 2), "zero3")
+    with pytest.raises(TypeError, match="model"):
+        layer_units("not a model")
+    with pytest.raises(ValueError, match="parallel"):
+        ol.train(nn.Linear(2, 2), MaskedTokenTask(), 1, parallel="zero3")
+    with pytest.raises(ValueError, match="block_rows"):
+        ol.train(nn.Linear(2, 2), MaskedTokenTask(), 1, parallel="ddp", block_rows=0)
+    assert torch.is_tensor(torch.zeros(1))
