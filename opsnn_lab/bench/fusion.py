@@ -67,7 +67,7 @@ def _top_reasons(plan, n=2) -> str:
 
 
 def _hf_row(name: str) -> dict:
-    from opsnn_lab.fusion import zoo
+    from opsnn_lab.demos import zoo
 
     model, inputs = zoo.build(name, batch=2, seq=16)
     model.train()
@@ -84,7 +84,7 @@ def _hf_row(name: str) -> dict:
 
 
 def _bert_base_seconds(batch: int, seq: int) -> dict:
-    from opsnn_lab.fusion import zoo
+    from opsnn_lab.demos import zoo
 
     model, inputs = zoo.build("bert", size="base", batch=batch, seq=seq)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -96,7 +96,7 @@ def _bert_base_seconds(batch: int, seq: int) -> dict:
 def main_hf(args) -> int:
     import warnings
 
-    from opsnn_lab.fusion import zoo
+    from opsnn_lab.demos import zoo
 
     rows = []
     with warnings.catch_warnings():

@@ -157,7 +157,7 @@ def _encoder_chain(s, device, dtype):
 
 
 CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "encoder_layer", *CONV_CHAINS,
-          *chains_mlp.CHAINS, *NORM_CHAINS)
+          *NORM_CHAINS, *chains_mlp.CHAINS)  # the order build_chains() produces them in
 
 
 def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str] | None = None):

@@ -162,12 +162,12 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
         m.outputs = [act]
         pool = g.only_user(act)
         relu_mod = act_module(act)
-        if _is_module(pool, "max_pool2d") and not _op_support("FusedConvBNReLU", conv.obj, bn.obj, relu_mod,
-                                                              pool.obj):
+        op = _conv_op(m.pattern)
+        if _is_module(pool, "max_pool2d") and not _op_support(op, conv.obj, bn.obj, relu_mod, pool.obj):
             m.pattern, m.nodes, m.outputs = f"{m.pattern}_maxpool", [*m.nodes, pool], [pool]
         m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod,
                     "maxpool": pool.obj if len(m.nodes) == 4 else None}
-        why = _op_support("FusedConvBNReLU", conv.obj, bn.obj, relu_mod, m.params["maxpool"])
+        why = _op_support(op, conv.obj, bn.obj, relu_mod, m.params["maxpool"])
         m.reason = why or _common_checks(g, m.nodes)
         m.ok = not m.reason
         out.append(m)
@@ -201,7 +201,7 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
                     "dropout": _dropout_module(drop), "linear2": fc2.obj if m.pattern.endswith("_linear") else None,
                     "transposed": [bool(n.obj is not None and is_transposed_linear(n.obj)) for n in (lin, fc2)
                                    if n is not None and n.op == "linear"]}
-        name = "FusedLinearGELUDropoutLinear" if m.params["linear2"] is not None else "FusedLinearGELUDropout"
+        name = _linear_op(m.pattern)
         mods = [m.params[k] for k in ("linear", "gelu", "dropout", "linear2")][:4 if m.params["linear2"] else 3]
         m.reason = _op_support(name, *mods) or _common_checks(g, m.nodes)  # the ops have supports()
         m.ok = not m.reason
@@ -318,18 +318,29 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
 
 
 # --------------------------------------------------------------------------- the ops that replace them
+def _conv_op(variant: str) -> str:
+    """ReLU chains keep their seed-named op; every other activation goes to the general one."""
+    return "FusedConvBNReLU" if variant.startswith("conv_bn_relu") and not variant.startswith("conv_bn_relu6") \
+        else "FusedConvBNAct"
+
+
+def _linear_op(variant: str) -> str:
+    act = variant.removeprefix("linear_").removesuffix("_linear").removesuffix("_dropout")
+    stem = "FusedLinearGELUDropout" if act == "gelu" else "FusedLinearActDropout"
+    return stem + "Linear" if variant.endswith("_linear") else stem
+
+
 def build_conv_bn_relu(m: Match) -> nn.Module:
     p = m.params
-    return op_class("FusedConvBNReLU").from_modules(p["conv"], p["bn"], p["relu"], maxpool=p["maxpool"],
-                                                    register_modules=False)
+    return op_class(_conv_op(m.pattern)).from_modules(p["conv"], p["bn"], p["relu"], maxpool=p["maxpool"],
+                                                      register_modules=False)
 
 
 def build_linear_gelu_dropout(m: Match) -> nn.Module:
-    p = m.params
+    p, op = m.params, op_class(_linear_op(m.pattern))
     if p["linear2"] is not None:
-        return op_class("FusedLinearGELUDropoutLinear").from_modules(p["linear"], p["gelu"], p["dropout"],
-                                                                     p["linear2"], register_second=False)
-    return op_class("FusedLinearGELUDropout").from_modules(p["linear"], p["gelu"], p["dropout"])
+        return op.from_modules(p["linear"], p["gelu"], p["dropout"], p["linear2"], register_second=False)
+    return op.from_modules(p["linear"], p["gelu"], p["dropout"])
 
 
 def build_qkv(m: Match, pack: bool = True) -> nn.Module:
@@ -390,7 +401,9 @@ def find_all(g: Graph, enabled=None) -> list[Match]:
 
 
 def _op_for(pat: Pattern, m: Match) -> str:
-    return "FusedLinearGELUDropoutLinear" if pat.prefix == "linear_" and m.pattern.endswith("_linear") else pat.op
+    if pat.prefix == "linear_":
+        return _linear_op(m.pattern)
+    return _conv_op(m.pattern) if pat.prefix == "conv_bn_" else pat.op
 
 
 def _short(n: Node) -> str:

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from opsnn_lab.kernels._dispatch import _interpreting, calculate_settings
-from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, scale_shift
+from opsnn_lab.kernels.bn_act_spec import RELU, Act, PoolSpec, scale_shift
 
 __all__ = ["bn_act_forward_triton", "bn_act_backward_triton"]
 

@@ -59,6 +59,18 @@ def shardable_units(model: nn.Module) -> list[str]:
             if not any(not _inside(path, u) and any(_inside(m, u) for m in mods) for path, mods in slots)]
 
 
+def _fused_ops(model: nn.Module):
+    """(module to hook, fused op) for fx slots and for module-level patches (chain head, whole, QKV member)."""
+    for module in model.modules():
+        op = module.__dict__.get("op")
+        if isinstance(op, nn.Module):
+            yield module, op
+        patch = module.__dict__.get("forward")
+        inner = getattr(patch, "op", None) or getattr(getattr(patch, "core", None), "op", None)
+        if isinstance(inner, nn.Module):
+            yield module, inner
+
+
 def follow_owners(model: nn.Module) -> int:
     """Before each call of a fused op, point its registered parameters at what their owning modules hold.
 
@@ -70,10 +82,9 @@ def follow_owners(model: nn.Module) -> int:
         for name, p in module._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), (module, name))
-    count = 0
-    for slot in model.modules():
-        op = slot.__dict__.get("op")
-        if not isinstance(op, nn.Module) or op in set(model.modules()):
+    count, tree = 0, set(model.modules())
+    for slot, op in _fused_ops(model):
+        if op in tree:
             continue
         links = [(sub, name, *owners[id(p)]) for sub in op.modules() for name, p in sub._parameters.items()
                  if p is not None and id(p) in owners and owners[id(p)][0] is not sub]

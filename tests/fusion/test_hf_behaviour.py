@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import opsnn_lab as ol
-from opsnn_lab.fusion import zoo
+from opsnn_lab.demos import zoo
 
 pytest.importorskip("transformers")
 

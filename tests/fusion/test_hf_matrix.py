@@ -13,7 +13,7 @@ import torch
 
 import opsnn_lab as ol
 from opsnn_lab.bench import activation_bytes
-from opsnn_lab.fusion import zoo
+from opsnn_lab.demos import zoo
 from opsnn_lab.fusion.runtime import flatten_tensors
 
 pytest.importorskip("transformers")

@@ -260,7 +260,8 @@ def test_token_mixer_decisions():
     mlp = d[("block.mlp.fc1", "block.mlp.drop", "block.mlp.fc2")]  # F.gelu inside a wrapper module
     assert mlp.fused and mlp.pattern == "linear_gelu_dropout_linear" and mlp.route == "module:chain"
     assert d[("block.tanh_fc", "block.tanh_act", "block.tanh_out")].fused  # the op computes tanh-GELU too
-    assert "SiLU" in d[("silu_mlp.fc1", "silu_mlp.drop", "silu_mlp.fc2")].reason
+    silu = d[("silu_mlp.fc1", "silu_mlp.drop", "silu_mlp.fc2")]  # F.silu through a lookup table
+    assert silu.fused and silu.pattern == "linear_silu_dropout_linear" and "FusedLinearActDropoutLinear" in silu.reason
     dtype_mlp = d[("dtype_mlp.fc1", "dtype_mlp.drop", "dtype_mlp.fc2")]
     assert dtype_mlp.fused and dtype_mlp.route == "module:whole"  # its one call computes exactly the chain
 
@@ -279,7 +280,7 @@ def test_cross_model_decisions():
     assert not half.fused and "inline in `probe`.forward" in half.reason and "setitem" in half.reason
 
 
-FUSED = {"gated_cnn": 2, "token_mixer": 4, "cross_model": 1}  # chains each rewrite replaces
+FUSED = {"gated_cnn": 4, "token_mixer": 6, "cross_model": 1}  # chains each rewrite replaces
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -300,7 +301,8 @@ def test_rewrite_is_equivalent(case, mode):
         torch.testing.assert_close(fused.state_dict()[k], v, atol=1e-6, rtol=1e-5, msg=k)
     assert sum(d.fused for d in plan.decisions) == FUSED[case]
     assert sum(v["fused"] for v in plan.summary().values()) == FUSED[case]
-    assert [type(m) for m in fused.modules()] != [type(m) for m in model.modules()]  # not a mere copy
+    slots = [m for m in fused.modules() if type(m).__name__ == "FusedSlot"]
+    assert ol.fusion.patches(fused) or slots  # not a mere copy: module-level patches or fx slots
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -319,8 +321,6 @@ def test_state_dict_round_trip(case):
     _compare(fresh, fused, make_inputs())
 
 
-@pytest.mark.xfail(strict=True, reason="fuse() cannot rewrite a chain whose fx region is an nn.Sequential "
-                                       "(NameError: module is not installed as a submodule)")
 def test_chain_inside_a_sequential_is_rewritten():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))

@@ -126,6 +126,7 @@ def test_dropout_p_survives_the_rewrite():
     cfg = EncoderConfig.tiny(layers=2, dropout=0.3, attn_dropout=0.6)  # two values: a swap shows too
     fused, _ = ol.fusion.fuse(Encoder(cfg).train(), (IDS,))
     ops = [getattr(m, "op", m) for m in fused.modules()]  # a slot calls its op; a child op is its own
+    ops += [p.op for p in ol.fusion.patches(fused).values() if hasattr(p, "op")]  # module-level chains
     attn = [o for o in ops if isinstance(o, FusedAttention)]
     mlps = [o for o in ops if isinstance(o, FusedLinearGELUDropoutLinear)]
     assert [o.dropout_p for o in attn] == [0.6] * cfg.layers and [o.p for o in mlps] == [0.3] * cfg.layers
