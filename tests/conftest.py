@@ -2,14 +2,20 @@
 
 Triton decides between its interpreter and its compiler when it is first imported, so the
 interpreter switch must be set before any test module imports it: without a GPU every Triton
-kernel is tested under ``TRITON_INTERPRET=1`` against its torch reference.
+kernel is tested under ``TRITON_INTERPRET=1`` against its torch reference. torch.compile's cache is set the
+same way, before torch is imported.
 """
 
 import importlib
 import os
+import tempfile
 
-import pytest
-import torch
+# torch.compile's kernels go to a cache of this run's own: a cache shared with other processes (or left by a
+# run under another ATEN_CPU_CAPABILITY) is not what a fresh clone tests.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="opsnn-inductor-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

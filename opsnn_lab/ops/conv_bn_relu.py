@@ -61,8 +61,11 @@ def _conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
 def _wrong_type(conv, bn, act, maxpool, act_name="act", relu_only=False) -> str:
     """'' when every argument is a module of a supported kind, else the reason, naming the argument."""
     for name, value, kind in (("conv", conv, nn.Conv2d), ("bn", bn, nn.BatchNorm2d)):
-        if type(value) is not kind:
-            return f"{name} must be {kind.__name__}, got {type(value).__name__}"
+        # a subclass that only renames (EfficientNet's depthwise Conv2d) computes what its base computes
+        same = isinstance(value, kind) and all(getattr(type(value), f, None) is getattr(kind, f, None)
+                                               for f in ("forward", "_conv_forward"))
+        if not same:
+            return f"{name} must be {kind.__name__} (or a subclass keeping its forward), got {type(value).__name__}"
     if relu_only and type(act) is not nn.ReLU:
         return f"{act_name} must be ReLU, got {type(act).__name__} (FusedConvBNAct takes other activations)"
     if maxpool is not None and type(maxpool) is not nn.MaxPool2d:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from opsnn_lab.bench.memory import activation_bytes, saved_tensors_report
+from opsnn_lab.measuring import activation_bytes, saved_tensors_report
 from opsnn_lab.ops.conv_bn_relu import FusedConvBNAct, FusedConvBNReLU
 from opsnn_lab.testing import assert_within_eager_error, non_contiguous, seeded, triton_interpreter_ready
 
@@ -429,3 +429,23 @@ def test_torch_compile_forward_backward_in_training():
     x = seeded(2, 4, 9, 8, seed=14)
     compiled = torch.compile(fused)
     compare(fwd_bwd(eager, eager_mods, x, steps=2), fwd_bwd(compiled, mods, x, steps=2))
+
+
+def test_a_conv_subclass_is_fused_only_when_it_keeps_conv2d_forward():
+    class Renamed(nn.Conv2d):  # as EfficientNet's depthwise conv: a new name, Conv2d's computation
+        pass
+
+    class Shifted(nn.Conv2d):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    torch.manual_seed(0)
+    bn, act = nn.BatchNorm2d(4), nn.SiLU()
+    ok, why = FusedConvBNAct.supports(Renamed(4, 4, 3, padding=1, groups=4), bn, act)
+    assert ok, why
+    ok, why = FusedConvBNAct.supports(Shifted(4, 4, 3, padding=1), bn, act)
+    assert not ok and "conv must be Conv2d" in why and "Shifted" in why
+    conv = Renamed(4, 4, 3, padding=1, groups=4)
+    x = torch.randn(2, 4, 7, 7)
+    fused = FusedConvBNAct.from_modules(copy.deepcopy(conv), copy.deepcopy(bn), act).train()
+    torch.testing.assert_close(fused(x), act(bn.train()(conv(x))), atol=1e-5, rtol=1e-5)
