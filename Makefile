@@ -30,7 +30,7 @@ setup: $(STAMP)
 test: setup
 	bash scripts/ensure_chromium.sh
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS)
 	$(BIN)/python -m pytest $(NBVAL)
 ifneq ($(strip $(ISA_ENV)),)
 	env $(ISA_ENV) $(BIN)/python -m pytest -m "not distributed and not browser" $(ISA_TESTS)

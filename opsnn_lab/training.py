@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from opsnn_lab._callbacks import Callback
 from opsnn_lab._checks import check_choice, check_positive, check_type
 
 __all__ = ["TrainResult", "Callback", "train", "PRECISIONS"]
@@ -37,16 +38,6 @@ __all__ = ["TrainResult", "Callback", "train", "PRECISIONS"]
 # in fp16; on CPU, where fp16 matmuls are slow, the model computes in fp32 and only the gradient
 # pipeline is fp16). bf16-master: bf16 model, fp32 masters, no loss scaling (bf16 has fp32's range).
 PRECISIONS = ("fp32", "bf16", "fp16-master", "bf16-master")
-
-
-class Callback:
-    """Base class for training-loop hooks; override what you need."""
-
-    def on_train_start(self, model: nn.Module, optimizer) -> None: ...
-    def on_step_start(self, step: int, batch: dict) -> None: ...
-    def on_after_backward(self, step: int, model: nn.Module, loss: torch.Tensor) -> None: ...
-    def on_step_end(self, step: int, model: nn.Module, loss: float) -> None: ...
-    def on_train_end(self, result: TrainResult) -> None: ...
 
 
 @dataclass

@@ -17,8 +17,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "opsnn_lab"
 PILLARS = ("kernels", "ops", "fusion", "precision", "consistency")
-# what sits above the pillars: benchmarks, demos, the embedded demo models, the widgets
-ABOVE = ("opsnn_lab.bench", "opsnn_lab.demos", "opsnn_lab.models", "opsnn_lab.widgets")
+# what sits above the pillars: benchmarks, demos, the embedded demo models, the widgets, the training
+# loop and its command line, the integrations, the notebook report and validation
+ABOVE = ("opsnn_lab.bench", "opsnn_lab.demos", "opsnn_lab.models", "opsnn_lab.widgets", "opsnn_lab.training",
+         "opsnn_lab.training_setup", "opsnn_lab.train", "opsnn_lab.parallel", "opsnn_lab.integrations",
+         "opsnn_lab.report", "opsnn_lab.validate")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from opsnn_lab._callbacks import Callback
 from opsnn_lab._checks import check_choice, check_positive, check_type
-from opsnn_lab.training import Callback
 
 __all__ = ["GradientStats", "GradientTrace", "FORMATS", "EXP_MIN", "EXP_MAX"]
 
