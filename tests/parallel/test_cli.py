@@ -31,11 +31,7 @@ def test_two_ranks_train_fused_fp16_master(tmp_path, parallel):
     assert rank_state(tmp_path, 0)["losses"] == rank_state(tmp_path, 1)["losses"] == losses
 
 
-_FSDP_QKV = pytest.mark.xfail(strict=False, reason="with the module-level fusion rewrite, FSDP2 ranks of the fused "
-                              "encoder end with other bits than DDP (packed QKV under sharding); DDP 1 == 4 holds")
-
-
-@pytest.mark.parametrize("model", [pytest.param("encoder", marks=_FSDP_QKV), "cnn"])
+@pytest.mark.parametrize("model", ["encoder", "cnn"])
 def test_strict_state_is_identical_for_world_sizes_1_2_4(tmp_path, model):
     """One tree over the global batch's row blocks: the same bits for 1, 2, 4 ranks, DDP and FSDP alike."""
     hashes = {}
