@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save", default=None, metavar="DIR", help="write a torch.distributed.checkpoint at the end")
     p.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint written by --save")
     p.add_argument("--inject-overflow", default=None, metavar="RANK:STEP[,STEP]",
-                   help="testing aid: set one gradient to inf on RANK after the gradient sync at each STEP")
+                   help="testing aid: one gradient element becomes inf on RANK at each STEP (DDP: before the "
+                        "gradient sync, so it crosses the comm hook; FSDP: after it, in RANK's shard only)")
     return p
 
 
@@ -105,15 +106,29 @@ class _Recorder:
         self.steps: list[dict] = []
 
     def on_train_start(self, model, optimizer):
-        self.optimizer = optimizer
+        self.model, self.optimizer, self._handle = model, optimizer, None
+
+    def _injects(self, step) -> bool:
+        return bool(self.injection) and self.rank == self.injection[0] and step in self.injection[1]
 
     def on_step_start(self, step, batch):
         scaler = getattr(self.optimizer, "scaler", None)
         self._t0, self._scale = time.perf_counter(), (scaler.scale if scaler is not None else 1.0)
         self._skipped = getattr(self.optimizer, "skipped_steps", 0)
+        import torch
+
+        from opsnn_lab.parallel.optim import is_dtensor
+
+        p = next(p for p in self.model.parameters() if p.requires_grad)
+        if self._injects(step) and not is_dtensor(p):  # DDP: before the sync, so the comm hook carries it
+            first = torch.tensor([0])
+            self._handle = p.register_hook(lambda g: g.flatten().index_fill(0, first, float("inf")).view_as(g))
 
     def on_after_backward(self, step, model, loss):
-        if self.injection and self.rank == self.injection[0] and step in self.injection[1]:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        elif self._injects(step):  # FSDP: after the reduce-scatter, in this rank's shard only
             from opsnn_lab.parallel.optim import local
 
             p = next(p for p in model.parameters() if p.grad is not None)
