@@ -38,11 +38,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fuse", action="store_true", help="rewrite the model with fused ops (ol.fusion.fuse)")
     p.add_argument("--precision", choices=("fp32", "bf16", "bf16-master", "fp16-master"), default="fp32")
     p.add_argument("--strict", action="store_true",
-                   help="fixed reduction order: bit-identical weights for world sizes 1, 2, 4 (dropout off)")
+                   help="fixed reduction order: bit-identical weights for world sizes 1, 2, 4 (dropout off: "
+                        "see --dropout)")
     p.add_argument("--block-rows", type=int, default=None,
                    help="strict mode: rows per gradient block (default: global batch / 4)")
     p.add_argument("--dropout", type=float, default=None,
-                   help="encoder dropout (default: the model's 0.1; 0 under --strict)")
+                   help="encoder dropout (default: the model's 0.1; 0 under --strict, which refuses any other "
+                        "rate: a mask is drawn per forward call from (seed, op, step, element offset in that "
+                        "call's tensor), so a rank's rows would not get the slice of the global batch's mask)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
@@ -66,6 +69,11 @@ def _check_args(args) -> None:
                          "their fp32 masters and moments")
     if args.block_rows is not None and args.block_rows <= 0:
         raise SystemExit(f"--block-rows must be a positive integer, got {args.block_rows}")
+    if args.strict and args.dropout:
+        raise SystemExit(f"--strict trains without dropout (got --dropout {args.dropout}): a dropout mask is drawn per "
+                         "forward call from (seed, op, step, element offset in that call's tensor), and under "
+                         "--strict every block of rows is a call of its own, so the masks would depend on how "
+                         "the global batch is split over ranks and the world-size identity would not hold")
 
 
 def _task_and_model(args):
@@ -75,8 +83,6 @@ def _task_and_model(args):
 
     torch.manual_seed(args.seed)
     size = SIZES[args.model][args.size]
-    if args.strict and args.dropout:
-        raise SystemExit("--strict trains without dropout (a mask depends on the element offset in the tensor)")
     rate = 0.0 if args.strict else args.dropout
     drop = {} if rate is None else {"dropout": rate, "attn_dropout": rate}
     if args.model == "encoder":
