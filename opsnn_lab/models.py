@@ -271,8 +271,8 @@ def _fusable_head(model: nn.Module) -> nn.Linear | None:
     head = getattr(inner, "head", None)
     if not isinstance(head, nn.Linear):
         return None
-    if any(_is_fsdp_unit(m) for m in inner.modules() if m is not inner and (m is head or head in m.modules())):
-        return None  # a unit below the root reshards the head after its forward: the plain path runs
+    if _is_fsdp_unit(head):  # a child of the root: only a unit of its own would reshard it after the forward
+        return None
     return head
 
 
