@@ -255,16 +255,29 @@ def _generator(seed: int, step: int) -> torch.Generator:
     return g
 
 
+def _is_fsdp_unit(module: nn.Module) -> bool:
+    return "FullyShard" in type(module).__name__ or type(module).__name__.startswith("FSDP")
+
+
 def _fusable_head(model: nn.Module) -> nn.Linear | None:
-    """The Encoder's ``head`` Linear when the fused head + loss can run it, else None (plain path)."""
+    """The Encoder's ``head`` Linear when the fused head + loss can run it, else None (plain path).
+
+    Under FSDP2 the head qualifies when it belongs to the root's parameter group (no sharded unit of its
+    own below the root): the root keeps its parameters unsharded from its forward to its backward, so
+    the loss can read ``head.weight`` after the forward and its gradient is reduce-scattered with the
+    root's. DDP and FSDP then compute the same loss, bit for bit (strict world-size identity needs it).
+    """
     inner = getattr(model, "module", model)  # DistributedDataParallel keeps the model at .module
     head = getattr(inner, "head", None)
     if not isinstance(head, nn.Linear):
         return None
-    # A sharded (FSDP) model's parameters only exist inside its forward: the head is not usable after it.
-    if any("FullyShard" in type(m).__name__ or type(m).__name__.startswith("FSDP") for m in model.modules()):
+    if _is_fsdp_unit(head):  # a child of the root: only a unit of its own would reshard it after the forward
         return None
     return head
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"  # torch.distributed.tensor, without importing it here
 
 
 @contextmanager
@@ -294,7 +307,8 @@ class MaskedTokenTask:
 
     ``fused_head`` (default True): ``loss`` runs the vocabulary head and the cross-entropy as one
     ``ops.linear_cross_entropy`` (the masked rows' logits are never held); False, or a model whose
-    ``head`` is not an ``nn.Linear`` (or is FSDP-sharded), takes the plain ``head -> F.cross_entropy`` path.
+    ``head`` is not an ``nn.Linear`` (or is sharded by an FSDP unit below the root), takes the plain
+    ``head -> F.cross_entropy`` path.
     Both give the same loss and gradients within fp32 tolerance.
     """
 
@@ -350,6 +364,9 @@ class MaskedTokenTask:
 
         with _head_input(head) as hidden:
             model(batch["input_ids"], target_mask=targets)
+        if _is_dtensor(head.weight):  # a root that resharded after its forward: no weight to read, run plainly
+            logits = model(batch["input_ids"], target_mask=targets)
+            return F.cross_entropy(logits.float(), labels[targets])
         return linear_cross_entropy(hidden[0], head.weight, labels[targets], head.bias)
 
     def model(self, cfg: EncoderConfig | None = None, **overrides) -> Encoder:

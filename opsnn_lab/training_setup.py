@@ -110,7 +110,7 @@ def prepare(model: nn.Module, task, *, fuse: bool, precision: str, seed: int | N
         if ctx is not None:
             from opsnn_lab.parallel.optim import DistributedMasterWeightOptimizer as MasterWeightOptimizer
 
-            model = _wrap(model, parallel, ctx, precision, strict, extras)
+            model = _wrap(model, parallel, ctx, precision, strict, extras, scaler)
         kw = {"uniform_update": strict} if ctx is not None else {}
         optimizer = MasterWeightOptimizer(model, lr=lr, scaler=scaler, grad_dtype=grad_dtype, **kw)
     else:
@@ -141,13 +141,14 @@ def prepare(model: nn.Module, task, *, fuse: bool, precision: str, seed: int | N
     return Setup(model, optimizer, scaler, callbacks, extras, autocast, forward_backward)
 
 
-def _wrap(model, parallel, ctx, precision, strict, extras):
+def _wrap(model, parallel, ctx, precision, strict, extras, scaler=None):
     """DDP (fp16 comm hook for fp16-master, unless strict sums in its own order) or FSDP2."""
     from opsnn_lab.parallel.wrap import wrap_model
 
     model.to(ctx.device)
     wrapped, state = wrap_model(model, parallel, device=ctx.device,
-                                fp16_hook=precision == "fp16-master" and not strict, ordered_grads=strict)
+                                fp16_hook=precision == "fp16-master" and not strict, ordered_grads=strict,
+                                scaler=scaler)
     if parallel == "ddp":
         extras["comm_state"] = state
     else:

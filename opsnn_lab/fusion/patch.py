@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.patterns import Match
 from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace
 
@@ -161,7 +162,7 @@ class ChainHead(Patch):
         super().__init__(host)
         self.op, self.steps, self.pattern = op, steps, pattern
 
-    @torch.compiler.disable  # opaque to torch.compile: the op draws its dropout stream in Python
+    @opaque_to_compile  # opaque to torch.compile: the op draws its dropout stream in Python
     def __call__(self, x):
         if _autocast_on(x):
             for step in self.steps:
@@ -185,7 +186,7 @@ class WholeForward(Patch):
         super().__init__(host)
         self.op, self.pattern = op, pattern
 
-    @torch.compiler.disable
+    @opaque_to_compile
     def __call__(self, x):
         if _autocast_on(x):
             return type(self.host).forward(self.host, x)

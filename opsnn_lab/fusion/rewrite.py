@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_type
+from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
 from opsnn_lab.fusion.patch import Patch, Route, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
@@ -38,7 +39,7 @@ class FusedSlot(nn.Module):
         object.__setattr__(self, "op", op)  # not a child: its Parameters already have their state_dict keys
         self.pattern, self.fused_modules = pattern, list(modules)
 
-    @torch.compiler.disable  # opaque to torch.compile, like the module-level patches (patch.py)
+    @opaque_to_compile  # opaque to torch.compile, like the module-level patches (patch.py)
     def forward(self, *args):
         if self.op.training != self.training:  # the slot's flag is the one model.train()/eval() sets
             self.op.train(self.training)

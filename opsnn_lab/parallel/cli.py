@@ -38,11 +38,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fuse", action="store_true", help="rewrite the model with fused ops (ol.fusion.fuse)")
     p.add_argument("--precision", choices=("fp32", "bf16", "bf16-master", "fp16-master"), default="fp32")
     p.add_argument("--strict", action="store_true",
-                   help="fixed reduction order: bit-identical weights for world sizes 1, 2, 4 (dropout off)")
+                   help="fixed reduction order: bit-identical weights for world sizes 1, 2, 4 (dropout off: "
+                        "see --dropout)")
     p.add_argument("--block-rows", type=int, default=None,
                    help="strict mode: rows per gradient block (default: global batch / 4)")
     p.add_argument("--dropout", type=float, default=None,
-                   help="encoder dropout (default: the model's 0.1; 0 under --strict)")
+                   help="encoder dropout (default: the model's 0.1; 0 under --strict, which refuses any other "
+                        "rate: a mask is drawn per forward call from (seed, op, step, element offset in that "
+                        "call's tensor), so a rank's rows would not get the slice of the global batch's mask)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
@@ -52,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save", default=None, metavar="DIR", help="write a torch.distributed.checkpoint at the end")
     p.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint written by --save")
     p.add_argument("--inject-overflow", default=None, metavar="RANK:STEP[,STEP]",
-                   help="testing aid: set one gradient to inf on RANK after the gradient sync at each STEP")
+                   help="testing aid: one gradient element becomes inf on RANK at each STEP (DDP: before the "
+                        "gradient sync, so it crosses the comm hook; FSDP: after it, in RANK's shard only)")
     return p
 
 
@@ -65,6 +69,11 @@ def _check_args(args) -> None:
                          "their fp32 masters and moments")
     if args.block_rows is not None and args.block_rows <= 0:
         raise SystemExit(f"--block-rows must be a positive integer, got {args.block_rows}")
+    if args.strict and args.dropout:
+        raise SystemExit(f"--strict trains without dropout (got --dropout {args.dropout}): a dropout mask is drawn per "
+                         "forward call from (seed, op, step, element offset in that call's tensor), and under "
+                         "--strict every block of rows is a call of its own, so the masks would depend on how "
+                         "the global batch is split over ranks and the world-size identity would not hold")
 
 
 def _task_and_model(args):
@@ -74,8 +83,6 @@ def _task_and_model(args):
 
     torch.manual_seed(args.seed)
     size = SIZES[args.model][args.size]
-    if args.strict and args.dropout:
-        raise SystemExit("--strict trains without dropout (a mask depends on the element offset in the tensor)")
     rate = 0.0 if args.strict else args.dropout
     drop = {} if rate is None else {"dropout": rate, "attn_dropout": rate}
     if args.model == "encoder":
@@ -105,15 +112,29 @@ class _Recorder:
         self.steps: list[dict] = []
 
     def on_train_start(self, model, optimizer):
-        self.optimizer = optimizer
+        self.model, self.optimizer, self._handle = model, optimizer, None
+
+    def _injects(self, step) -> bool:
+        return bool(self.injection) and self.rank == self.injection[0] and step in self.injection[1]
 
     def on_step_start(self, step, batch):
         scaler = getattr(self.optimizer, "scaler", None)
         self._t0, self._scale = time.perf_counter(), (scaler.scale if scaler is not None else 1.0)
         self._skipped = getattr(self.optimizer, "skipped_steps", 0)
+        import torch
+
+        from opsnn_lab.parallel.optim import is_dtensor
+
+        p = next(p for p in self.model.parameters() if p.requires_grad)
+        if self._injects(step) and not is_dtensor(p):  # DDP: before the sync, so the comm hook carries it
+            first = torch.tensor([0])
+            self._handle = p.register_hook(lambda g: g.flatten().index_fill(0, first, float("inf")).view_as(g))
 
     def on_after_backward(self, step, model, loss):
-        if self.injection and self.rank == self.injection[0] and step in self.injection[1]:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        elif self._injects(step):  # FSDP: after the reduce-scatter, in this rank's shard only
             from opsnn_lab.parallel.optim import local
 
             p = next(p for p in model.parameters() if p.grad is not None)

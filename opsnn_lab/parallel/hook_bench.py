@@ -3,8 +3,11 @@
     torchrun --nproc-per-node 2 -m opsnn_lab.parallel.hook_bench --steps 30
 
 Two DDP copies of the same fused encoder, one with the hook; forward + backward steps alternate between
-them so load on the machine hits both alike. Prints (rank 0) the median step-time ratio hook / fp32 and
-the bytes each sends per step (the hook: fp16 payload plus its 8-byte amax exchange per bucket).
+them so load on the machine hits both alike. The loss is scaled by a ``DynamicScaler``'s scale, as
+``--precision fp16-master`` trains, and the hook is registered as the CLI registers it (with that
+scaler: fp16 payload only). ``--adaptive`` registers it without a scaler instead (its own power-of-two
+scale per bucket from an 8-byte amax all-reduce, counted too). Prints (rank 0) the median step-time
+ratio hook / fp32 and the bytes each sends per step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", choices=("tiny", "small"), default="small")
     p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--adaptive", action="store_true", help="the hook without a loss scaler (amax exchange)")
     args = p.parse_args(argv)
     import opsnn_lab as ol
     from opsnn_lab.models import EncoderConfig, MaskedTokenTask
@@ -30,6 +34,7 @@ def main(argv=None) -> dict:
     from opsnn_lab.parallel.runtime import init_distributed
     from opsnn_lab.parallel.step import slice_rows
     from opsnn_lab.parallel.wrap import wrap_model
+    from opsnn_lab.precision import DynamicScaler
 
     torch.set_num_threads(1)
     ctx = init_distributed()
@@ -38,7 +43,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     fused, _ = ol.fusion.fuse(task.model(cfg), task.inputs(task.batch(0)))
     plain, _ = wrap_model(copy.deepcopy(fused), "ddp")
-    hooked, state = wrap_model(copy.deepcopy(fused), "ddp", fp16_hook=True)
+    scaler = DynamicScaler()
+    hooked, state = wrap_model(copy.deepcopy(fused), "ddp", fp16_hook=True, scaler=None if args.adaptive else scaler)
     per = args.global_batch_size // ctx.world_size
     times = {"fp32": [], "fp16_hook": []}
     for step in range(args.steps):
@@ -48,17 +54,20 @@ def main(argv=None) -> dict:
             model.zero_grad(set_to_none=True)
             ctx.barrier()
             t0 = time.perf_counter()
-            task.loss(model, batch).backward()
+            scaler.scale_loss(task.loss(model, batch)).backward()
             times[name].append(time.perf_counter() - t0)
     numel = sum(p.numel() for p in fused.parameters())
-    out = {"world_size": ctx.world_size, "params": numel,
+    exchange = 8 * state.calls / args.steps if args.adaptive else 0.0  # the amax all-reduce per bucket
+    out = {"world_size": ctx.world_size, "params": numel, "hook": "adaptive" if args.adaptive else "loss-scaled",
            "median_step_s": {k: statistics.median(v[2:]) for k, v in times.items()},
            "bytes_per_step_fp32": 4 * numel,
-           "bytes_per_step_fp16_hook": state.bytes_reduced / args.steps + 8 * state.calls / args.steps}
+           "bytes_per_step_fp16_hook": state.bytes_reduced / args.steps + exchange}
     out["time_ratio_hook_over_fp32"] = out["median_step_s"]["fp16_hook"] / out["median_step_s"]["fp32"]
     out["bytes_ratio_hook_over_fp32"] = out["bytes_per_step_fp16_hook"] / out["bytes_per_step_fp32"]
     if ctx.is_main:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1), flush=True)
+    del plain, hooked  # the DDP reducers go before the process group does
+    ctx.barrier()
     ctx.close()
     return out
 

@@ -101,12 +101,13 @@ def follow_owners(model: nn.Module) -> int:
 
 
 def wrap_model(model: nn.Module, parallel: str, *, device=None, fp16_hook: bool = False,
-               ordered_grads: bool = False):
+               ordered_grads: bool = False, scaler=None):
     """Return ``(wrapped, hook_state)``.
 
     ``ddp``: ``DistributedDataParallel(model)``; ``fp16_hook`` registers ``fp16_allreduce_hook`` with an
-    ``Fp16AllReduceState`` (returned, it counts the bytes sent). ``fsdp``: ``fully_shard`` on every
-    :func:`shardable_units` module, then on the root; ``ordered_grads`` installs an
+    ``Fp16AllReduceState`` (returned, it counts the bytes sent); ``scaler``: the loss scaler the gradients
+    carry (identical on every rank), so the hook sends its fp16 payload and nothing else. ``fsdp``:
+    ``fully_shard`` on every :func:`shardable_units` module, then on the root; ``ordered_grads`` installs an
     :class:`~opsnn_lab.parallel.ordered_reduce.OrderedReduceScatter` per FSDP module (the strict mode).
     """
     check_choice("parallel", parallel, PARALLEL)
@@ -119,7 +120,7 @@ def wrap_model(model: nn.Module, parallel: str, *, device=None, fp16_hook: bool 
         if fp16_hook:
             from opsnn_lab.precision import Fp16AllReduceState, fp16_allreduce_hook
 
-            state = Fp16AllReduceState()
+            state = Fp16AllReduceState(scaler=scaler)
             ddp.register_comm_hook(state, fp16_allreduce_hook)
         return ddp, state
     from torch.distributed.fsdp import fully_shard

@@ -1,4 +1,4 @@
-"""Run ``python -m opsnn_lab.train`` under torchrun on 127.0.0.1 with a hard timeout."""
+"""Run ``python -m opsnn_lab.train`` under torchrun on 127.0.0.1 with a hard timeout (one run or many per launch)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,40 @@ from pathlib import Path
 from opsnn_lab.parallel.runtime import free_port
 
 TINY = ["--model", "encoder", "--size", "tiny", "--global-batch-size", "8"]
+MANY = Path(__file__).with_name("_many.py")
 
 
-def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
+def torchrun_cmd(nproc: int, args: list[str], module: str | None = "opsnn_lab.train") -> list[str]:
+    target = ["-m", module] if module else []
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-            "127.0.0.1", "--master-port", str(free_port()), "-m", "opsnn_lab.train", *args]
+            "127.0.0.1", "--master-port", str(free_port()), *target, *args]
 
 
 def env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+    root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
+def metrics(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())
 
 
 def train(nproc: int, out: Path, *args: str, timeout: float = 240) -> dict:
     proc = subprocess.run(torchrun_cmd(nproc, [*TINY, *args, "--out", str(out)]), env=env(), capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "metrics.json").read_text())
+    return metrics(out)
+
+
+def train_many(nproc: int, root: Path, runs: dict[str, list[str]], timeout: float = 480) -> dict[str, dict]:
+    """``{name: metrics}`` of every run in ``runs`` (``{name: CLI arguments}``), all in one launch;
+    run ``name`` writes to ``root / name``."""
+    argv = [[*TINY, *args, "--out", str(root / name)] for name, args in runs.items()]
+    proc = subprocess.run(torchrun_cmd(nproc, [str(MANY), json.dumps(argv)], module=None), env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {name: metrics(root / name) for name in runs}
 
 
 def rank_state(out: Path, rank: int) -> dict:

@@ -31,3 +31,6 @@ def test_cli_arguments_and_bad_values(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "opsnn_lab.train", "--inject-overflow", "x", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--inject-overflow" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "opsnn_lab.train", "--strict", "--dropout", "0.1", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--strict trains without dropout (got --dropout 0.1)" in bad.stderr

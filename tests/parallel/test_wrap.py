@@ -56,3 +56,28 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="block_rows"):
         ol.train(nn.Linear(2, 2), MaskedTokenTask(), 1, parallel="ddp", block_rows=0)
     assert torch.is_tensor(torch.zeros(1))
+
+
+def test_fsdp_root_runs_the_fused_head_like_ddp(world_of_one):
+    """The head sits in FSDP2's root group (unsharded from forward to backward): the loss takes the same
+    fused head + cross-entropy path as an unwrapped or DDP model, so loss and every gradient agree bit for bit."""
+    import copy
+
+    from opsnn_lab.parallel.optim import local
+
+    task = MaskedTokenTask(batch_size=4, seq_len=8, vocab_size=32)
+    fused, _ = ol.fusion.fuse(task.model(hidden=16, layers=2, heads=2, intermediate=32, vocab_size=32, max_len=8,
+                                         dropout=0.0, attn_dropout=0.0), task.inputs(task.batch(0)))
+    plain = copy.deepcopy(fused)
+    sharded, _ = wrap_model(fused, "fsdp")
+    rows = []
+    sharded.head.register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+    batch = task.batch(1)
+    want = task.loss(plain, batch)
+    want.backward()
+    got = task.loss(sharded, batch)
+    got.backward()
+    assert rows == [0]  # the fused path: the head module computed no logits
+    assert torch.equal(got.detach(), want.detach())
+    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+        assert torch.equal(local(p.grad), q.grad), name
