@@ -221,7 +221,29 @@ def find_add_norms(g: Graph) -> list[Match]:
     return out
 
 
+class AddNorm(nn.Module):
+    """``forward(a, b) -> (norm(a + b), a + b)`` by the fused op; under autocast, the add and the norm module's own
+    forward, as the model computed them (the fused op takes one dtype, autocast mixes them)."""
+
+    def __init__(self, op: nn.Module, norm: nn.Module):
+        super().__init__()
+        self.op = op
+        object.__setattr__(self, "norm", norm)  # the model's module, not a child: no second copy of its weight
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor):
+        if torch.is_autocast_enabled(a.device.type):
+            s = a + b
+            return self.norm(s), s
+        return self.op(a, b)
+
+
 def build_norm(m: Match) -> nn.Module:
+    if m.pattern.startswith("add_"):
+        return AddNorm(_build_norm(m), m.params["norm"])
+    return _build_norm(m)
+
+
+def _build_norm(m: Match) -> nn.Module:
     p, add = m.params, m.pattern.startswith("add_")
     name = ("FusedAdd" if add else "Fused") + ("RMSNorm" if p["kind"] in ("rms", "rms_norm") else "LayerNorm")
     cls, norm = op_class(name), p["norm"]
