@@ -64,6 +64,7 @@ def _top_reasons(plan, n=2) -> str:
     for d in plan.decisions:
         if not d.fused:
             reason = re.sub(r"`[^`]*`", "`..`", d.reason)  # one line per kind of reason, not per module
+            reason = re.sub(r"(overlaps the fused \w+) on .*", r"\1", reason)
             counts[reason] = counts.get(reason, 0) + 1
     top = sorted(counts.items(), key=lambda kv: -kv[1])[:n]
     return "; ".join(f"{c}x {r[:80]}" for r, c in top)
