@@ -42,6 +42,14 @@ def _same(model, fused, *inputs, dtype=torch.float32):
         assert err_fused <= 2 * err_eager + 1e-3 * r.abs().max(), (float(err_fused), float(err_eager))
 
 
+def _measured_saving(model, fused, x):
+    from opsnn_lab.measuring import activation_bytes
+
+    x = x.detach().requires_grad_()
+    return activation_bytes(lambda: model(x), exclude=tuple(model.parameters())) - \
+        activation_bytes(lambda: fused(x), exclude=tuple(fused.parameters()))
+
+
 # --------------------------------------------------------------------------- gated MLP
 class SwiGLU(nn.Module):  # functional activation, biases: not Llama's class, the same computation
     def __init__(self, bias=True, swap=False):
@@ -74,7 +82,7 @@ def test_gated_mlp_fuses_whole_module(make, pattern):
     fused, plan = ol.fusion.fuse(model, x)
     (d,) = [d for d in plan.decisions if d.pattern.startswith("gated")]
     assert d.pattern == pattern and d.fused and d.route == "module:whole" and "FusedGatedMLP" in d.reason
-    assert d.saved_bytes > 0
+    assert d.saved_bytes > 0 and d.saved_bytes == _measured_saving(model, fused, x)  # the cost model's entry
     assert plan.summary().get(pattern.replace("gated_mlp", "linear"), {}).get("fused", 0) == 0
     _same(model, fused, x)
 
@@ -163,6 +171,7 @@ def test_norm_modules_are_recognised_by_what_they_compute(norm, pattern, params,
     fused, plan = ol.fusion.fuse(model, x)
     (d,) = plan.decisions
     assert d.pattern == pattern and d.fused and d.modules == ["norm"] and d.params == params, d
+    assert d.saved_bytes == _measured_saving(model, fused, x)  # the cost model's entry is what a step saves
     _same(model, fused, x, dtype=dtype)
 
 
