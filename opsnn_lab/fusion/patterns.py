@@ -304,7 +304,7 @@ def find_all(g: Graph, enabled=None, claims=None) -> list[Match]:
             if m.ok and (claims is None or claims(m)):
                 taken.update({n.name: m for n in m.nodes})
             if m.ok:
-                m.reason = f"fused: {' -> '.join(_short(n) for n in m.nodes)} into {_op_for(pat, m)}"
+                m.reason = f"fused: {_describe(g, m)} into {_op_for(pat, m)}"
             out.append(m)
     return out
 
@@ -313,6 +313,15 @@ def _op_for(pat: Pattern, m: Match) -> str:
     if pat.prefix == "linear_":
         return _linear_op(m.pattern)
     return _conv_op(m.pattern) if pat.prefix == "conv_bn_" else pat.op
+
+
+def _describe(g: Graph, m: Match) -> str:
+    """The chain's steps; the inline steps of one module (a norm written in Python) under that module's name."""
+    scopes = {n.scope for n in m.nodes}
+    if len(scopes) == 1 and all(n.kind == "function" for n in m.nodes) and next(iter(scopes)) in g.modules:
+        scope = next(iter(scopes))
+        return f"{scope} ({type(g.modules[scope]).__name__}: {' -> '.join(n.op for n in m.nodes)})"
+    return ' -> '.join(_short(n) for n in m.nodes)
 
 
 def _short(n: Node) -> str:
