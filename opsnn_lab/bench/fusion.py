@@ -5,10 +5,13 @@ wall time of ``ol.fusion.analyze`` on CPU (target: under 10 s for BERT-base), th
 plan says fusion saves, and the saving ``activation_bytes`` measures before/after ``apply`` (parameters
 excluded). Train mode, fp32. Prints a table; writes build/bench/fusion.json.
 
-``--models hf``: the model matrix instead (Hugging Face BERT, RoBERTa, GPT-2, Llama, ResNet, EfficientNet,
-ConvNeXt from tiny configs, plus the embedded encoder and CNN; dropout at the models' defaults): candidates,
-fused, rejected with the top reasons, activation bytes fused/eager measured, analysis seconds; and analysis
-+ apply of HF BERT-base (12 layers, 8x128) against the 10 s target. Writes build/bench/fusion_hf.json.
+``--models hf``: the model matrix instead (Hugging Face BERT, RoBERTa, GPT-2, Llama, T5, ResNet, EfficientNet,
+MobileNetV2, ConvNeXt from tiny configs, plus the embedded encoder and CNN; dropout at the models' defaults):
+candidates, fused, rejected with the top reasons, activation bytes fused/eager measured, analysis seconds;
+analysis + apply of HF BERT-base (12 layers, 8x128) against the 10 s target; and a Llama-style decoder
+(``LlamaForCausalLM`` from a config, Llama-7B proportions scaled to the CPU, 4x512 tokens, vocabulary 32000)
+trained with the fused head + loss (``ol.ops.lm_head_loss`` on the fused model) against the 0.6 target.
+Writes build/bench/fusion_hf.json.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def _top_reasons(plan, n=2) -> str:
     for d in plan.decisions:
         if not d.fused:
             reason = re.sub(r"`[^`]*`", "`..`", d.reason)  # one line per kind of reason, not per module
+            reason = re.sub(r"(overlaps the fused \w+) on .*", r"\1", reason)
             counts[reason] = counts.get(reason, 0) + 1
     top = sorted(counts.items(), key=lambda kv: -kv[1])[:n]
     return "; ".join(f"{c}x {r[:80]}" for r, c in top)
@@ -81,6 +85,36 @@ def _hf_row(name: str) -> dict:
     return {"model": name, "candidates": len(plan.decisions), "fused": len(plan.fused),
             "rejected": len(plan.decisions) - len(plan.fused), "activation fused/eager": after / before,
             "analysis s": seconds, "top rejections": _top_reasons(plan), "summary": plan.summary()}
+
+
+LM_SHAPE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, vocab_size=32000)  # Llama-7B's proportions, widths scaled to the CPU
+LM_TARGET, EFFICIENTNET_TARGET = 0.6, 0.8
+
+
+def _lm_head_row(batch: int = 4, seq: int = 512) -> dict:
+    """HF LlamaForCausalLM from a config, training step's forward: activation bytes of
+    ``model(input_ids, labels=...).loss`` (eager) against ``ol.ops.lm_head_loss`` on the fused model."""
+    import transformers as T
+
+    cfg = T.LlamaConfig(**LM_SHAPE, max_position_embeddings=seq, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(1, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    fused, plan = ol.fusion.fuse(model, inputs)
+    excl = tuple(model.parameters())
+    eager = activation_bytes(lambda: model(**inputs).loss, exclude=excl)
+    hf_loss = activation_bytes(lambda: fused(**inputs).loss, exclude=excl)
+    head_only = activation_bytes(lambda: ol.ops.lm_head_loss(model, ids, ids, attention_mask=mask), exclude=excl)
+    both = activation_bytes(lambda: ol.ops.lm_head_loss(fused, ids, ids, attention_mask=mask), exclude=excl)
+    return {"shape": f"hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, {cfg.num_hidden_layers} layers, "
+                     f"GQA {cfg.num_attention_heads}/{cfg.num_key_value_heads}, vocab {cfg.vocab_size}, "
+                     f"{batch}x{seq} tokens, fp32",
+            "eager MiB": eager / 2**20, "fused model + fused head + loss": both / eager,
+            "fused model, HF loss": hf_loss / eager, "eager model + fused head + loss": head_only / eager,
+            "summary": plan.summary()}
 
 
 def _bert_base_seconds(batch: int, seq: int) -> dict:
@@ -104,13 +138,24 @@ def main_hf(args) -> int:
         for name in tqdm(list(zoo.MODELS), desc="model matrix"):
             rows.append(_hf_row(name))
         base = _bert_base_seconds(args.batch, args.seq) if not args.no_base else None
+        lm = _lm_head_row() if not args.no_lm else None
+    print(machine_line())
     print(format_table(rows, ["model", "candidates", "fused", "rejected", "activation fused/eager", "analysis s",
                               "top rejections"]))
+    eff = next(r["activation fused/eager"] for r in rows if r["model"] == "efficientnet")
+    print(f"EfficientNet activation bytes fused/eager {eff:.3f} (target <= {EFFICIENTNET_TARGET}); "
+          f"{'meets' if eff <= EFFICIENTNET_TARGET else 'MISSES'} the target")
+    if lm is not None:
+        ratio = lm["fused model + fused head + loss"]
+        print(f"HF LlamaForCausalLM ({lm['shape']}), eager {lm['eager MiB']:.0f} MiB: fused model + fused head + loss "
+              f"{ratio:.3f} (target <= {LM_TARGET}; {'meets' if ratio <= LM_TARGET else 'MISSES'} it); "
+              f"fused model with HF's loss {lm['fused model, HF loss']:.3f}; eager model + fused head + loss "
+              f"{lm['eager model + fused head + loss']:.3f}")
     if base is not None:
         ok = base["wall s"] < TARGET_SECONDS
         print(f"HF BERT-base analysis + apply ({args.batch}x{args.seq}): {base['wall s']:.2f} s wall, "
               f"{base['cpu s']:.2f} s CPU (target < {TARGET_SECONDS:.0f} s); {'meets' if ok else 'MISSES'} the target")
-    path = write_json("fusion_hf", {"rows": rows, "bert_base": base, "args": vars(args)}, args.out)
+    path = write_json("fusion_hf", {"rows": rows, "bert_base": base, "lm_head": lm, "args": vars(args)}, args.out)
     print(f"wrote {path}")
     return 0
 
@@ -125,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", choices=("embedded", "hf"), default="embedded",
                    help="hf: the Hugging Face model matrix (tiny configs) and HF BERT-base analysis time")
     p.add_argument("--no-base", action="store_true", help="with --models hf: skip the BERT-base timing")
+    p.add_argument("--no-lm", action="store_true",
+                   help="with --models hf: skip the Llama-style decoder trained with the fused head + loss")
     args = p.parse_args(argv)
     if args.models == "hf":
         return main_hf(args)

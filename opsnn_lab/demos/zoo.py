@@ -71,6 +71,14 @@ def _hf(name, size, dropout, batch, seq):
                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
         cfg = _dropouts(cfg, ("attention_dropout",), dropout)
         return T.LlamaForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
+    if name == "t5":  # gated-GELU feed-forward (T5 v1.1 / Flan-T5), RMS norms named T5LayerNorm
+        cfg = T.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                         feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        cfg = _dropouts(cfg, ("dropout_rate",), dropout)
+        return T.T5ForConditionalGeneration(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
+    if name == "mobilenet_v2":  # ReLU6, depthwise convs, TF "same" padding inline before each conv
+        cfg = T.MobileNetV2Config(image_size=32, depth_multiplier=0.25, classifier_dropout_prob=0.0)
+        return T.MobileNetV2Model(cfg), _images(batch)
     if name == "resnet":
         cfg = T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
         return T.ResNetModel(cfg), _images(batch)
@@ -97,8 +105,8 @@ def _embedded(name, size, dropout, batch, seq):
     return ResNet(ResNetConfig()), (_images(batch)["pixel_values"],)
 
 
-MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "resnet": _hf, "efficientnet": _hf,
-          "convnext": _hf, "encoder": _embedded, "cnn": _embedded}
+MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "t5": _hf, "resnet": _hf, "efficientnet": _hf,
+          "mobilenet_v2": _hf, "convnext": _hf, "encoder": _embedded, "cnn": _embedded}
 
 # What each architecture has, per pattern: {pattern: (fused, rejected)} with the ops as they are today
 # (2 layers / 2 stages). The matrix test checks plan.summary() against this; the README lists the reasons.

@@ -32,7 +32,8 @@ def split_inputs(example_inputs) -> tuple[tuple, dict]:
 
 
 _VARIANT = re.compile(rf"conv_bn_({'|'.join(sorted(CONV_ACTS))})(_maxpool)?|"
-                      rf"linear_({'|'.join(sorted(LINEAR_ACTS))})(_dropout)?(_linear)?")
+                      rf"linear_({'|'.join(sorted(LINEAR_ACTS))})(_dropout)?(_linear)?|"
+                      rf"gated_mlp_({'|'.join(sorted(LINEAR_ACTS))})")
 
 
 def check_patterns(patterns) -> list[str] | None:
@@ -105,7 +106,8 @@ class Analysis:
     def plan(self, patterns=None) -> FusionPlan:
         patterns = check_patterns(patterns)
         with torch.random.fork_rng(devices=[]):  # ops may draw a dropout seed when built to validate a chain
-            decisions = [self.decision(m) for m in find_all(self.trace.graph, patterns)]
+            decisions = [self.decision(m) for m in find_all(self.trace.graph, patterns,
+                                                            claims=lambda m: m.key in self.rewritable)]
         total = sum(dict((k, b) for _, k, b in self.trace.saved).values())
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
                           graph=graph_data(self.trace), _analysis=self)

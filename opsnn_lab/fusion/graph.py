@@ -22,7 +22,7 @@ _MODULE_OPS = {
     nn.LeakyReLU: "leaky_relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
     nn.Hardtanh: "hardtanh", nn.ELU: "elu", nn.Mish: "mish", nn.Dropout: "dropout", nn.MaxPool2d: "max_pool2d",
     nn.Softmax: "softmax", nn.LayerNorm: "layer_norm", nn.Embedding: "embedding", nn.Hardswish: "hardswish",
-    nn.Identity: "identity",
+    nn.Identity: "identity", nn.RMSNorm: "rms_norm", nn.CrossEntropyLoss: "cross_entropy",
 }
 # Hugging Face modules by class name (no import of transformers needed): activations -> the name used in
 # torch.nn.functional / ACT2FN; Conv1D is a Linear whose weight is stored transposed (in, out).
@@ -122,6 +122,11 @@ class Graph:
 
     def __init__(self, nodes: list[Node]):
         self.nodes = nodes
+        # Run-time graphs only: node name -> its output tensor (while the analysis runs), module path -> module,
+        # and what finders concluded from them (kept after the tensors are released, so a replan agrees).
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.modules: dict[str, nn.Module] = {}
+        self.memo: dict = {}
         self.by_name = {n.name: n for n in nodes}
         self.users: dict[str, list[Node]] = {n.name: [] for n in nodes}
         for n in nodes:

@@ -131,7 +131,13 @@ class RoutePlanner:
         if m.pattern == "qkv":
             return self._qkv(m)
         if m.pattern == "attention" or len(m.outputs) != 1 or len(m.inputs) != 1:
-            return "the chain reads several tensors computed inline, with no module boundary around it"
+            first = m.nodes[0]
+            where = f"`{first.label}` runs inline in `{first.scope or '<model>'}`.forward" if first.kind == "function" \
+                else f"`{first.label}` is one step"
+            return (f"{where} and the chain reads {len(m.inputs)} tensors and returns {len(m.outputs)}; a module-level "
+                    "rewrite replaces a module call of one input and one output")
+        if any(n.inputs[:1] != [prev.name] for prev, n in zip(m.nodes, m.nodes[1:])):
+            return self._whole(m)  # not a straight chain (gated MLP, a norm's inner ops): one call must hold it all
         chain = self._chain(m)
         if isinstance(chain, Route):
             return chain

@@ -6,136 +6,28 @@ pattern is one function plus one ``Pattern`` row naming the op that replaces it 
 
 from __future__ import annotations
 
-import importlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
+from opsnn_lab.fusion import patterns_blocks as blocks
 from opsnn_lab.fusion.graph import Graph, Node, Ref, arg, is_transposed_linear
+from opsnn_lab.fusion.match import (
+    CONV_ACTS,
+    LINEAR_ACTS,
+    Match,
+    _common_checks,
+    _consumer_reason,
+    _dropout_module,
+    _is_module,
+    _op_support,
+    act_kind,
+    act_module,
+    op_class,
+)
 
 __all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "pattern_of"]
-
-
-@dataclass
-class Match:
-    pattern: str  # variant name, e.g. "conv_bn_relu_maxpool"
-    nodes: list[Node]  # the chain, in execution order
-    ok: bool
-    reason: str
-    viable: bool = False  # passed its own checks (may still be switched off or overlap a fused match)
-    inputs: list[str] = field(default_factory=list)  # producers of the fused op's tensor inputs
-    outputs: list[Node] = field(default_factory=list)  # nodes whose results the fused op returns
-    params: dict = field(default_factory=dict)  # what the op is built from (modules, scale, p, ...)
-
-    @property
-    def modules(self) -> list[str]:
-        mods = [n.module for n in self.nodes if n.module]
-        return [self.nodes[0].scope, *mods] if self.pattern == "attention" else mods
-
-    @property
-    def key(self) -> tuple:
-        return (self.pattern, tuple(self.modules))
-
-
-def op_class(name: str):
-    """``opsnn_lab.ops.<name>``, or raise with the reason it is unavailable."""
-    return getattr(importlib.import_module("opsnn_lab.ops"), name)
-
-
-def _op_support(name: str, *modules, build=None) -> str:
-    """'' if ``ops.<name>`` exists and accepts this chain, else why not (the op's own words).
-
-    Uses the op's ``supports(...)`` when it has one, else tries ``build()`` (ops validate in their
-    constructors and raise ValueError/TypeError naming the argument).
-    """
-    try:
-        cls = op_class(name)
-    except (ImportError, AttributeError) as exc:
-        return f"opsnn_lab.ops.{name} is not available ({type(exc).__name__}: {exc})"
-    supports = getattr(cls, "supports", None)
-    if supports is not None:
-        ok, why = supports(*modules)
-        return "" if ok else f"{name}: {why}"
-    if build is not None:
-        try:
-            build()
-        except (ValueError, TypeError) as exc:
-            return f"{name}: {exc}"
-    return ""
-
-
-def _others(g: Graph, node: Node, keep: Node | None) -> list[str]:
-    return [u.label for u in g.users.get(node.name, []) if u is not keep]
-
-
-def _consumer_reason(g: Graph, node: Node, nxt: Node) -> str:
-    others = _others(g, node, nxt)
-    return f"the output of `{node.label}` is also read by {', '.join(f'`{o}`' for o in others)}" if others else ""
-
-
-# Activations each chain family names (DESIGN.md); whether an op fuses one is the op's own answer.
-CONV_ACTS = frozenset({"relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu"})
-LINEAR_ACTS = frozenset({"gelu", "gelu_tanh", "quick_gelu", "silu", "relu"})
-
-
-def act_kind(n: Node) -> str:
-    """The activation's name as in torch.nn.functional / HF ACT2FN: ``gelu``, ``gelu_tanh``, ``silu``, ..."""
-    if n.op == "gelu":
-        approx = getattr(n.obj, "approximate", None) if n.obj is not None else arg(n, 1, "approximate", "none")
-        return "gelu_tanh" if approx == "tanh" else "gelu"
-    return n.op
-
-
-def _act_name(n: Node) -> str:
-    kind = act_kind(n)
-    return {"gelu": "GELU", "gelu_tanh": "GELU(approximate='tanh')", "relu": "ReLU", "relu6": "ReLU6",
-            "leaky_relu": "LeakyReLU", "silu": "SiLU", "quick_gelu": "QuickGELU", "hardswish": "Hardswish"}.get(kind,
-                                                                                                              kind)
-
-
-_TORCH_ACTS = {"gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU,
-               "relu6": nn.ReLU6, "silu": nn.SiLU, "hardswish": nn.Hardswish, "leaky_relu": nn.LeakyReLU,
-               "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "mish": nn.Mish}
-
-
-def act_module(n: Node) -> nn.Module | None:
-    """The activation as a torch.nn module the fused ops take (a functional call or a HF module mapped back)."""
-    if n.obj is not None and type(n.obj).__module__.startswith("torch.nn"):
-        return n.obj
-    kind = act_kind(n)
-    if kind == "leaky_relu" and n.obj is None:
-        return nn.LeakyReLU(float(arg(n, 1, "negative_slope", 0.01)))
-    make = _TORCH_ACTS.get(kind)
-    return make() if make is not None else n.obj
-
-
-def _common_checks(g: Graph, nodes: list[Node]) -> str:
-    for n in nodes:
-        writer = next((u for u in g.users.get(n.name, []) if u.op == "setitem"), None)
-        if writer is not None:
-            return f"the output of `{n.label}` is modified in place by `{writer.label}` (item assignment)"
-    counts = {}
-    for n in g.nodes:
-        if n.module:
-            counts[n.module] = counts.get(n.module, 0) + 1
-    for n in nodes:
-        if n.module and counts.get(n.module, 0) > 1 and n.op in ("linear", "conv2d", "batch_norm"):
-            return f"`{n.module}` runs {counts[n.module]} times per forward (a shared module); fuse one call site"
-    dtypes = {}
-    for n in nodes:
-        if n.dtype is not None:
-            dtypes.setdefault(str(n.dtype).replace("torch.", ""), n.label)
-        if n.obj is not None:
-            for p in n.obj.parameters(recurse=False):
-                dtypes.setdefault(str(p.dtype).replace("torch.", ""), n.label)
-    if len(dtypes) > 1:
-        return "mixed dtypes: " + ", ".join(f"`{who}` in {dt}" for dt, who in dtypes.items())
-    return ""
-
-
-def _is_module(n: Node | None, op: str) -> bool:
-    return n is not None and n.kind == "module" and n.op == op
 
 
 # --------------------------------------------------------------------------- Conv2d -> BN -> ReLU [-> MaxPool2d]
@@ -207,14 +99,6 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
         m.ok = not m.reason
         out.append(m)
     return out
-
-
-def _dropout_module(n: Node | None):
-    if n is None:
-        return None
-    if n.obj is not None:
-        return n.obj
-    return nn.Dropout(float(arg(n, 1, "p", 0.5)))
 
 
 # --------------------------------------------------------------------------- sibling Linear layers (QKV)
@@ -364,14 +248,34 @@ class Pattern:
     prefix: str = ""  # variant names start with this (default: the family)
 
 
+def _only(find, *names):
+    def finder(g: Graph) -> list[Match]:
+        return [m for m in find(g) if m.pattern in names]
+    return finder
+
+
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("conv_bn_relu", find_conv_bn_relu, build_conv_bn_relu, "FusedConvBNReLU",
             "Conv2d -> BatchNorm2d -> activation [-> MaxPool2d]", "conv_bn_"),
+    # before linear_<act>: its gate -> act pair is part of the gated MLP
+    Pattern("gated_mlp", blocks.find_gated_mlp, blocks.build_gated_mlp, "FusedGatedMLP",
+            "act(gate(x)) * up(x) [-> Dropout] -> down (Linear x3)"),
     Pattern("linear_gelu_dropout", find_linear_gelu_dropout, build_linear_gelu_dropout, "FusedLinearGELUDropout",
             "Linear / Conv1D -> activation [-> Dropout] [-> Linear]", "linear_"),
     Pattern("attention", find_attention, build_attention, "FusedAttention",
             "softmax(q @ k^T * scale + mask) -> dropout -> @ v"),
     Pattern("qkv", find_qkv, build_qkv, "FusedQKV", "three sibling Linear layers reading one tensor"),
+    # the residual add before a norm first: when it cannot be rewritten, the norm alone still fuses
+    Pattern("add_layer_norm", _only(blocks.find_add_norms, "add_layer_norm"), blocks.build_norm, "FusedAddLayerNorm",
+            "a + b -> LayerNorm (returns both)"),
+    Pattern("add_rms_norm", _only(blocks.find_add_norms, "add_rms_norm"), blocks.build_norm, "FusedAddRMSNorm",
+            "a + b -> RMSNorm (returns both)"),
+    Pattern("layer_norm", _only(blocks.find_norms, "layer_norm"), blocks.build_norm, "FusedLayerNorm",
+            "nn.LayerNorm, or a module computing LayerNorm of its input"),
+    Pattern("rms_norm", _only(blocks.find_norms, "rms_norm"), blocks.build_norm, "FusedRMSNorm",
+            "nn.RMSNorm, or a module computing RMSNorm of its input (HF *RMSNorm, T5LayerNorm)"),
+    Pattern("linear_cross_entropy", blocks.find_linear_cross_entropy, blocks.build_linear_cross_entropy,
+            "FusedLinearCrossEntropy", "vocabulary head -> cross-entropy (logits read only by the loss)"),
 )
 FAMILIES = tuple(p.family for p in PATTERNS)
 
@@ -381,8 +285,12 @@ def pattern_of(name: str) -> Pattern:
     return max((p for p in PATTERNS if name.startswith(p.prefix or p.family)), key=lambda p: len(p.prefix or p.family))
 
 
-def find_all(g: Graph, enabled=None) -> list[Match]:
-    """Every candidate of every pattern; overlapping candidates after a fused one are rejected, with why."""
+def find_all(g: Graph, enabled=None, claims=None) -> list[Match]:
+    """Every candidate of every pattern; overlapping candidates after a fused one are rejected, with why.
+
+    ``claims(match) -> bool`` (default: every viable match): whether a viable match takes its nodes. The
+    analysis passes "can be rewritten", so a chain no rewrite can carry leaves its nodes to a smaller one.
+    """
     taken: dict[str, Match] = {}
     out = []
     for pat in PATTERNS:
@@ -393,9 +301,10 @@ def find_all(g: Graph, enabled=None) -> list[Match]:
                 m.ok, m.reason = False, f"overlaps the fused {clash.pattern} on {', '.join(clash.modules)}"
             if m.ok and enabled is not None and pat.family not in enabled and m.pattern not in enabled:
                 m.ok, m.reason = False, f"pattern {m.pattern!r} is switched off"
-            if m.ok:
+            if m.ok and (claims is None or claims(m)):
                 taken.update({n.name: m for n in m.nodes})
-                m.reason = f"fused: {' -> '.join(_short(n) for n in m.nodes)} into {_op_for(pat, m)}"
+            if m.ok:
+                m.reason = f"fused: {_describe(g, m)} into {_op_for(pat, m)}"
             out.append(m)
     return out
 
@@ -404,6 +313,15 @@ def _op_for(pat: Pattern, m: Match) -> str:
     if pat.prefix == "linear_":
         return _linear_op(m.pattern)
     return _conv_op(m.pattern) if pat.prefix == "conv_bn_" else pat.op
+
+
+def _describe(g: Graph, m: Match) -> str:
+    """The chain's steps; the inline steps of one module (a norm written in Python) under that module's name."""
+    scopes = {n.scope for n in m.nodes}
+    if len(scopes) == 1 and all(n.kind == "function" for n in m.nodes) and next(iter(scopes)) in g.modules:
+        scope = next(iter(scopes))
+        return f"{scope} ({type(g.modules[scope]).__name__}: {' -> '.join(n.op for n in m.nodes)})"
+    return ' -> '.join(_short(n) for n in m.nodes)
 
 
 def _short(n: Node) -> str:

@@ -77,6 +77,12 @@ def flatten_tensors(value, out=None) -> list[torch.Tensor]:
     return out
 
 
+# Conversions that return their input itself when there is nothing to do. Recording them would hand the
+# tensor a second producer inside whichever module ran the cast (HF norms start with ``x.to(float32)``), so a
+# residual read of the module's input would look like a read of its inside.
+_NO_OP_CASTS = frozenset({"to", "contiguous", "float", "type_as", "type"})
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -141,10 +147,18 @@ class _Recorder(TorchFunctionMode):
         if self.leaf_depth:
             return func(*args, **kwargs)
         op = canonical_function(func)
+        if getattr(func, "__name__", "") in _NO_OP_CASTS:
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and any(out is a for a in args[:1]):
+                return out  # x.to(x.dtype), x.contiguous() on a contiguous x: the same tensor, nothing computed
+            return self._record(func, op, args, kwargs, precomputed=out)
+        return self._record(func, op, args, kwargs)
+
+    def _record(self, func, op, args, kwargs, precomputed=None):
         name = self._new(f"{self.scope[-1] + '.' if self.scope[-1] else ''}{op}")
         self.current.append(name)
         try:
-            out = func(*args, **kwargs)
+            out = func(*args, **kwargs) if precomputed is None else precomputed
         finally:
             self.current.pop()
         if flatten_tensors(out) or op == "setitem":  # item assignment consumes a tensor, returns None
@@ -220,4 +234,7 @@ def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
             h.remove()
     outs = [rec.producer[id(t)] for t in flatten_tensors(output) if id(t) in rec.producer]
     rec.nodes.append(Node(name="output", kind="output", op="output", inputs=outs))
-    return RuntimeTrace(Graph(rec.nodes), rec.saved, rec.calls, output, rec.tensors, rec.module_calls)
+    graph = Graph(rec.nodes)
+    graph.tensors = rec.tensors  # the same dict: cleared with trace.tensors once the analysis is done
+    graph.modules = {path: m for path, m in model.named_modules()}
+    return RuntimeTrace(graph, rec.saved, rec.calls, output, rec.tensors, rec.module_calls)

@@ -15,7 +15,8 @@ def test_fusion_bench_small(tmp_path, capsys):
     data = json.loads((tmp_path / "fusion.json").read_text())
     bert, resnet = data["rows"]
     assert bert["summary"] == {"linear_gelu_dropout_linear": {"fused": 1, "rejected": 0},
-                               "attention": {"fused": 1, "rejected": 0}, "qkv": {"fused": 1, "rejected": 0}}
+                               "attention": {"fused": 1, "rejected": 0}, "qkv": {"fused": 1, "rejected": 0},
+                               "add_layer_norm": {"fused": 2, "rejected": 1}, "layer_norm": {"fused": 1, "rejected": 2}}
     assert bert["estimate rel err"] <= 0.1 and resnet["estimate rel err"] <= 0.1
     assert 0 < bert["activation ratio"] < 1
     assert "BERT-base analysis" in capsys.readouterr().out
@@ -24,10 +25,13 @@ def test_fusion_bench_small(tmp_path, capsys):
 @pytest.mark.slow
 def test_fusion_bench_hf_matrix(tmp_path, capsys):
     pytest.importorskip("transformers")
-    assert fusion.main(["--models", "hf", "--no-base", "--out", str(tmp_path)]) == 0
+    assert fusion.main(["--models", "hf", "--no-base", "--no-lm", "--out", str(tmp_path)]) == 0
     rows = {r["model"]: r for r in json.loads((tmp_path / "fusion_hf.json").read_text())["rows"]}
-    assert set(rows) >= {"bert", "roberta", "gpt2", "llama", "resnet", "efficientnet", "convnext", "encoder", "cnn"}
+    assert set(rows) >= {"bert", "roberta", "gpt2", "llama", "t5", "resnet", "efficientnet", "mobilenet_v2", "convnext",
+                         "encoder", "cnn"}
     for r in rows.values():
         assert r["fused"] + r["rejected"] == r["candidates"] and 0 < r["activation fused/eager"] <= 1
-    assert rows["bert"]["fused"] == rows["bert"]["candidates"]
-    assert "activation fused/eager" in capsys.readouterr().out
+    assert rows["llama"]["summary"]["gated_mlp_silu"] == {"fused": 2, "rejected": 0}
+    assert rows["t5"]["summary"]["gated_mlp_gelu_tanh"] == {"fused": 4, "rejected": 0}
+    out = capsys.readouterr().out
+    assert "activation fused/eager" in out and "EfficientNet activation bytes fused/eager" in out

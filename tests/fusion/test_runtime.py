@@ -58,3 +58,14 @@ def test_saved_bytes_are_attributed_and_complete():
 def test_flatten_tensors_walks_structures():
     t = torch.ones(1)
     assert len(flatten_tensors([t, (t, {"a": t}), Out(t, {"b": [t]}), 3, None])) == 5
+
+
+def test_casts_that_return_their_input_are_not_a_second_producer():
+    class Casts(torch.nn.Module):
+        def forward(self, x, h):
+            return x.float().contiguous() + x.to(x.dtype), h.float()  # h is bf16: a real cast
+
+    g = trace_runtime(Casts(), (torch.randn(2, 3), torch.randn(2, 3).bfloat16())).graph
+    (add,) = [n for n in g.nodes if n.op == "add"]
+    assert add.inputs == ["input0", "input0"]  # the add reads the input itself, not a no-op cast of it
+    assert [n.op for n in g.nodes if n.kind == "function"] == ["add", "float"]

@@ -1,0 +1,146 @@
+"""What every pattern row shares: the ``Match`` a finder returns and the checks chains have in common."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from opsnn_lab.fusion.graph import Graph, Node, arg
+
+__all__ = ["Match", "op_class", "act_kind", "act_module", "CONV_ACTS", "LINEAR_ACTS"]
+
+
+@dataclass
+class Match:
+    pattern: str  # variant name, e.g. "conv_bn_relu_maxpool"
+    nodes: list[Node]  # the chain, in execution order
+    ok: bool
+    reason: str
+    viable: bool = False  # passed its own checks (may still be switched off or overlap a fused match)
+    inputs: list[str] = field(default_factory=list)  # producers of the fused op's tensor inputs
+    outputs: list[Node] = field(default_factory=list)  # nodes whose results the fused op returns
+    params: dict = field(default_factory=dict)  # what the op is built from (modules, scale, p, ...)
+
+    @property
+    def modules(self) -> list[str]:
+        mods = [n.module for n in self.nodes if n.module]
+        if self.pattern == "attention":
+            return [self.nodes[0].scope, *mods]
+        if not mods or self.pattern.startswith("add_"):  # steps inline in a forward: name where they run
+            inline = [n.scope or "<model>" for n in self.nodes if n.kind == "function"]
+            return list(dict.fromkeys([*inline, *mods]))
+        return mods
+
+    @property
+    def key(self) -> tuple:
+        return (self.pattern, tuple(self.modules))
+
+
+def op_class(name: str):
+    """``opsnn_lab.ops.<name>``, or raise with the reason it is unavailable."""
+    return getattr(importlib.import_module("opsnn_lab.ops"), name)
+
+
+def _op_support(name: str, *modules, build=None) -> str:
+    """'' if ``ops.<name>`` exists and accepts this chain, else why not (the op's own words).
+
+    Uses the op's ``supports(...)`` when it has one, else tries ``build()`` (ops validate in their
+    constructors and raise ValueError/TypeError naming the argument).
+    """
+    try:
+        cls = op_class(name)
+    except (ImportError, AttributeError) as exc:
+        return f"opsnn_lab.ops.{name} is not available ({type(exc).__name__}: {exc})"
+    supports = getattr(cls, "supports", None)
+    if supports is not None:
+        ok, why = supports(*modules)
+        return "" if ok else f"{name}: {why}"
+    if build is not None:
+        try:
+            build()
+        except (ValueError, TypeError) as exc:
+            return f"{name}: {exc}"
+    return ""
+
+
+def _others(g: Graph, node: Node, keep: Node | None) -> list[str]:
+    return [u.label for u in g.users.get(node.name, []) if u is not keep]
+
+
+def _consumer_reason(g: Graph, node: Node, nxt: Node) -> str:
+    others = _others(g, node, nxt)
+    return f"the output of `{node.label}` is also read by {', '.join(f'`{o}`' for o in others)}" if others else ""
+
+
+# Activations each chain family names (DESIGN.md); whether an op fuses one is the op's own answer.
+CONV_ACTS = frozenset({"relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu"})
+LINEAR_ACTS = frozenset({"gelu", "gelu_tanh", "quick_gelu", "silu", "relu"})
+
+
+def act_kind(n: Node) -> str:
+    """The activation's name as in torch.nn.functional / HF ACT2FN: ``gelu``, ``gelu_tanh``, ``silu``, ..."""
+    if n.op == "gelu":
+        approx = getattr(n.obj, "approximate", None) if n.obj is not None else arg(n, 1, "approximate", "none")
+        return "gelu_tanh" if approx == "tanh" else "gelu"
+    return n.op
+
+
+def _act_name(n: Node) -> str:
+    kind = act_kind(n)
+    return {"gelu": "GELU", "gelu_tanh": "GELU(approximate='tanh')", "relu": "ReLU", "relu6": "ReLU6",
+            "leaky_relu": "LeakyReLU", "silu": "SiLU", "quick_gelu": "QuickGELU", "hardswish": "Hardswish"}.get(kind,
+                                                                                                              kind)
+
+
+_TORCH_ACTS = {"gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU,
+               "relu6": nn.ReLU6, "silu": nn.SiLU, "hardswish": nn.Hardswish, "leaky_relu": nn.LeakyReLU,
+               "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "mish": nn.Mish}
+
+
+def act_module(n: Node) -> nn.Module | None:
+    """The activation as a torch.nn module the fused ops take (a functional call or a HF module mapped back)."""
+    if n.obj is not None and type(n.obj).__module__.startswith("torch.nn"):
+        return n.obj
+    kind = act_kind(n)
+    if kind == "leaky_relu" and n.obj is None:
+        return nn.LeakyReLU(float(arg(n, 1, "negative_slope", 0.01)))
+    make = _TORCH_ACTS.get(kind)
+    return make() if make is not None else n.obj
+
+
+def _common_checks(g: Graph, nodes: list[Node]) -> str:
+    for n in nodes:
+        writer = next((u for u in g.users.get(n.name, []) if u.op == "setitem"), None)
+        if writer is not None:
+            return f"the output of `{n.label}` is modified in place by `{writer.label}` (item assignment)"
+    counts = {}
+    for n in g.nodes:
+        if n.module:
+            counts[n.module] = counts.get(n.module, 0) + 1
+    for n in nodes:
+        if n.module and counts.get(n.module, 0) > 1 and n.op in ("linear", "conv2d", "batch_norm"):
+            return f"`{n.module}` runs {counts[n.module]} times per forward (a shared module); fuse one call site"
+    dtypes = {}
+    for n in nodes:
+        if n.dtype is not None:
+            dtypes.setdefault(str(n.dtype).replace("torch.", ""), n.label)
+        if n.obj is not None:
+            for p in n.obj.parameters(recurse=False):
+                dtypes.setdefault(str(p.dtype).replace("torch.", ""), n.label)
+    if len(dtypes) > 1:
+        return "mixed dtypes: " + ", ".join(f"`{who}` in {dt}" for dt, who in dtypes.items())
+    return ""
+
+
+def _is_module(n: Node | None, op: str) -> bool:
+    return n is not None and n.kind == "module" and n.op == op
+
+
+def _dropout_module(n: Node | None):
+    if n is None:
+        return None
+    if n.obj is not None:
+        return n.obj
+    return nn.Dropout(float(arg(n, 1, "p", 0.5)))

@@ -1,0 +1,291 @@
+"""Pattern rows for the blocks of today's transformers: gated MLPs, norms (with the residual add), head + loss.
+
+Like ``patterns.py``, one pure finder per row over the dataflow graph, each returning every candidate with a
+reason. Norm modules written in Python (Hugging Face ``*RMSNorm``, T5's ``T5LayerNorm``, any user norm) are
+recognised from the run-time record, not by class name: a module whose recorded inner nodes are only
+pointwise and last-dim reduction ops, reading one tensor and one weight of the feature size, is *called again*
+on its recorded input with a random weight (``torch.func.functional_call``, nothing modified), and the result
+is compared with RMSNorm and LayerNorm of that input, weight ``w`` or ``1 + w``. The verdict is kept in
+``Graph.memo`` (the tensors are released after the analysis, a replan must agree).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, arg
+from opsnn_lab.fusion.match import (
+    Match,
+    _common_checks,
+    _consumer_reason,
+    _dropout_module,
+    _is_module,
+    _op_support,
+    act_kind,
+    act_module,
+    op_class,
+)
+
+__all__ = ["find_gated_mlp", "find_norms", "find_add_norms", "find_linear_cross_entropy", "build_gated_mlp",
+           "build_norm", "build_linear_cross_entropy"]
+
+
+def _positions(g: Graph) -> dict[str, int]:
+    pos = g.memo.get("positions")
+    if pos is None or len(pos) != len(g.nodes):
+        pos = g.memo["positions"] = {n.name: i for i, n in enumerate(g.nodes)}
+    return pos
+
+
+# --------------------------------------------------------------------------- down(act(gate(x)) * up(x))
+def find_gated_mlp(g: Graph) -> list[Match]:
+    out, pos = [], _positions(g)
+    for mul in g.nodes:
+        if mul.op != "mul" or len(mul.inputs) != 2 or mul.inputs[0] == mul.inputs[1]:
+            continue
+        a, b = (g[i] for i in mul.inputs)
+        act, up = (a, b) if act_kind(a) in ACTIVATIONS else (b, a)
+        gate = g.producer(act) if act_kind(act) in ACTIVATIONS else None
+        if not (_is_module(gate, "linear") and _is_module(up, "linear")) or gate.inputs[:1] != up.inputs[:1]:
+            continue  # not two projections of one tensor, one of them activated
+        m = Match(f"gated_mlp_{act_kind(act)}", [gate, act, up, mul], False, "", inputs=gate.inputs[:1])
+        tail, drop = mul, None
+        nxt = g.only_user(mul)
+        if nxt is not None and nxt.op == "dropout":
+            drop, tail = nxt, nxt
+            m.nodes.append(drop)
+        down = g.only_user(tail)
+        m.reason = (_consumer_reason(g, gate, act) or _consumer_reason(g, act, mul) or _consumer_reason(g, up, mul)
+                    or _consumer_reason(g, mul, drop or down))
+        if not m.reason and not _is_module(down, "linear"):
+            users = ", ".join(f"`{u.label}`" for u in g.users.get(tail.name, []))
+            m.reason = f"the gated product `{tail.label}` goes to {users or 'nothing'}, not straight into a Linear"
+        if m.reason:
+            out.append(m)
+            continue
+        m.nodes = sorted([*m.nodes, down], key=lambda n: pos[n.name])
+        m.outputs = [down]
+        m.params = {"gate": gate.obj, "up": up.obj, "down": down.obj, "act": act_module(act),
+                    "dropout": _dropout_module(drop)}
+        p = m.params
+        m.reason = _op_support("FusedGatedMLP", p["gate"], p["up"], p["down"], p["act"], p["dropout"]) or \
+            _common_checks(g, m.nodes)
+        m.ok = not m.reason
+        out.append(m)
+    return out
+
+
+def build_gated_mlp(m: Match) -> nn.Module:
+    p = m.params
+    return op_class("FusedGatedMLP").from_modules(p["gate"], p["up"], p["down"], p["act"], p["dropout"],
+                                                  register=False)
+
+
+# --------------------------------------------------------------------------- LayerNorm / RMSNorm
+# What a norm written in Python may record: casts, pointwise arithmetic, reductions over the last dim.
+_NORM_OPS = frozenset({"to", "float", "type_as", "pow", "mul", "mean", "add", "rsqrt", "sqrt", "div", "reciprocal",
+                       "sub", "var", "square", "layer_norm", "rms_norm", "var_mean", "neg"})
+_TOL = {torch.float32: 1e-4, torch.float64: 1e-7, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def _recorded_eps(nodes: list[Node]) -> float | None:
+    """The constant added to the mean square / variance (``mean(x^2) + eps``), or a functional norm's eps."""
+    names = {n.name for n in nodes}
+    reduced = {n.name for n in nodes if n.op in ("mean", "var")}
+    for n in nodes:
+        if n.op in ("layer_norm", "rms_norm"):
+            eps = arg(n, 4 if n.op == "layer_norm" else 3, "eps", None)
+            return float(eps) if isinstance(eps, (int, float)) else None
+        if n.op == "add" and n.inputs and set(n.inputs) <= reduced & names:
+            eps = next((a for a in n.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
+            if eps is not None:
+                return float(eps)
+    return None
+
+
+def _norm_form(module: nn.Module, x: torch.Tensor, eps_candidates) -> tuple[str, float, float] | str:
+    """``(kind, eps, weight_offset)`` when ``module(x)`` is ``norm(x) * (w + offset) [+ b]``, else why not."""
+    w, b = module.weight, getattr(module, "bias", None)
+    gen = torch.Generator().manual_seed(0)
+    swap = {"weight": torch.randn(w.shape, generator=gen, dtype=torch.float64).to(w)}
+    if isinstance(b, torch.Tensor):
+        swap["bias"] = torch.randn(b.shape, generator=gen, dtype=torch.float64).to(b)
+    try:
+        with torch.no_grad():
+            y = torch.func.functional_call(module, swap, (x.detach(),))
+    except Exception as exc:  # noqa: BLE001 - a module that cannot be called on its input alone is not a norm
+        return f"`{type(module).__name__}` cannot be called on its input alone ({type(exc).__name__})"
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return "its output is not one tensor of its input's shape"
+    if y.dtype != x.dtype:
+        return f"it returns {y.dtype} for a {x.dtype} input (the weight's dtype promotes the result)"
+    xf, yd, tol = x.detach().double(), y.double(), _TOL.get(x.dtype, 1e-4)
+    wd = swap["weight"].double()
+    bd = swap["bias"].double() if "bias" in swap else 0.0
+    for eps in dict.fromkeys(e for e in eps_candidates if e is not None):
+        centred = xf - xf.mean(-1, keepdim=True)
+        forms = {"rms": xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps),
+                 "layer": centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)}
+        for kind, xhat in forms.items():
+            for offset in (0.0, 1.0):
+                ref = xhat * (wd + offset) + bd
+                if torch.allclose(yd, ref, rtol=tol, atol=tol * max(1.0, float(ref.abs().max()))):
+                    return kind, float(eps), offset
+    return "its output is neither RMSNorm nor LayerNorm of its input with its weight"
+
+
+def _python_norm(g: Graph, scope: str, nodes: list[Node]):
+    """``(Match | None)`` for the module at ``scope`` if its recorded nodes compute a norm of one tensor."""
+    module = g.modules.get(scope)
+    weight = getattr(module, "weight", None)
+    if module is None or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return None
+    names = {n.name for n in nodes}
+    ext = list(dict.fromkeys(i for n in nodes for i in n.inputs if i not in names))
+    ops = {n.op for n in nodes}
+    if len(ext) != 1 or not ops <= _NORM_OPS or not ops & {"mean", "var", "layer_norm", "rms_norm", "var_mean"}:
+        return None
+    x, y = g[ext[0]], nodes[-1]
+    if x.shape is None or not x.shape or x.shape[-1] != weight.shape[0]:
+        return None
+    escapes = [n for n in nodes[:-1] if any(u.name not in names for u in g.users.get(n.name, []))]
+    key = ("norm", scope)
+    if key not in g.memo:
+        t = g.tensors.get(x.name)
+        if t is None:
+            return None  # an fx graph, or a run-time graph whose tensors are gone: nothing to check against
+        g.memo[key] = _norm_form(module, t, [_recorded_eps(nodes), getattr(module, "variance_epsilon", None),
+                                             getattr(module, "eps", None)])
+    form = g.memo[key]
+    if isinstance(form, str):
+        if "neither" in form or "cannot be called" in form:
+            return None  # some other computation: not a candidate at all
+        return Match("rms_norm" if "rsqrt" in ops else "layer_norm", nodes, False, f"`{scope}`: {form}",
+                     inputs=[x.name], outputs=[y])
+    kind, eps, offset = form
+    m = Match(f"{kind}_norm", nodes, False, "", inputs=[x.name], outputs=[y],
+              params={"norm": module, "kind": kind, "eps": eps, "offset": offset})
+    if escapes:
+        m.reason = f"`{escapes[0].label}` inside `{scope}` is also read outside it"
+    elif kind == "rms" and isinstance(getattr(module, "bias", None), torch.Tensor):
+        m.reason = f"`{scope}` is an RMSNorm with a bias; FusedRMSNorm has none"
+    else:  # the inside may compute in fp32 on purpose: the dtype contract (y like x) was checked on the call
+        m.reason = _common_checks(g, nodes[-1:])
+    m.ok = not m.reason
+    return m
+
+
+def find_norms(g: Graph) -> list[Match]:
+    out = []
+    for n in g.nodes:  # built-in modules: nn.LayerNorm, nn.RMSNorm
+        if _is_module(n, "layer_norm") or _is_module(n, "rms_norm"):
+            op = "FusedLayerNorm" if n.op == "layer_norm" else "FusedRMSNorm"
+            m = Match(n.op, [n], False, "", inputs=n.inputs[:1], outputs=[n], params={"norm": n.obj, "kind": n.op})
+            m.reason = _op_support(op, n.obj) or _common_checks(g, [n])
+            m.ok = not m.reason
+            out.append(m)
+    if not g.modules:
+        return out
+    by_scope: dict[str, list[Node]] = {}
+    for n in g.nodes:
+        if n.kind != "input" and n.kind != "output":
+            by_scope.setdefault(n.scope, []).append(n)
+    inner = {s.rpartition(".")[0] for s in by_scope if s}  # scopes with a user module running inside them
+    for scope, nodes in by_scope.items():
+        if scope and scope not in inner and all(n.kind == "function" for n in nodes):
+            m = _python_norm(g, scope, nodes)
+            if m is not None:
+                out.append(m)
+    return out
+
+
+def find_add_norms(g: Graph) -> list[Match]:
+    """``norm(a + b)`` where the add is visible: the fused op returns ``(norm(a + b), a + b)``."""
+    out = []
+    for norm in find_norms(g):
+        s = g.by_name.get(norm.inputs[0]) if norm.inputs else None
+        if s is None or s.op != "add" or s.kind != "function" or len(s.inputs) != 2 or not norm.params:
+            continue
+        a, b = (g[i] for i in s.inputs)
+        m = Match(f"add_{norm.pattern}", [s, *norm.nodes], False, "", inputs=list(s.inputs),
+                  outputs=[norm.outputs[0], s], params=dict(norm.params))
+        if s.inputs[0] == s.inputs[1] or len(s.args) > 2 or "alpha" in s.kwargs:
+            m.reason = f"`{s.label}` is not a plain sum of two tensors"
+        elif a.shape != s.shape or b.shape != s.shape or a.dtype != b.dtype:
+            m.reason = f"`{s.label}` broadcasts or mixes dtypes ({a.shape} + {b.shape})"
+        else:
+            m.reason = norm.reason if not norm.ok else _common_checks(g, m.nodes)
+        m.ok = not m.reason
+        out.append(m)
+    return out
+
+
+class AddNorm(nn.Module):
+    """``forward(a, b) -> (norm(a + b), a + b)`` by the fused op; under autocast, the add and the norm module's own
+    forward, as the model computed them (the fused op takes one dtype, autocast mixes them)."""
+
+    def __init__(self, op: nn.Module, norm: nn.Module):
+        super().__init__()
+        self.op = op
+        object.__setattr__(self, "norm", norm)  # the model's module, not a child: no second copy of its weight
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor):
+        if torch.is_autocast_enabled(a.device.type):
+            s = a + b
+            return self.norm(s), s
+        return self.op(a, b)
+
+
+def build_norm(m: Match) -> nn.Module:
+    if m.pattern.startswith("add_"):
+        return AddNorm(_build_norm(m), m.params["norm"])
+    return _build_norm(m)
+
+
+def _build_norm(m: Match) -> nn.Module:
+    p, add = m.params, m.pattern.startswith("add_")
+    name = ("FusedAdd" if add else "Fused") + ("RMSNorm" if p["kind"] in ("rms", "rms_norm") else "LayerNorm")
+    cls, norm = op_class(name), p["norm"]
+    if "eps" not in p:  # a built-in module: the op reads it
+        return cls.from_modules(norm)
+    bias = norm.bias if p["kind"] == "layer" and isinstance(getattr(norm, "bias", None), nn.Parameter) else None
+    return cls(norm.weight, bias, p["eps"], weight_offset=p["offset"]).train(norm.training)
+
+
+# --------------------------------------------------------------------------- vocabulary head -> cross-entropy
+_RESHAPES = frozenset({"view", "reshape", "float", "to", "contiguous", "getitem", "flatten", "type_as"})
+RECIPE = ("compute the loss from the hidden states with ol.ops.lm_head_loss(model, input_ids, labels) "
+          "(Hugging Face causal / masked LMs) or ol.ops.FusedLinearCrossEntropy.from_modules(head)(hidden, labels), "
+          "which never hold the logits")
+
+
+def find_linear_cross_entropy(g: Graph) -> list[Match]:
+    """Candidates only: the rewrite replaces module calls of one input, a loss reads two (hidden, labels)."""
+    out = []
+    for ce in g.nodes:
+        if ce.op != "cross_entropy" or not ce.inputs:
+            continue
+        path, z = [], g.producer(ce)
+        while z is not None and z.op in _RESHAPES and z.kind == "function":
+            path.append(z)
+            z = g.producer(z)
+        if z is None or z.op != "linear":
+            continue
+        chain = [z, *reversed(path), ce]
+        m = Match("linear_cross_entropy", chain, False, "", inputs=[*z.inputs[:1], *ce.inputs[1:2]], outputs=[ce],
+                  params={"head": z.obj})
+        others = [u for a, nxt in zip(chain, chain[1:]) for u in g.users.get(a.name, []) if u is not nxt]
+        if others:
+            who = "returned by the model's forward" if any(u.kind == "output" for u in others) else \
+                f"also read by {', '.join(f'`{u.label}`' for u in others[:3])}"
+            m.reason = f"the logits of `{z.label}` are {who}, so they are materialised anyway; {RECIPE}"
+        else:
+            m.reason = (f"the logits of `{z.label}` are read only by the loss, but the loss runs inline in "
+                        f"`{ce.scope or '<model>'}`.forward on two tensors (hidden, labels); {RECIPE}")
+        out.append(m)
+    return out
+
+
+def build_linear_cross_entropy(m: Match) -> nn.Module:
+    return op_class("FusedLinearCrossEntropy").from_modules(m.params["head"])
