@@ -124,7 +124,7 @@ def _lce_chain(s, device, dtype, name):
         return F.cross_entropy(head(h).float(), t)
 
     fused = ops.FusedLinearCrossEntropy.from_modules(head)
-    return Chain(name, eager, fused, (hidden, target),
+    return Chain(name, eager, fused, (hidden, target), params=(head.weight,),
                  note=f"{p['tokens']} tokens, hidden {p['hidden']}, vocab {p['vocab']}, {str(dtype)[6:]}")
 
 

@@ -110,11 +110,13 @@ def norm_bwd_from_output_reference(grad_y, y, rstd, weight, bias, rms, weight_of
     with unit statistics (``xhat`` is already centred and scaled), the row ``rstd`` applied after."""
     acc = torch.float64 if y.dtype == torch.float64 else torch.float32
     w = None if weight is None else weight.to(acc) + weight_offset
-    xhat = y.to(acc, copy=True)
-    if bias is not None:
-        xhat.sub_(bias.to(acc))
-    if w is not None:
-        xhat.div_(w)
+    if w is None:  # read only below: y itself when it is already in acc
+        xhat = y.to(acc) - bias.to(acc) if bias is not None else y.to(acc)
+    else:  # y * (1 / w) - b / w: a multiply and an in-place subtract (addcmul is slower on CPU)
+        inv = w.reciprocal()
+        xhat = y.to(acc) * inv
+        if bias is not None:
+            xhat.sub_(bias.to(acc) * inv)
     want_w = weight is not None and want_weight
     dy = grad_y.to(acc)
     if rms:
@@ -122,12 +124,15 @@ def norm_bwd_from_output_reference(grad_y, y, rstd, weight, bias, rms, weight_of
     else:
         m, n = y.shape
         unit = torch.ones(m, 1, dtype=acc, device=y.device)
-        grad_s, grad_w, _ = torch.ops.aten.native_layer_norm_backward(
-            dy, xhat, [n], unit.new_zeros(m, 1), unit, w, None, [True, want_w, False])
+        b_acc = bias.to(acc) if want_bias and bias is not None else None
+        grad_s, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            dy, xhat, [n], unit.new_zeros(m, 1), unit, w, b_acc, [True, want_w, b_acc is not None])
         grad_s = grad_s.mul_(rstd.view(-1, 1).to(acc))
+    if rms or grad_b is None:
+        grad_b = grad_y.sum(0, dtype=acc) if want_bias and bias is not None else None
     grad_s = grad_s.to(y.dtype)
     grad_w = grad_w.to(weight.dtype) if want_w else None
-    grad_b = grad_y.sum(0, dtype=acc).to(bias.dtype) if want_bias and bias is not None else None
+    grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
     return _add_sum(grad_s, grad_sum), grad_w, grad_b
 
 
