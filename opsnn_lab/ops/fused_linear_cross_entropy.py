@@ -87,6 +87,7 @@ def _grad_pass(h2, weight, bias, target, row_scale, cfg, need):
             grad_w += (zc.t() @ hc).float() if acc == torch.bfloat16 else z.t() @ hc.to(z.dtype)
         if need_b:
             grad_b += z.sum(0)
+        del z, zc  # before the next chunk's logits: one chunk alive at a time, not two
     grad_w = None if grad_w is None else grad_w.to(acc)
     grad_b = None if grad_b is None else grad_b.to(acc)
     return loss, grad_h, grad_w, grad_b

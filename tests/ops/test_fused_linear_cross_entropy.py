@@ -5,6 +5,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from opsnn_lab import ops
 from opsnn_lab.bench import activation_bytes
+from opsnn_lab.measuring import peak_bytes
 from opsnn_lab.ops.fused_linear_cross_entropy import eager_linear_cross_entropy
 from opsnn_lab.testing import (
     assert_close_dtype,
@@ -152,6 +153,24 @@ def test_saved_bytes_vs_eager():
     few_target = target[:16].clone()
     saved = activation_bytes(lambda: ops.linear_cross_entropy(few, wide.weight, few_target, wide.bias))
     assert saved <= 16 * 4 * h * 4 + 16 * 8 + 8
+
+
+def test_peak_memory_of_forward_and_backward_vs_eager():
+    # The saved grad_W becomes weight.grad; eager allocates that .grad in backward too, on top of (N, V) logits,
+    # their log-softmax and its gradient. Peak bytes of the whole step, .grad included, compare them fairly.
+    n, v, h = 512, 2000, 32
+    head = nn.Linear(h, v, bias=False)
+    hidden = torch.randn(n, h, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+
+    def step(fn):
+        head.weight.grad = hidden.grad = None
+        return peak_bytes(lambda: fn(hidden, head.weight, target).backward())
+    eager, fused = step(eager_linear_cross_entropy), step(ops.linear_cross_entropy)
+    assert eager >= 3 * n * v * 4  # logits, log-softmax, the logits' gradient
+    chunk = 256 * v * 4  # one chunk's logits (the default 256 rows); never two at once
+    # grad_W, the chunk's V x H product before it is added in, grad_hidden, the chunk, small change
+    assert fused <= 2 * v * h * 4 + n * h * 4 + chunk + 64 * 1024 and fused / eager < 0.25
 
 
 def test_module_from_modules_shares_parameters_and_reads_the_loss():
