@@ -87,7 +87,7 @@ def _grad_pass(h2, weight, bias, target, row_scale, cfg, need):
             grad_h[a:b] = zc @ w_acc
         if need_w:  # fp32 sum over chunks; bf16 chunk GEMMs (fp32 inside) run ~7x faster than fp32 ones on CPU
             if acc == torch.bfloat16:
-                grad_w += (zc.t() @ hc).float()
+                grad_w += zc.t() @ hc  # the bf16 product is widened inside the add: no fp32 copy of it
             elif in_place:  # no V x H temporary and no separate add pass (a fifth of the step at V = 32k)
                 grad_w.addmm_(z.t(), hc.to(z.dtype))
             else:
