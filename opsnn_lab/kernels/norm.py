@@ -4,6 +4,9 @@ Forward computes ``s = x + residual`` (rounded once to the input dtype, as eager
 statistics in fp32 and ``y = xhat * (weight + weight_offset) + bias`` with ``xhat = (s - mean) * rstd``
 (LayerNorm) or ``s * rstd`` (RMSNorm). What backward needs is ``s`` and one fp32 statistic per row
 (``rstd``; LayerNorm also ``mean``), nothing else. ``weight_offset=1.0`` is Gemma's ``(1 + weight)``.
+Or, where ``output_recoverable`` allows it, the output ``y`` and ``rstd`` only: ``norm_bwd_from_output``
+recovers ``xhat = (y - bias) / weight`` (the same backward kernel with ``FROM_Y``; on the torch path one
+multiply, a subtract and a row scaling more than aten's backward, which then runs with unit statistics).
 
 The weight and bias gradients are reduced in two fixed-order stages (per-program partial column sums over
 ``_ROWS`` rows, then one pass over the partials), never with atomics: the same bits on every run.
