@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["activation_bytes", "saved_tensors_report", "SavedTensorsReport", "median_time", "interleaved_medians",
-           "sync"]
+__all__ = ["activation_bytes", "saved_tensors_report", "SavedTensorsReport", "peak_bytes", "median_time",
+           "interleaved_medians", "sync"]
 
 
 @dataclass
@@ -93,6 +93,45 @@ def activation_bytes(fn: Callable[[], object], exclude: tuple[torch.Tensor, ...]
     model saves them (BatchNorm's running stats are not saved, so usually none are).
     """
     return saved_tensors_report(fn, exclude).total_bytes
+
+
+# --------------------------------------------------------------------------- peak
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes of tensor storages allocated by ``fn()`` and alive at once, on any device.
+
+    For a training step: ``peak_bytes(lambda: loss_fn().backward())``. Every ATen op's outputs are seen
+    through a ``TorchDispatchMode`` (backward too, and the ``.grad`` tensors autograd creates: set them to
+    None first to count them); a storage counts from the op that creates it until it is freed (noted at the
+    next op, before that op allocates). Storages that exist before (parameters, inputs, their views and
+    in-place results) are not counted. CPU and CUDA alike, unlike the CUDA allocator's statistics.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    live: dict = {}
+    state = {"now": 0, "peak": 0}
+
+    class _Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for key in [k for k, (ref, _) in live.items() if ref.expired()]:
+                state["now"] -= live.pop(key)[1]
+            inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    key = _storage_key(t)
+                    if key not in inputs and key not in live:
+                        live[key] = (StorageWeakRef(t.untyped_storage()), _nbytes(t))
+                        state["now"] += live[key][1]
+            state["peak"] = max(state["peak"], state["now"])
+            return out
+
+    with _Live():
+        fn()
+    return state["peak"]
 
 
 # --------------------------------------------------------------------------- time

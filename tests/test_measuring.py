@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from opsnn_lab.measuring import activation_bytes, interleaved_medians, median_time, saved_tensors_report
+from opsnn_lab.measuring import activation_bytes, interleaved_medians, median_time, peak_bytes, saved_tensors_report
 
 
 def test_linear_saves_its_input_only():
@@ -90,3 +90,28 @@ def test_median_time_excludes_warmup(monkeypatch):
 
     monkeypatch.setattr(measuring.time, "perf_counter", lambda: now[0])
     assert median_time(fn, warmup=2, repeat=3) == 2.0
+
+
+def test_peak_bytes_counts_what_is_alive_at_once():
+    x = torch.randn(1000)
+    assert peak_bytes(lambda: x * 2) == 4000
+    assert peak_bytes(lambda: x.mul_(1.0)) == 0  # in place: no new storage
+    assert peak_bytes(lambda: x[10:].clone().view(10, 99)) == 3960  # a view of a new storage counts once
+    assert peak_bytes(lambda: (x * 2).sum()) == 4004  # the temporary is alive when the sum is allocated
+
+    def drop_then_allocate():
+        t = x * 2
+        del t  # freed before the next op allocates: the peak is one buffer, not two
+        return x * 3
+    assert peak_bytes(drop_then_allocate) == 4000
+
+
+def test_peak_bytes_sees_backward_and_the_grads_it_creates():
+    lin = nn.Linear(16, 32)
+    x = torch.randn(8, 16, requires_grad=True)
+    assert peak_bytes(lambda: lin(x)) == 8 * 32 * 4
+    step = peak_bytes(lambda: lin(x).sum().backward())
+    grads = (lin.weight.numel() + lin.bias.numel() + x.numel()) * 4
+    assert lin.weight.grad is not None and step >= grads  # the .grad tensors autograd creates are counted
+    with pytest.raises(TypeError, match="fn"):
+        peak_bytes(3)

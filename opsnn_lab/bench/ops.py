@@ -2,7 +2,8 @@
 
 Per chain (MLP, Linear+GELU+Dropout, Conv+BN+ReLU+MaxPool stem, QKV, attention core, one BERT encoder
 layer fused by hand): forward+backward time ratio (interleaved medians, one process), activation bytes
-saved for backward (``activation_bytes``), and first-call latency (torch.compile compiles there; the
+saved for backward (``activation_bytes``), for rows that give their parameters the peak bytes of forward+backward
+(``peak_bytes``, the parameters' ``.grad`` included), and first-call latency (torch.compile compiles there; the
 fused ops do not). BERT-base shapes by default (8 x 128 tokens, 768 -> 3072, 12 heads; stem 8 x 3 x 224 x
 224); ``--quick`` uses CI-sized shapes. Writes ``build/bench/ops.json``.
 """
@@ -22,7 +23,7 @@ from opsnn_lab.bench import chains_mlp
 from opsnn_lab.bench.chains_conv import CONV_BUILDERS, CONV_CHAINS
 from opsnn_lab.bench.chains_norm import NORM_BUILDERS, NORM_CHAINS
 from opsnn_lab.bench.common import format_table, interleaved_medians, machine_line, sync, write_json
-from opsnn_lab.measuring import activation_bytes
+from opsnn_lab.measuring import activation_bytes, peak_bytes
 
 __all__ = ["main", "build_chains", "measure", "FusedEncoderLayer", "CHAINS", "FULL", "QUICK"]
 
@@ -41,6 +42,7 @@ class Chain:
     fused: Callable
     inputs: tuple
     note: str = ""
+    params: tuple = ()  # given: the row also reports peak memory of forward+backward (``peak_bytes``), .grad included
 
 
 def _outputs(out) -> list[torch.Tensor]:
@@ -196,6 +198,13 @@ def _bytes(fn: Callable, inputs: tuple) -> int | None:
         return None
 
 
+def _peak(step: Callable[[], None], chain: Chain) -> int:
+    for t in (*chain.inputs, *chain.params):  # fresh .grad tensors, as in a step after zero_grad(set_to_none)
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.grad = None
+    return peak_bytes(step)
+
+
 def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device) -> dict:
     grads = [torch.randn_like(o) for o in _outputs(chain.eager(*chain.inputs))]
     steps = {"eager": _step(chain.eager, chain.inputs, grads), "fused": _step(chain.fused, chain.inputs, grads)}
@@ -214,6 +223,10 @@ def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device) -
         if k != "eager":
             row[f"time_{k}_vs_eager"] = times[k] / times["eager"]
             row[f"bytes_{k}_vs_eager"] = byt[k] / byt["eager"] if byt[k] is not None and byt["eager"] else None
+    if chain.params:
+        peak = {k: _peak(steps[k], chain) for k in ("eager", "fused")}
+        row.update(eager_peak_bytes=peak["eager"], fused_peak_bytes=peak["fused"],
+                   peak_fused_vs_eager=peak["fused"] / peak["eager"])
     return row
 
 
@@ -253,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(c, compile_=not args.no_compile, repeat=repeat, warmup=warmup, device=args.device)
             for c in tqdm(chains, desc="ops", unit="chain")]
     cols = ["chain", "time_fused_vs_eager", "time_compile_vs_eager", "bytes_fused_vs_eager",
-            "bytes_compile_vs_eager", "eager_ms", "fused_first_call_s", "compile_first_call_s"]
+            "bytes_compile_vs_eager", "peak_fused_vs_eager", "eager_ms", "fused_first_call_s", "compile_first_call_s"]
     print(machine_line())
     print(format_table(rows, [c for c in cols if any(c in r for r in rows)]))
     path = write_json("ops", {"quick": args.quick, "device": args.device, "threads": torch.get_num_threads(),

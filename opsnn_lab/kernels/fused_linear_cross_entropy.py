@@ -31,17 +31,23 @@ def cross_entropy_chunk_reference(logits, target, ignore_index, smoothing, row_s
     fp32 are overwritten by the scaled gradient (ignored rows must have scale 0)."""
     valid = target != ignore_index
     safe = torch.where(valid, target, torch.zeros_like(target))
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = lse - logits.gather(1, safe[:, None]).squeeze(1)
-    if smoothing:
-        loss = loss.mul_(1.0 - smoothing).add_(lse - logits.mean(-1), alpha=smoothing)
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
-    if row_scale is not None:
-        grad = logits.sub_(lse[:, None]).exp_()
+    picked = logits.gather(1, safe[:, None]).squeeze(1)
+    zmean = logits.mean(-1) if smoothing else None
+    if row_scale is None:
+        lse = torch.logsumexp(logits, dim=-1)
+    else:  # in place, four passes over the chunk and no (C, V) temporary: e = exp(z - max), softmax = e / sum(e)
+        m = logits.amax(-1, keepdim=True).clamp_(min=torch.finfo(logits.dtype).min)  # a row of -inf stays finite
+        grad = logits.sub_(m).exp_()
+        total = grad.sum(-1)
+        lse = m.squeeze(1) + total.log()
+        grad.mul_((row_scale / total)[:, None])
         if smoothing:
-            grad.sub_(smoothing / logits.shape[1])
-        grad.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], smoothing - 1.0))
-        grad.mul_(row_scale[:, None])
+            grad.sub_((row_scale * (smoothing / logits.shape[1]))[:, None])
+        grad.scatter_add_(1, safe[:, None], (row_scale * (smoothing - 1.0))[:, None])
+    loss = lse - picked
+    if smoothing:
+        loss = loss.mul_(1.0 - smoothing).add_(lse - zmean, alpha=smoothing)
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
     return loss, lse
 
 

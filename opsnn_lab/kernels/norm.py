@@ -4,6 +4,9 @@ Forward computes ``s = x + residual`` (rounded once to the input dtype, as eager
 statistics in fp32 and ``y = xhat * (weight + weight_offset) + bias`` with ``xhat = (s - mean) * rstd``
 (LayerNorm) or ``s * rstd`` (RMSNorm). What backward needs is ``s`` and one fp32 statistic per row
 (``rstd``; LayerNorm also ``mean``), nothing else. ``weight_offset=1.0`` is Gemma's ``(1 + weight)``.
+Or, where ``output_recoverable`` allows it, the output ``y`` and ``rstd`` only: ``norm_bwd_from_output``
+recovers ``xhat = (y - bias) / weight`` (the same backward kernel with ``FROM_Y``; on the torch path one
+multiply, a subtract and a row scaling more than aten's backward, which then runs with unit statistics).
 
 The weight and bias gradients are reduced in two fixed-order stages (per-program partial column sums over
 ``_ROWS`` rows, then one pass over the partials), never with atomics: the same bits on every run.
@@ -22,16 +25,18 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-__all__ = ["norm_fwd", "norm_bwd", "norm_fwd_reference", "norm_bwd_reference"]
+__all__ = ["norm_fwd", "norm_bwd", "norm_fwd_reference", "norm_bwd_reference", "norm_bwd_from_output",
+           "norm_bwd_from_output_reference", "output_recoverable", "RECOVER_MAX_BIAS"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _ROWS = 16  # rows per backward program: each weight-gradient partial covers 16 rows
+RECOVER_MAX_BIAS = 4.0  # output_recoverable: the largest |bias| / |weight| per column (2x margin to the edge, 8)
 
 
 def _effective_weight(weight, weight_offset, dtype):
     if weight is None or not weight_offset:
         return weight
-    return (weight.float() + weight_offset).to(dtype)
+    return (weight.to(torch.promote_types(weight.dtype, torch.float32)) + weight_offset).to(dtype)
 
 
 # --------------------------------------------------------------------------- torch reference
@@ -49,10 +54,10 @@ def norm_fwd_reference(x, weight, bias, residual, eps, rms, weight_offset=0.0):
     return y, s, mean.view(-1), rstd.view(-1)
 
 
-def _rms_bwd(grad_y, s, rstd, w, want_w):
+def _rms_bwd(grad_y, s, rstd, w, want_w, xhat=None):
     # aten has no CPU backward for _fused_rms_norm: ds = rstd * (g - xhat * mean(g * xhat)), g = dy * w, in fp32.
     acc = torch.float64 if s.dtype == torch.float64 else torch.float32
-    xhat = s.to(acc) * rstd
+    xhat = s.to(acc) * rstd if xhat is None else xhat
     dy = grad_y.to(acc)
     g = dy if w is None else dy * w.to(acc)
     ds = (g - xhat * (xhat * g).mean(-1, keepdim=True)).mul_(rstd)
@@ -79,6 +84,59 @@ def norm_bwd_reference(grad_y, s, mean, rstd, weight, rms, weight_offset=0.0, ha
             return _add_sum(grad_s, grad_sum), grad_w if want_w else None, grad_b
     grad_b = grad_y.sum(0) if has_bias else None
     return _add_sum(grad_s, grad_sum), grad_w if want_w else None, grad_b
+
+
+def output_recoverable(weight, bias, weight_offset, dtype) -> bool:
+    """Whether ``xhat = (y - bias) / (weight + weight_offset)`` recovers the normalised input from the output
+    ``y`` (rounded to ``dtype``) about as well as eager knows it. The error is ``ulp(y) / |w|``, about
+    ``eps (|xhat| + |b| / |w|)``, plus ``tiny * eps / |w|`` where ``y`` is subnormal: so every effective weight
+    finite and at least 4 x the dtype's smallest normal ``tiny`` (fp16: 2.4e-4), and ``|bias| <= RECOVER_MAX_BIAS *
+    |weight|`` per column. Measured at the edge (weights 1 and 1/r, ``|b| = r |w|``, gradients correlated with
+    ``y`` or not, fp32/bf16/fp16): within the 2 x eager error criterion up to r = 8, not at 16; RMSNorm without
+    a bias passes at any weight spread tried (64)."""
+    if weight is None:
+        return bias is None or bool(torch.isfinite(bias).all())
+    w = weight.detach().double() + weight_offset
+    aw = w.abs()
+    if aw.numel() == 0:
+        return True
+    ok = torch.isfinite(w).all() & (aw.min() >= 4 * torch.finfo(dtype).tiny)
+    if bias is not None:
+        b = bias.detach().double()
+        ok = ok & torch.isfinite(b).all() & (b.abs() <= RECOVER_MAX_BIAS * aw).all()
+    return bool(ok)
+
+
+def norm_bwd_from_output_reference(grad_y, y, rstd, weight, bias, rms, weight_offset=0.0, want_weight=True,
+                                   want_bias=False, grad_sum=None):
+    """Torch path of ``norm_bwd_from_output``: ``xhat`` in fp32 from ``y``; LayerNorm through aten's backward
+    with unit statistics (``xhat`` is already centred and scaled), the row ``rstd`` applied after."""
+    acc = torch.float64 if y.dtype == torch.float64 else torch.float32
+    w = None if weight is None else weight.to(acc) + weight_offset
+    if w is None:  # read only below: y itself when it is already in acc
+        xhat = y.to(acc) - bias.to(acc) if bias is not None else y.to(acc)
+    else:  # y * (1 / w) - b / w: a multiply and an in-place subtract (addcmul is slower on CPU)
+        inv = w.reciprocal()
+        xhat = y.to(acc) * inv
+        if bias is not None:
+            xhat.sub_(bias.to(acc) * inv)
+    want_w = weight is not None and want_weight
+    dy = grad_y.to(acc)
+    if rms:
+        grad_s, grad_w = _rms_bwd(dy, xhat, rstd.view(-1, 1), w, want_w, xhat=xhat)
+    else:
+        m, n = y.shape
+        unit = torch.ones(m, 1, dtype=acc, device=y.device)
+        b_acc = bias.to(acc) if want_bias and bias is not None else None
+        grad_s, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            dy, xhat, [n], unit.new_zeros(m, 1), unit, w, b_acc, [True, want_w, b_acc is not None])
+        grad_s = grad_s.mul_(rstd.view(-1, 1).to(acc))
+    if rms or grad_b is None:
+        grad_b = grad_y.sum(0, dtype=acc) if want_bias and bias is not None else None
+    grad_s = grad_s.to(y.dtype)
+    grad_w = grad_w.to(weight.dtype) if want_w else None
+    grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+    return _add_sum(grad_s, grad_sum), grad_w, grad_b
 
 
 def _add_sum(grad_s, grad_sum):
@@ -138,8 +196,9 @@ if triton is not None:
     def _norm_bwd_kernel(
         DY,  # pointer to the (M, N) upstream gradient of y
         DSUM,  # pointer to the (M, N) upstream gradient of the sum (unused unless HAS_DSUM)
-        S,  # pointer to the (M, N) saved normalised input (the sum with a residual)
+        S,  # pointer to the (M, N) saved normalised input (the sum with a residual), or the output when FROM_Y
         W,  # pointer to the (N,) weight (unused unless HAS_W)
+        B,  # pointer to the (N,) bias (read only when SUB_B)
         MEAN,  # pointer to the (M,) fp32 row means (unused when RMS)
         RSTD,  # pointer to the (M,) fp32 row rstd
         DS,  # pointer to the (M, N) gradient w.r.t. s (output)
@@ -152,6 +211,8 @@ if triton is not None:
         HAS_W: tl.constexpr,  # weight present
         HAS_B: tl.constexpr,  # bias present
         RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
+        FROM_Y: tl.constexpr,  # S holds the output y: xhat = (y - b) / w (output_recoverable said it is safe)
+        SUB_B: tl.constexpr,  # FROM_Y with a bias to subtract
         ROWS: tl.constexpr,  # rows per program
         BLOCK: tl.constexpr,  # columns per program, >= N
     ):
@@ -161,6 +222,8 @@ if triton is not None:
         cmask = cols < N
         if HAS_W:
             w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + W_OFFSET
+        if SUB_B:
+            b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
         dw = tl.full([BLOCK], 0.0, tl.float32)
         db = tl.full([BLOCK], 0.0, tl.float32)
         for r in range(ROWS):
@@ -170,7 +233,10 @@ if triton is not None:
             dy = tl.load(DY + row * N + cols, mask=mask, other=0.0).to(tl.float32)
             stat = tl.minimum(row, M - 1)  # rows past M read a real statistic; their dy is 0 so they add 0
             rstd = tl.load(RSTD + stat)
-            if RMS:
+            if FROM_Y:
+                xhat = s - b if SUB_B else s
+                xhat = tl.where(mask, xhat / w, 0.0) if HAS_W else xhat
+            elif RMS:
                 xhat = s * rstd
             else:
                 xhat = tl.where(mask, (s - tl.load(MEAN + stat)) * rstd, 0.0)
@@ -223,7 +289,9 @@ def _fwd_triton(x, weight, bias, residual, eps, rms, weight_offset):
     return y, s, None if rms else mean, rstd
 
 
-def _bwd_triton(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, grad_sum, want_weight):
+def _bwd_triton(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, grad_sum, want_weight, from_y=False,
+                bias=None):
+    # from_y: s is the output y (norm_bwd_from_output), bias the one to subtract; has_bias: its gradient is wanted
     m, n = s.shape
     grad_s = torch.empty_like(s)
     want_w = weight is not None and want_weight
@@ -237,9 +305,9 @@ def _bwd_triton(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, gra
         db = torch.empty(groups, n, dtype=torch.float32, device=s.device) if has_bias else grad_s
         _norm_bwd_kernel[(groups,)](
             grad_y, grad_sum if grad_sum is not None else grad_y, s, weight if weight is not None else s,
-            mean if not rms else rstd, rstd, grad_s, dw, db, m, n, float(weight_offset),
-            HAS_DSUM=grad_sum is not None, HAS_W=weight is not None, HAS_B=has_bias, RMS=rms,
-            ROWS=_ROWS, BLOCK=block, num_warps=warps)
+            bias if bias is not None else s, mean if mean is not None else rstd, rstd, grad_s, dw, db, m, n,
+            float(weight_offset), HAS_DSUM=grad_sum is not None, HAS_W=weight is not None, HAS_B=has_bias, RMS=rms,
+            FROM_Y=from_y, SUB_B=from_y and bias is not None, ROWS=_ROWS, BLOCK=block, num_warps=warps)
         col_block, col_warps = calculate_settings(min(n, 1024))
         for part, out in ((dw, grad_w), (db, grad_b)):
             if out is not None:
@@ -304,6 +372,24 @@ def norm_bwd(grad_y, s, mean, rstd, weight=None, rms=False, weight_offset=0.0, h
                            grad_sum, want_weight)
     return norm_bwd_reference(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, grad_sum, want_weight,
                               bias)
+
+
+def norm_bwd_from_output(grad_y, y, rstd, weight=None, bias=None, rms=False, weight_offset=0.0, want_weight=True,
+                         want_bias=True, grad_sum=None):
+    """Gradients of ``norm_fwd`` from its output ``y`` and ``rstd`` instead of its input.
+
+    ``xhat = (y - bias) / (weight + weight_offset)``: valid where ``output_recoverable`` says so (the caller
+    decides, at run time, and saves the input otherwise). Saving ``y`` costs nothing extra when the next op
+    (a Linear) saves it anyway. Returns ``(grad_s, grad_weight, grad_bias)`` as ``norm_bwd``.
+    """
+    _check_bwd(grad_y, y)
+    if grad_sum is not None:
+        grad_sum = grad_sum.contiguous()
+    if _use_triton(y):
+        return _bwd_triton(grad_y.contiguous(), y.contiguous(), None, rstd, weight, rms, weight_offset,
+                           want_bias and bias is not None, grad_sum, want_weight, from_y=True, bias=bias)
+    return norm_bwd_from_output_reference(grad_y, y, rstd, weight, bias, rms, weight_offset, want_weight,
+                                          want_bias, grad_sum)
 
 
 def _check_bwd(grad_y, s):

@@ -1,14 +1,23 @@
 """LayerNorm and RMSNorm, alone or with the residual add before them, as single autograd ops.
 
-What is saved for backward, per row of ``N`` features (``s`` = the input, or ``x + residual``):
+What is saved for backward, per row of ``N`` features (``s`` = the input, or ``x + residual``; ``y`` the output):
 
 =========================================  ======================================  ==================
 chain                                       eager saves                             fused saves
 =========================================  ======================================  ==================
-``nn.LayerNorm`` (fp32)                     s, mean, rstd                           s, mean, rstd (same)
-``nn.LayerNorm`` under bf16 autocast        an fp32 copy of s, mean, rstd            bf16 s, mean, rstd
-``nn.RMSNorm`` / HF ``*RMSNorm``            s (fp32 copy), s * rstd, rstd, ...       s, rstd
+``nn.LayerNorm``                            s, mean, rstd                           y, rstd
+``nn.RMSNorm`` / HF ``*RMSNorm``            s (fp32 copy), s * rstd, rstd, ...       y, rstd
+norm -> Linear (what a transformer does)    the above + y (the Linear's input)      y, rstd (y once)
 =========================================  ======================================  ==================
+
+The fused ops save their OUTPUT and recover ``xhat = (y - bias) / weight`` in backward
+(``kernels.norm.norm_bwd_from_output``). Alone that saves nothing; but the op after a norm (a Linear: the
+QKV projection, the MLP's first Linear, Llama's q/k/v and gate/up projections) saves ``y`` anyway, so the
+norm's input is no longer stored at all. Recovery is exact up to ``y``'s rounding divided by the weight, so it
+is used only where ``kernels.norm.output_recoverable`` says the parameters allow it (no zero or near-zero
+effective weight, ``|bias| <= 4 |weight|``), decided at run time, once per parameter version; otherwise the
+op saves its input as before (set ``module.save_output = False`` to always do so). Autograd refuses an
+in-place change of a saved ``y`` (as it refuses one of the saved sum), never giving wrong gradients.
 
 The fused ops compute the statistics and the output in fp32 and round once to the input dtype (HF's
 Llama rounds before the weight multiply; the fused result is the more accurate of the two).
@@ -20,7 +29,8 @@ Contract for the fusion rewrite (``supports`` says yes or gives the reason; ``fr
 registers the original ``weight``/``bias`` Parameter objects, so ``state_dict`` keys and values are unchanged.
 ``FusedAddLayerNorm`` / ``FusedAddRMSNorm`` take the same modules; their ``forward(x, residual)`` returns
 ``(normed, summed)``: the normalised output and ``x + residual``, which the residual stream continues with
-(out of place, ``h = summed + ...``: backward reads the saved sum, so autograd refuses in-place updates of it).
+(out of place, ``h = summed + ...``: when the op falls back to saving the sum, autograd refuses in-place
+updates of it).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_tensor, check_type, same_device
-from opsnn_lab.kernels.norm import norm_bwd, norm_fwd
+from opsnn_lab.kernels.norm import norm_bwd, norm_bwd_from_output, norm_fwd, output_recoverable
 
 __all__ = ["AddNormFunction", "FusedLayerNorm", "FusedRMSNorm", "FusedAddLayerNorm", "FusedAddRMSNorm",
            "rms_norm_form"]
@@ -41,32 +51,39 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class AddNormFunction(torch.autograd.Function):
-    """``y = norm(x [+ residual])``; saves ``s`` (the input or the sum) and fp32 ``rstd`` (and ``mean``)."""
+    """``y = norm(x [+ residual])``. ``save_output=False``: saves ``s`` (the input or the sum) and fp32 ``rstd``
+    (and ``mean``); ``True``: saves ``y`` and ``rstd`` and recovers ``xhat`` from ``y`` in backward (the caller
+    has checked ``output_recoverable``); ``y`` is what the next op saves anyway, so it is stored once."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, rms, weight_offset):
+    def forward(ctx, x, residual, weight, bias, eps, rms, weight_offset, save_output=False):
         n = x.shape[-1]
         r2 = None if residual is None else residual.reshape(-1, n)
         y, s, mean, rstd = norm_fwd(x.reshape(-1, n), weight, bias, r2, eps, rms, weight_offset, check=False)
-        ctx.cfg, ctx.shape = (rms, weight_offset, bias is not None, residual is not None), x.shape
-        ctx.save_for_backward(s, mean, rstd, weight, bias)
-        ctx.set_materialize_grads(False)
+        ctx.cfg, ctx.shape = (rms, weight_offset, bias is not None, residual is not None, save_output), x.shape
         y = y.view(x.shape)
+        ctx.save_for_backward(y if save_output else s, None if save_output else mean, rstd, weight, bias)
+        ctx.set_materialize_grads(False)
         return y if residual is None else (y, s.view(x.shape))
 
     @staticmethod
     def backward(ctx, grad_y, grad_sum=None):
-        s, mean, rstd, weight, bias = ctx.saved_tensors
-        rms, weight_offset, has_bias, has_residual = ctx.cfg
+        saved, mean, rstd, weight, bias = ctx.saved_tensors
+        rms, weight_offset, has_bias, has_residual, from_output = ctx.cfg
         need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
-        n = s.shape[-1]
-        gy = torch.zeros_like(s) if grad_y is None else grad_y.reshape(-1, n).to(s.dtype)
-        gs = None if grad_sum is None else grad_sum.reshape(-1, n).to(s.dtype)
-        grad_s, grad_w, grad_b = norm_bwd(gy, s, mean, rstd, weight, rms, weight_offset, has_bias and need_b, gs,
-                                          want_weight=need_w, bias=bias, check=False)
+        n = saved.shape[-1]
+        saved = saved.reshape(-1, n)
+        gy = torch.zeros_like(saved) if grad_y is None else grad_y.reshape(-1, n).to(saved.dtype)
+        gs = None if grad_sum is None else grad_sum.reshape(-1, n).to(saved.dtype)
+        if from_output:
+            grad_s, grad_w, grad_b = norm_bwd_from_output(gy, saved, rstd, weight, bias, rms, weight_offset,
+                                                          want_weight=need_w, want_bias=need_b, grad_sum=gs)
+        else:
+            grad_s, grad_w, grad_b = norm_bwd(gy, saved, mean, rstd, weight, rms, weight_offset, has_bias and need_b,
+                                              gs, want_weight=need_w, bias=bias, check=False)
         grad_s = grad_s.view(ctx.shape)
         return (grad_s if need_x else None, grad_s if has_residual and need_r else None,
-                grad_w if need_w else None, grad_b if need_b else None, None, None, None)
+                grad_w if need_w else None, grad_b if need_b else None, None, None, None, None)
 
 
 # --------------------------------------------------------------------------- what can be fused
@@ -147,6 +164,18 @@ class _FusedNorm(nn.Module):
         self.register_parameter("bias", bias)
         self.eps = float(eps)
         self.weight_offset = float(check_type("weight_offset", weight_offset, (int, float)))
+        self.save_output = True  # False: always save the input (e.g. when the output is modified in place)
+        self._recoverable_key, self._recoverable = None, False
+
+    def _saves_output(self, dtype) -> bool:
+        """Run-time choice: save ``y`` when ``output_recoverable`` (checked once per parameter version)."""
+        if not self.save_output or not torch.is_grad_enabled():
+            return False
+        key = (dtype, *((p.data_ptr(), p._version) if p is not None else None for p in (self.weight, self.bias)))
+        if key != self._recoverable_key:
+            self._recoverable_key = key
+            self._recoverable = output_recoverable(self.weight, self.bias, self.weight_offset, dtype)
+        return self._recoverable
 
     @property
     def features(self) -> int:
@@ -164,13 +193,15 @@ class _FusedNorm(nn.Module):
         same_device(weight=self.weight, **{name: x})
 
     def _apply_norm(self, x, residual):
+        keep_y = self._saves_output(x.dtype)
         if len(self.normalized_shape) == 1:
-            return AddNormFunction.apply(x, residual, self.weight, self.bias, self.eps, self._rms, self.weight_offset)
+            return AddNormFunction.apply(x, residual, self.weight, self.bias, self.eps, self._rms, self.weight_offset,
+                                         keep_y)
         lead = x.shape[:x.dim() - len(self.normalized_shape)]
         flat = x.reshape(*lead, self.features)
         res = None if residual is None else residual.reshape(*lead, self.features)
         out = AddNormFunction.apply(flat, res, self._flat(self.weight), self._flat(self.bias), self.eps, self._rms,
-                                    self.weight_offset)
+                                    self.weight_offset, keep_y)
         if residual is None:
             return out.view(x.shape)
         return out[0].view(x.shape), out[1].view(x.shape)
@@ -234,20 +265,20 @@ class _RMSNormFactory:
 
 
 class FusedLayerNorm(_LayerNormFactory, _NormForward):
-    """``nn.LayerNorm`` in one op; saves the input and fp32 mean/rstd per row."""
+    """``nn.LayerNorm`` in one op; saves the output and rstd per row (the input, mean, rstd if unrecoverable)."""
 
 
 class FusedAddLayerNorm(_LayerNormFactory, _AddNormForward):
-    """``s = x + residual; y = LayerNorm(s)`` in one op; returns ``(y, s)``; saves s and mean/rstd per row."""
+    """``s = x + residual; y = LayerNorm(s)`` in one op; returns ``(y, s)``; saves y and rstd (or s, mean, rstd)."""
 
 
 class FusedRMSNorm(_RMSNormFactory, _NormForward):
-    """``nn.RMSNorm`` or a HF ``*RMSNorm`` in one op; saves the input and fp32 rstd per row."""
+    """``nn.RMSNorm`` or a HF ``*RMSNorm`` in one op; saves the output (or the input) and fp32 rstd per row."""
 
     _rms = True
 
 
 class FusedAddRMSNorm(_RMSNormFactory, _AddNormForward):
-    """``s = x + residual; y = RMSNorm(s)`` in one op; returns ``(y, s)``; saves s and rstd per row."""
+    """``s = x + residual; y = RMSNorm(s)`` in one op; returns ``(y, s)``; saves y (or s) and rstd per row."""
 
     _rms = True

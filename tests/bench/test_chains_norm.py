@@ -31,8 +31,13 @@ def test_saved_bytes_ratios_at_ci_shapes():
         c = chains[name]
         return activation_bytes(lambda: c.fused(*c.inputs)) / activation_bytes(lambda: c.eager(*c.inputs))
 
-    assert ratio("layer_norm") == ratio("add_layer_norm") == 1.0  # nn.LayerNorm already saves input + stats
     h = ops.QUICK["hidden"]
+    # alone: y + rstd against nn.LayerNorm's input + mean + rstd, nothing shared
+    assert ratio("layer_norm") == ratio("add_layer_norm") == pytest.approx((h + 1) / (h + 2))
+    # with the Linear that reads y: y is stored once, eager stores the norm's input and the Linear's copy of y
+    assert ratio("layer_norm+linear") == ratio("add_layer_norm+linear") == pytest.approx(0.5)
+    assert ratio("rms_norm+linear") == ratio("add_rms_norm+linear") == pytest.approx((h + 1) / (3 * h + 1))
+    assert ratio("add_rms_norm+linear[bf16]") <= 0.5
     assert ratio("rms_norm") == pytest.approx((h + 1) / (2 * h + 1))  # x + rstd vs x, x * rstd, rstd
     # bf16: eager also keeps an fp32 copy of the input: (2H + 4) / (4H + 2H + 4) bytes per row
     assert ratio("add_rms_norm[bf16]") == pytest.approx((2 * h + 4) / (6 * h + 4))

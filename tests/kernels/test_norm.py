@@ -128,3 +128,52 @@ def test_gpu_kernels_match_reference(dtype, rms):
     want = K.norm_bwd_reference(gy.double(), s.double(), ref[2], ref[3], w.double(), rms)
     torch.testing.assert_close(grads[0].double(), want[0], **tol)
     assert torch.equal(K.norm_bwd(gy, s, mean, rstd, w, rms)[1], grads[1])
+
+
+# --------------------------------------------------------------------------- backward from the output
+def _check_from_output(m, n, rms, residual, offset=0.0, affine=True, dtype=torch.float32, tol=1e-5):
+    """``norm_bwd_from_output(y, ...)`` gives ``norm_bwd(s, ...)``'s gradients, where the parameters allow it."""
+    x = seeded(m, n, seed=1, dtype=dtype, scale=3.0) + 0.5
+    r = seeded(m, n, seed=2, dtype=dtype) if residual else None
+    w = (seeded(n, seed=3, dtype=dtype, scale=0.2) + (1.0 - offset)) if affine else None
+    b = seeded(n, seed=4, dtype=dtype, scale=0.2) if affine else None
+    gy, gs = seeded(m, n, seed=5, dtype=dtype), seeded(m, n, seed=6, dtype=dtype) if residual else None
+    assert K.output_recoverable(w, b, offset, dtype)
+    y, s, mean, rstd = K.norm_fwd(x, w, b, r, 1e-5, rms, offset)
+    want = K.norm_bwd(gy, s, mean, rstd, w, rms, offset, affine, gs)
+    got = K.norm_bwd_from_output(gy, y, rstd, w, b, rms, offset, want_bias=affine, grad_sum=gs)
+    for g, e in zip(got, want):
+        if e is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, e, atol=tol * max(1, m // 4), rtol=tol)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("residual, offset", [(False, 0.0), (True, 1.0)])
+def test_backward_from_the_output_matches_backward_from_the_input(rms, residual, offset):
+    _check_from_output(23, 37, rms, residual, offset)
+    _check_from_output(5, 13, rms, residual, offset, affine=False)
+    _check_from_output(5, 13, rms, residual, offset, dtype=torch.float64, tol=1e-10)
+
+
+def test_output_recoverable_rules():
+    w, b = torch.ones(4), torch.zeros(4)
+    assert K.output_recoverable(w, b, 0.0, torch.float32) and K.output_recoverable(None, None, 0.0, torch.float16)
+    assert not K.output_recoverable(torch.tensor([1.0, 0.0, 1.0, 1.0]), None, 0.0, torch.float32)  # 0/0
+    assert not K.output_recoverable(torch.zeros(4), None, 1.0 - 1.0, torch.float32)
+    assert K.output_recoverable(torch.zeros(4), None, 1.0, torch.float32)  # Gemma: (1 + 0) is the weight
+    assert K.output_recoverable(w * 1e-3, None, 0.0, torch.float16)  # no bias: y / w keeps its relative error
+    assert not K.output_recoverable(w * 1e-4, None, 0.0, torch.float16)  # y near fp16's subnormals
+    edge = K.RECOVER_MAX_BIAS
+    assert K.output_recoverable(w, b + edge, 0.0, torch.float32)
+    assert not K.output_recoverable(w, b + 1.01 * edge, 0.0, torch.float32)
+    assert not K.output_recoverable(w, b + float("nan"), 0.0, torch.float32)
+    assert not K.output_recoverable(w * float("inf"), None, 0.0, torch.float32)
+
+
+@pytest.mark.parametrize("m, n, rms, residual, offset", [(35, 37, False, True, 0.0), (35, 37, True, False, 1.0),
+                                                         (3, 1030, False, False, 0.0)])
+def test_triton_interpreter_backward_from_the_output(triton_backend, m, n, rms, residual, offset):
+    _check_from_output(m, n, rms, residual, offset, tol=2e-5)
+    _check_from_output(17, 9, rms, residual, offset, affine=False, tol=2e-5)

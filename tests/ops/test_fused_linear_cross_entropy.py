@@ -5,6 +5,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from opsnn_lab import ops
 from opsnn_lab.bench import activation_bytes
+from opsnn_lab.measuring import peak_bytes
 from opsnn_lab.ops.fused_linear_cross_entropy import eager_linear_cross_entropy
 from opsnn_lab.testing import (
     assert_close_dtype,
@@ -154,6 +155,24 @@ def test_saved_bytes_vs_eager():
     assert saved <= 16 * 4 * h * 4 + 16 * 8 + 8
 
 
+def test_peak_memory_of_forward_and_backward_vs_eager():
+    # The saved grad_W becomes weight.grad; eager allocates that .grad in backward too, on top of (N, V) logits,
+    # their log-softmax and its gradient. Peak bytes of the whole step, .grad included, compare them fairly.
+    n, v, h = 512, 2000, 32
+    head = nn.Linear(h, v, bias=False)
+    hidden = torch.randn(n, h, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+
+    def step(fn):
+        head.weight.grad = hidden.grad = None
+        return peak_bytes(lambda: fn(hidden, head.weight, target).backward())
+    eager, fused = step(eager_linear_cross_entropy), step(ops.linear_cross_entropy)
+    assert eager >= 3 * n * v * 4  # logits, log-softmax, the logits' gradient
+    chunk = 256 * v * 4  # one chunk's logits (the default 256 rows); never two at once
+    # grad_W (accumulated in place: no V x H temporary), grad_hidden, the chunk, small change
+    assert fused <= v * h * 4 + n * h * 4 + chunk + 64 * 1024 and fused / eager < 0.25
+
+
 def test_module_from_modules_shares_parameters_and_reads_the_loss():
     head = nn.Linear(HID, V)
     fused = ops.FusedLinearCrossEntropy.from_modules(head, nn.CrossEntropyLoss(reduction="sum", label_smoothing=0.2))
@@ -201,3 +220,25 @@ def test_triton_interpreter_through_the_op(monkeypatch):
                            chunk_size=4)
     for g, w in zip([got_loss] + got, [want_loss] + want):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+def test_deterministic_mode_takes_the_plain_mm_path_with_the_same_gradients():
+    # strict() turns deterministic algorithms on and swaps aten's mm for a fixed-order one; addmm_ is not
+    # swapped, so the weight gradient is accumulated with mm + add there (one V x H temporary more).
+    n, v, h = 300, 500, 16
+    head = nn.Linear(h, v, bias=False)
+    hidden = torch.randn(n, h, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+    results = []
+    for deterministic in (False, True):
+        head.weight.grad = hidden.grad = None
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            peak = peak_bytes(lambda: ops.linear_cross_entropy(hidden, head.weight, target, chunk_size=128).backward())
+        finally:
+            torch.use_deterministic_algorithms(False)
+        results.append((peak, head.weight.grad.clone(), hidden.grad.clone()))
+    (fast_peak, *fast), (plain_peak, *plain) = results
+    assert plain_peak > fast_peak  # the V x H product before it is added in
+    for got, want in zip(plain, fast):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

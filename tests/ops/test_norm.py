@@ -6,6 +6,7 @@ from torch import nn
 
 from opsnn_lab import ops
 from opsnn_lab.bench import activation_bytes
+from opsnn_lab.measuring import _storage_key, saved_tensors_report
 from opsnn_lab.testing import (
     assert_close_dtype,
     assert_within_eager_error,
@@ -103,14 +104,80 @@ def test_low_precision_within_twice_eager_error_vs_fp64(kind, add, dtype):
 
 @pytest.mark.parametrize("kind, add", [("layer_norm", False), ("layer_norm", True), ("llama", False),
                                        ("rms_norm", True)])
-def test_saves_the_input_or_sum_and_row_statistics_only(kind, add):
+def test_saves_the_output_and_rstd_which_the_next_linear_shares(kind, add):
     norm = _module(kind)
     fused = _fused_cls(kind, add).from_modules(norm)
+    linear = nn.Linear(H, 5)
     inputs = _inputs((6, 10, H), torch.float32, add)
-    rows, stats = 60, 1 if kind != "layer_norm" else 2
-    assert activation_bytes(lambda: fused(*inputs)) == rows * H * 4 + stats * rows * 4
-    if kind != "layer_norm":  # eager RMSNorm keeps more than twice that
-        assert activation_bytes(lambda: _eager_fn(norm, add)(*inputs)) > 2 * rows * H * 4
+    rows = 60
+
+    def chain(norm_fn):
+        out = norm_fn(*inputs)
+        return linear(out[0] if add else out)
+    assert activation_bytes(lambda: fused(*inputs)) == rows * H * 4 + rows * 4  # y and rstd
+    assert activation_bytes(lambda: chain(fused)) == rows * H * 4 + rows * 4  # y stored once, for both ops
+    # eager keeps its input (LayerNorm) or more (RMSNorm) besides the Linear's copy of y: >= 2 x
+    assert activation_bytes(lambda: chain(_eager_fn(norm, add))) >= 2 * (rows * H * 4 + rows * 4)
+
+
+def _saved_storages(fn):
+    report = saved_tensors_report(fn)
+    return {r["key"] for r in report.tensors}, report.output
+
+
+@pytest.mark.parametrize("kind, add, cause", [("layer_norm", False, "zero_weight"), ("layer_norm", True, "bias_ratio"),
+                                              ("layer_norm", False, "bias_ratio"), ("rms_norm", False, "zero_weight"),
+                                              ("gemma", True, "zero_weight")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weights_near_zero_fall_back_to_saving_the_input_and_stay_exact(kind, add, cause, dtype):
+    norm = _module(kind, torch.float64)
+    with torch.no_grad():
+        if cause == "zero_weight":  # y no longer holds xhat in these columns: (y - b) / w is 0 / 0
+            norm.weight[::5] = -1.0 if kind == "gemma" else 0.0
+        else:  # |b| / |w| = 1e9: (y - b) / w would amplify y's rounding error a billion times
+            norm.weight[::5] = 1e-9
+    norm64, norm = norm, copy.deepcopy(norm).to(dtype)
+    fused = _fused_cls(kind, add).from_modules(norm)
+    inputs = _inputs((9, H), dtype, add)
+    inputs64 = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref_out, ref_grads = _run(_eager_fn(norm64, add), inputs64, list(norm64.parameters()))
+    eager_out, eager_grads = _run(_eager_fn(norm, add), inputs, list(norm.parameters()))
+    got_out, got_grads = _run(fused, inputs, list(norm.parameters()))
+    for i, (got, eager, ref) in enumerate(zip(got_out + got_grads, eager_out + eager_grads, ref_out + ref_grads)):
+        if dtype == torch.float32:
+            assert_close_dtype(got, eager)
+        else:
+            assert_within_eager_error(got, eager, ref, name=f"{kind} #{i}")
+    assert fused._recoverable is False  # decided at run time, from the parameters
+    keys, out = _saved_storages(lambda: fused(*inputs))
+    y, s = (out[0], out[1]) if add else (out, inputs[0])
+    assert _storage_key(s) in keys and _storage_key(y) not in keys  # the input (or the sum), not the output
+
+
+def test_fallback_follows_the_parameters_after_an_update():
+    norm = _module("layer_norm")
+    fused = ops.FusedLayerNorm.from_modules(norm)
+    x = _inputs((4, H), torch.float32, False)[0]
+    fused(x)
+    assert fused._recoverable
+    with torch.no_grad():
+        norm.weight[3] = 0.0  # an optimizer step that zeroes one weight: the version changes, the choice follows
+    fused(x).sum().backward()
+    assert not fused._recoverable
+    fused.save_output = False
+    with torch.no_grad():
+        norm.weight[3] = 1.0
+    keys, y = _saved_storages(lambda: fused(x))  # opted out: the input, not the output
+    assert _storage_key(x) in keys and _storage_key(y) not in keys
+
+
+def test_output_modified_in_place_is_refused_not_wrong():
+    fused = ops.FusedLayerNorm.from_modules(_module("layer_norm"))
+    x = _inputs((4, H), torch.float32, False)[0]
+    y = fused(x)
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.mul_(2.0)
+        y.sum().backward()
 
 
 def test_parameters_are_shared_and_state_dict_keys_unchanged():
