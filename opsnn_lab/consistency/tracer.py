@@ -24,6 +24,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from opsnn_lab.consistency.gemm_probe import one_thread
 from opsnn_lab.consistency.stats import TensorStats, stats_from_dict, summarize, summarize_many, tensor_hash
 
 __all__ = ["TensorStats", "OpRecord", "Trace", "OpTracer", "summarize", "tensor_hash", "flatten", "unflatten",
@@ -376,7 +377,8 @@ class OpTracer:
     def _finish(self) -> None:
         if self.check_gradients:
             self._record_param_grads()
-        self._freeze()
+        with one_thread():  # many small copies: a thread-pool fork/join each costs more than the copy
+            self._freeze()
         _summarize_records(self.records)
         self.trace = Trace(self.records)
         self._held.clear()
