@@ -13,6 +13,9 @@ import torch
 
 from opsnn_lab.consistency.stats import TensorStats, stats_from_dict, summarize_many
 
+# /2: the hash's position weights became a grid (row weight x column weight); /1 files hash differently
+FORMAT = "opsnn_lab.trace/2"
+
 __all__ = ["OpRecord", "Trace", "flatten", "unflatten", "portable", "restore", "summarize_records"]
 
 
@@ -75,12 +78,15 @@ class Trace:
                 d["spec"] = r.spec
                 d["outputs"] = [t.detach().cpu() for t in r.outputs or []]
             recs.append(d)
-        torch.save({"format": "opsnn_lab.trace/1", "rank": self.rank, "records": recs}, path)
+        torch.save({"format": FORMAT, "rank": self.rank, "records": recs}, path)
 
     @classmethod
     def load(cls, path) -> Trace:
         data = torch.load(path, weights_only=False)
-        if not isinstance(data, dict) or data.get("format") != "opsnn_lab.trace/1":
+        if isinstance(data, dict) and data.get("format") == "opsnn_lab.trace/1":
+            raise ValueError(f"path {str(path)!r} is a trace written before the hash changed (format "
+                             "opsnn_lab.trace/1): its hashes cannot match a new trace's; record the reference again")
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"path {str(path)!r} is not an opsnn_lab trace file")
         records = []
         for d in data["records"]:
