@@ -22,7 +22,7 @@ import torch
 from opsnn_lab._checks import check_positive, check_type
 from opsnn_lab.consistency.compare import compare_traces, make_row
 from opsnn_lab.consistency.report import ConsistencyReport
-from opsnn_lab.consistency.tracer import OpTracer, Trace
+from opsnn_lab.consistency.tracer import OpTracer, Trace, gc_paused
 
 __all__ = ["ConsistencyChecker", "compare_traces"]
 
@@ -57,9 +57,10 @@ class ConsistencyChecker:
         """
         check_type("model", model, torch.nn.Module, allow_none=True)
         tracer = OpTracer(model, check_gradients=self.check_gradients)
-        with tracer:
-            yield tracer
-        self._finish(tracer.trace, across_ranks)
+        with gc_paused():  # the comparison allocates a row per op too (see gc_paused)
+            with tracer:
+                yield tracer
+            self._finish(tracer.trace, across_ranks)
 
     def _finish(self, trace: Trace, across_ranks: bool | None) -> None:
         self.last_trace = trace

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 
+from opsnn_lab.consistency.records import OpRecord, Trace
 from opsnn_lab.consistency.report import (
     ConsistencyReport,
     Divergence,
@@ -26,7 +27,7 @@ from opsnn_lab.consistency.report import (
     tensor_errors,
     tolerance_for,
 )
-from opsnn_lab.consistency.tracer import OpRecord, Trace, summarize
+from opsnn_lab.consistency.stats import summarize
 
 __all__ = ["compare_traces", "make_row"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from opsnn_lab.consistency.compare import compare_traces
-from opsnn_lab.consistency.tracer import OpRecord, Trace, portable, restore
+from opsnn_lab.consistency.records import OpRecord, Trace, portable, restore
 
 __all__ = ["compare_with_rank0"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from opsnn_lab.consistency.tracer import portable, unflatten
+from opsnn_lab.consistency.records import portable, unflatten
 
 __all__ = ["write_dump", "REPLAY_SCRIPT"]
 

@@ -12,9 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from opsnn_lab.consistency.gemm_probe import one_thread
+
 __all__ = ["TensorStats", "summarize", "summarize_many", "tensor_hash", "stats_from_dict"]
 
-_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# 8-byte elements hash as two int32 words each: an int64 product summed as int32 would drop the upper
+# half (sign, exponent and high mantissa of a float64)
+_BITS = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @dataclass
@@ -44,6 +48,7 @@ _weights: dict[tuple, torch.Tensor] = {}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()  # in logical order, and a flat view may change the element size
     if t.dtype == torch.bool:
         return t.reshape(-1).view(torch.uint8)
     if t.is_complex():
@@ -51,14 +56,35 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(_BITS[t.element_size()])
 
 
+_K = 1024  # row length of the hash's weight grid: element i has weight u[i // _K] * v[i % _K]
+_grid: dict = {}
+
+
+def _odd(n: int, mul: int, add: int, device) -> torch.Tensor:
+    w = torch.arange(n, dtype=torch.int64, device=device) * mul + add
+    return ((w & 0x7FFFFFFF) | 1).to(torch.int32)
+
+
+def _uv(rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row weights (at least ``rows`` of them) and the ``_K`` column weights, odd int32, cached per device."""
+    hit = _grid.get(device)
+    if hit is None or hit[0].numel() < rows:
+        size = max(rows, 2 * hit[0].numel() if hit is not None else 64)
+        hit = _grid[device] = (_odd(size, 0x9E3779B1, 0x7F4A7C15, device), _odd(_K, 0x85EBCA6B, 0x2545F491, device))
+    return hit
+
+
 def _weights_for(n: int, device) -> torch.Tensor:
+    """The weights of positions ``0..n-1`` spelled out (small tensors and the elementwise path)."""
     key = (n, device)
     w = _weights.get(key)
     if w is None:
-        # odd int32 multipliers: multiplying by an odd number is a bijection mod 2**32, so changing any
-        # one element changes its product and the sum; position-dependent, so a permutation shows too
-        w = (torch.arange(1, n + 1, dtype=torch.int64, device=device) * 0x9E3779B1 + 0x7F4A7C15)
-        w = ((w & 0x7FFFFFFF) | 1).to(torch.int32)
+        # odd int32 multipliers (a product of odd numbers is odd): multiplying by an odd number is a
+        # bijection mod 2**32, so changing any one element changes its product and the sum; the weight
+        # depends on the position (row and column of the grid), so a permutation shows too
+        rows = -(-n // _K)
+        u, v = _uv(rows, device)
+        w = (u[:rows].view(-1, 1) * v.view(1, -1)).reshape(-1)[:n]  # int32 products wrap mod 2**32
         if len(_weights) > 256:
             _weights.clear()
         _weights[key] = w
@@ -79,12 +105,32 @@ def _products(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mul(bits, w, out=buf[:n])
 
 
+def _weighted_sum(bits: torch.Tensor) -> torch.Tensor:
+    """``sum(bits * weights)`` mod 2**32 as an int32 scalar tensor.
+
+    32-bit elements (float32, int32) go row by row through the weight grid: ``u . (rows @ v)`` reads the
+    tensor once and writes nothing but one int32 per row of ``_K`` (on CPU one integer ``mv``, half the
+    time of a product pass plus a sum); the elements past the last full row, and other widths, multiply
+    by the weights spelled out. Both give the same number: the same weights, exact arithmetic mod 2**32.
+    """
+    n = bits.numel()
+    m = n // _K if bits.dtype == torch.int32 else 0
+    if m == 0:
+        return _products(bits, _weights_for(n, bits.device)).sum(dtype=torch.int32)
+    u, v = _uv(m + 1, bits.device)
+    body = bits[: m * _K].view(m, _K)
+    rows = torch.mv(body, v) if bits.device.type == "cpu" else (body * v).sum(1, dtype=torch.int32)
+    h = (rows * u[:m]).sum(dtype=torch.int32)
+    if n > m * _K:
+        h = h + (bits[m * _K:] * (v[: n - m * _K] * u[m])).sum(dtype=torch.int32)
+    return h
+
+
 def _hash_parts(t: torch.Tensor) -> list[int]:
     bits = _bits(t)
-    w = _weights_for(bits.numel(), bits.device)
     # int32 products and int32 sums wrap: exact arithmetic mod 2**32, the same on any machine and in any
     # reduction order (a native int32 sum is ~6x faster than the int64-promoting default)
-    return torch.stack([_products(bits, w).sum(dtype=torch.int32), bits.sum(dtype=torch.int32)]).tolist()
+    return torch.stack([_weighted_sum(bits), bits.sum(dtype=torch.int32)]).tolist()
 
 
 def _hex(h: list[int]) -> str:
@@ -92,14 +138,17 @@ def _hex(h: list[int]) -> str:
 
 
 def tensor_hash(t: torch.Tensor) -> str:
-    """Bitwise hash: the raw bits as integers times position weights, summed (one pass, no float math)."""
+    """Bitwise hash: the raw bits as integers times position weights, summed, and the plain sum of the bits.
+
+    64 bits in all: any one changed element changes both words; a reordering changes the weighted one.
+    """
     return _hex(_hash_parts(t.detach()))
 
 
 def summarize(t: torch.Tensor) -> TensorStats:
     """Shape, dtype, min/max/mean/std/norm and NaN/Inf counts plus the bitwise hash.
 
-    Four passes over the tensor, no float64 copy of it: the hash, sum, norm and aminmax. Statistics
+    Five passes over the tensor, no float64 copy of it: the hash's two, sum, dot (norm) and aminmax. Statistics
     accumulate in float32 (float64 for float64 tensors): they are for people to read, the errors that
     judge a divergence are computed elementwise in float64.
     """
@@ -118,7 +167,7 @@ def summarize(t: torch.Tensor) -> TensorStats:
         x = x.float()
     nan = inf = 0
     flat = x.reshape(-1)
-    s, nrm, mn, mx = torch.stack([flat.sum(), torch.linalg.vector_norm(flat), *torch.aminmax(flat)]).tolist()
+    s, nrm, mn, mx = torch.stack([flat.sum(), torch.dot(flat, flat).sqrt(), *torch.aminmax(flat)]).tolist()
     if not (math.isfinite(s) and math.isfinite(nrm)):
         nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
         x = x[torch.isfinite(x)]
@@ -137,6 +186,7 @@ def _finish(shape, dtype, n, s, nrm, mn, mx, nan, inf, h) -> TensorStats:
 
 
 SMALL = 32768  # tensors up to this many elements are summarised together, a few kernels for all of them
+SERIAL_MAX = 1 << 23  # tensors up to this many elements are summarised with one intra-op thread
 _layouts: dict[tuple, tuple] = {}
 
 
@@ -184,16 +234,27 @@ def summarize_many(tensors: list[torch.Tensor]) -> list[TensorStats]:
 
     A traced step summarises every op's output; most are small (biases, norms' statistics, scalars), and
     for those the dozen kernel launches of one ``summarize`` cost more than the arithmetic.
+
+    Tensors up to ``SERIAL_MAX`` elements are summarised with one intra-op thread: each reduction over a
+    cache-sized tensor takes tens of microseconds, less than a fork/join of the thread pool, and on a
+    machine whose cores are busy every join waits for a descheduled worker (measured: the same step's
+    summaries took 2-9 s at 2 threads, 0.3-1.3 s at one). Larger tensors use the caller's threads.
     """
     out: list = [None] * len(tensors)
     groups: dict = {}
-    for i, t in enumerate(tensors):
-        if t.dtype == torch.float32 and 0 < t.numel() <= SMALL and t.layout == torch.strided:
-            groups.setdefault(t.device, []).append(i)
-        else:
-            out[i] = summarize(t)
-    for idx in groups.values():
-        for i, st in zip(idx, _summarize_group([tensors[i] for i in idx])):
-            out[i] = st
+    big = []
+    with one_thread():
+        for i, t in enumerate(tensors):
+            if t.dtype == torch.float32 and 0 < t.numel() <= SMALL and t.layout == torch.strided:
+                groups.setdefault(t.device, []).append(i)
+            elif t.numel() > SERIAL_MAX:
+                big.append(i)
+            else:
+                out[i] = summarize(t)
+        for idx in groups.values():
+            for i, st in zip(idx, _summarize_group([tensors[i] for i in idx])):
+                out[i] = st
+    for i in big:
+        out[i] = summarize(tensors[i])
     _scratch.clear()  # the products buffer lives for one call: as large as the largest tensor summarised
     return out

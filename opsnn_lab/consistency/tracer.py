@@ -10,21 +10,33 @@ Tensors are held by reference while tracing (no copies on the hot path); an in-p
 tensor first swaps the held one for a copy (copy-on-write), and at exit the leaves (parameters, user
 inputs) and parameter gradients are copied because an optimizer step mutates them later. Statistics and
 the bitwise hash are computed once per tensor at exit, the small ones together (``stats.summarize_many``).
+The records themselves (``OpRecord``, ``Trace``) live in ``records.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from opsnn_lab.consistency.stats import TensorStats, stats_from_dict, summarize, summarize_many, tensor_hash
+from opsnn_lab.consistency.gemm_probe import one_thread
+from opsnn_lab.consistency.records import (
+    OpRecord,
+    Trace,
+    flatten,
+    portable,
+    restore,
+    summarize_records,
+    unflatten,
+)
+from opsnn_lab.consistency.stats import TensorStats, summarize, tensor_hash
 
 __all__ = ["TensorStats", "OpRecord", "Trace", "OpTracer", "summarize", "tensor_hash", "flatten", "unflatten",
            "portable", "restore"]
@@ -38,106 +50,11 @@ _SKIP = {
     _aten.lift_fresh.default, _aten._local_scalar_dense.default, _aten.is_same_size.default,
     _aten._unsafe_view.default,  # aliases its input's storage: the producer stays the op that computed it
 }
-# frames in these directories are never "the user's code" when naming a source location
 # allocation ops: their outputs hold no value yet, so they are neither leaves nor divergences
 _FRESH = {_aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
           _aten.new_empty.default, _aten.new_empty_strided.default}
+# frames in these directories are never "the user's code" when naming a source location
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-
-
-@dataclass
-class OpRecord:
-    """One recorded event. ``kind`` is ``op`` (an ATen op), ``module`` (a module's forward outputs) or
-    ``grad`` (a parameter's ``.grad`` at the end of the step)."""
-
-    index: int
-    phase: str
-    kind: str
-    op: str
-    module_path: str
-    location: str
-    occurrence: int = 0
-    forward_index: int | None = None      # backward op: the forward op whose autograd node ran it
-    input_producers: list = field(default_factory=list)  # per tensor input: producing record index or None
-    input_stats: list = field(default_factory=list)     # TensorStats for leaf inputs, None for produced ones
-    output_stats: list = field(default_factory=list)
-    # held tensors (not part of the metadata): flat args/kwargs with their pytree spec, and outputs
-    flat_args: list | None = field(default=None, repr=False)
-    spec: object = field(default=None, repr=False)
-    outputs: list | None = field(default=None, repr=False)
-
-    @property
-    def key(self) -> tuple:
-        return (self.phase, self.kind, self.module_path, self.op, self.occurrence)
-
-    def input_tensors(self) -> list[torch.Tensor]:
-        return [a for a in (self.flat_args or []) if isinstance(a, torch.Tensor)]
-
-    def meta(self) -> dict:
-        d = {k: getattr(self, k) for k in ("index", "phase", "kind", "op", "module_path", "location",
-                                           "occurrence", "forward_index", "input_producers")}
-        d["input_stats"] = [None if s is None else s.as_dict() for s in self.input_stats]
-        d["output_stats"] = [s.as_dict() for s in self.output_stats]
-        return d
-
-
-@dataclass
-class Trace:
-    """The records of one traced step, in execution order."""
-
-    records: list[OpRecord]
-    rank: int = 0
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def by_key(self) -> dict[tuple, OpRecord]:
-        return {r.key: r for r in self.records}
-
-    def save(self, path, tensors: bool = True) -> None:
-        """Write the trace to ``path`` (``torch.save``); ``tensors=False`` keeps hashes and statistics only."""
-        recs = []
-        for r in self.records:
-            d = r.meta()
-            if tensors:
-                d["flat_args"] = [portable(a) for a in r.flat_args or []]
-                d["spec"] = r.spec
-                d["outputs"] = [t.detach().cpu() for t in r.outputs or []]
-            recs.append(d)
-        torch.save({"format": "opsnn_lab.trace/1", "rank": self.rank, "records": recs}, path)
-
-    @classmethod
-    def load(cls, path) -> Trace:
-        data = torch.load(path, weights_only=False)
-        if not isinstance(data, dict) or data.get("format") != "opsnn_lab.trace/1":
-            raise ValueError(f"path {str(path)!r} is not an opsnn_lab trace file")
-        records = []
-        for d in data["records"]:
-            d = dict(d)
-            d["input_stats"] = [None if s is None else stats_from_dict(s) for s in d["input_stats"]]
-            d["output_stats"] = [stats_from_dict(s) for s in d["output_stats"]]
-            if d.get("flat_args") is not None:
-                d["flat_args"] = [restore(a) for a in d["flat_args"]]
-            records.append(OpRecord(**d))
-        return cls(records, rank=data.get("rank", 0))
-
-
-_MARK = "__torch_attr__"
-
-
-def portable(a):
-    """An argument as ``torch.save`` can write it: tensors on CPU, memory formats/layouts by name."""
-    if isinstance(a, torch.Tensor):
-        return a.detach().cpu()
-    if isinstance(a, (torch.memory_format, torch.layout)):
-        return (_MARK, str(a).removeprefix("torch."))
-    return a
-
-
-def restore(a):
-    if isinstance(a, tuple) and len(a) == 2 and a[0] == _MARK:
-        return getattr(torch, a[1])
-    return a
 
 
 # --------------------------------------------------------------------------- the tracer
@@ -163,37 +80,26 @@ def _op_name(func) -> str:
     return name
 
 
-def _is_mutable(func) -> bool:
-    m = _mutable.get(func)
-    if m is None:
-        m = _mutable[func] = bool(func._schema.is_mutable)
-    return m
+def _written(func) -> tuple | None:
+    """The (position, name) of the arguments ``func`` writes to; None for an op that writes nothing."""
+    w = _mutable.get(func, False)
+    if w is False:
+        w = None
+        if func._schema.is_mutable:
+            w = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                      if a.alias_info is not None and a.alias_info.is_write)
+        _mutable[func] = w
+    return w
 
 
-def flatten(obj, out: list):
-    """Append the leaves of nested lists/tuples/dicts to ``out``; return the structure to rebuild them.
-
-    ATen arguments nest only lists, tuples and (kwargs) dicts; this is ~10x cheaper than pytree.
-    """
-    kind = type(obj)
-    if kind is list or kind is tuple:
-        return (kind, [flatten(x, out) for x in obj])
-    if kind is dict:
-        return (dict, [(k, flatten(v, out)) for k, v in obj.items()])
-    out.append(obj)
-    return None
-
-
-def unflatten(flat: list, spec, _pos=None):
-    """Inverse of ``flatten``."""
-    pos = _pos if _pos is not None else [0]
-    if spec is None:
-        pos[0] += 1
-        return flat[pos[0] - 1]
-    kind, items = spec
-    if kind is dict:
-        return {k: unflatten(flat, s, pos) for k, s in items}
-    return kind(unflatten(flat, s, pos) for s in items)
+def _written_storages(written: tuple, args, kwargs) -> set:
+    keys = set()
+    for i, name in written:
+        a = args[i] if i < len(args) else kwargs.get(name)
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor):
+                keys.add(_storage_key(t))
+    return keys
 
 
 def _storage_key(t: torch.Tensor):
@@ -201,6 +107,25 @@ def _storage_key(t: torch.Tensor):
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
         return None
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cycle collector off inside the block (as it was before, after it).
+
+    A traced step allocates a few Python objects per op (records, argument lists, statistics); with the
+    collector on, every ~700 of them start a collection that walks all objects young enough, and now and
+    then all of them (hundreds of thousands once torch is imported): 5-10% of a traced step. Nothing the
+    tracer allocates is cyclic garbage, so the collections find nothing; cycles the traced code itself
+    makes are collected after the block.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class _Mode(TorchDispatchMode):
@@ -224,9 +149,14 @@ class _Mode(TorchDispatchMode):
         flat: list = []
         spec = flatten((args, kwargs), flat)
         producers = tr._producers(flat)
-        if _is_mutable(func):  # keep the pre-mutation inputs, and protect held tensors from the write
-            tr._copy_on_write(flat)
-            flat = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in flat]
+        written = _written(func)
+        if written is not None:  # keep the pre-mutation inputs, and protect held tensors from the write
+            # only the storages the op writes: its other inputs keep their bits, and a later write to
+            # them is caught by the copy-on-write of the records that hold them
+            keys = _written_storages(written, args, kwargs) if written else None
+            tr._copy_on_write(flat, keys)
+            flat = [a.detach().clone() if isinstance(a, torch.Tensor) and (keys is None or _storage_key(a) in keys)
+                    else a for a in flat]
         out = func(*args, **kwargs)
         outs = [out] if isinstance(out, torch.Tensor) else [
             o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
@@ -350,15 +280,19 @@ class OpTracer:
             self._pnames_roots = len(self._roots)
         return self._pnames
 
-    def _copy_on_write(self, flat) -> None:
+    def _copy_on_write(self, flat, keys: set | None = None) -> None:
         for a in flat:
             if isinstance(a, torch.Tensor):
                 p = _storage_key(a)
+                if keys is not None and p not in keys:
+                    continue
                 for lst, i in self._held.pop(p, ()):
                     lst[i] = lst[i].clone()
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> OpTracer:
+        self._gc = gc_paused()
+        self._gc.__enter__()
         self._seq_start = torch._C._autograd._get_sequence_nr()
         self._handles = [register_module_forward_pre_hook(self._pre_hook),
                          register_module_forward_hook(self._post_hook, always_call=True)]
@@ -367,17 +301,21 @@ class OpTracer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
-        for h in self._handles:
-            h.remove()
-        if exc[0] is None:
-            self._finish()
+        try:
+            self._mode.__exit__(*exc)
+            for h in self._handles:
+                h.remove()
+            if exc[0] is None:
+                self._finish()
+        finally:
+            self._gc.__exit__(None, None, None)
 
     def _finish(self) -> None:
         if self.check_gradients:
             self._record_param_grads()
-        self._freeze()
-        _summarize_records(self.records)
+        with one_thread():  # many small copies: a thread-pool fork/join each costs more than the copy
+            self._freeze()
+        summarize_records(self.records)
         self.trace = Trace(self.records)
         self._held.clear()
         self._producer.clear()
@@ -416,41 +354,6 @@ def _copy_view(t: torch.Tensor, copies: dict) -> torch.Tensor:
         storage = copies[key] = t.untyped_storage().clone()
     out = torch.empty(0, dtype=t.dtype, device=t.device)
     return out.set_(storage, t.storage_offset(), t.shape, t.stride())
-
-
-def _summarize_records(records: list[OpRecord]) -> None:
-    """Every record's output statistics and its leaf inputs' statistics, each distinct tensor once.
-
-    A module's output is often a reshaped view of its last op's output (same bits, same statistics), so
-    contiguous tensors over the same memory are summarised once; all of them go through one
-    ``summarize_many`` call, which summarises the small ones together.
-    """
-    tensors: list[torch.Tensor] = []
-    slot: dict[tuple, int] = {}
-
-    def index(t: torch.Tensor) -> int:
-        if not t.is_contiguous():
-            tensors.append(t)
-            return len(tensors) - 1
-        key = (t.data_ptr(), t.numel(), t.dtype, t.device)
-        i = slot.get(key)
-        if i is None:
-            i = slot[key] = len(tensors)
-            tensors.append(t)
-        return i
-
-    plan = [([index(t) for t in rec.outputs],
-             [index(t) if prod is None else None for t, prod in zip(rec.input_tensors(), rec.input_producers)])
-            for rec in records]
-    stats = summarize_many(tensors)
-
-    def view(i: int, t: torch.Tensor) -> TensorStats:
-        st = stats[i]
-        return st if st.shape == tuple(t.shape) else replace(st, shape=tuple(t.shape))
-
-    for rec, (outs, ins) in zip(records, plan):
-        rec.output_stats = [view(i, t) for i, t in zip(outs, rec.outputs)]
-        rec.input_stats = [None if i is None else view(i, t) for i, t in zip(ins, rec.input_tensors())]
 
 
 def _tensor_slots(flat: list) -> list[int]:

@@ -72,3 +72,59 @@ def test_summarize_many_gives_each_tensor_its_own_hash_and_statistics():
     assert many[0].hash != many[8].hash  # the same values in another order
     assert (many[2].nan, many[2].inf) == (1, 2)
     assert summarize_many([]) == []
+
+
+def _hash_by_definition(t: torch.Tensor) -> str:
+    """The hash spelled out in Python integers: element i (as int32 bits) times u[i // 1024] * v[i % 1024]."""
+    bits = t.detach().contiguous().reshape(-1).view(torch.int32).tolist()
+
+    def odd(i, mul, add):
+        return ((i * mul + add) & 0x7FFFFFFF) | 1
+
+    weighted = sum(x * odd(i // 1024, 0x9E3779B1, 0x7F4A7C15) * odd(i % 1024, 0x85EBCA6B, 0x2545F491)
+                   for i, x in enumerate(bits))
+    return f"{weighted & 0xFFFFFFFF:08x}{sum(bits) & 0xFFFFFFFF:08x}"
+
+
+@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 40000, 70001])
+def test_hash_matches_its_definition_on_every_path(n):
+    # small tensors go through summarize_many's concatenation, full 1024-rows through an integer mv, the
+    # rest elementwise: each must give the hash of the definition, computed here in Python integers
+    t = seeded(n, seed=n)
+    want = _hash_by_definition(t)
+    assert tensor_hash(t) == summarize(t).hash == summarize_many([t])[0].hash == want
+
+
+LARGE = 1024 * 1023 + 517  # > summarize_many's SMALL, full rows and a tail
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("where", [0, 1023, 1024, LARGE // 2, LARGE - 517, LARGE - 1])
+def test_hash_sees_one_flipped_bit_anywhere_in_a_large_tensor(dtype, where):
+    x = seeded(LARGE, dtype=dtype, seed=3)
+    h = tensor_hash(x)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    for bit in (0, 8 * x.element_size() - 2, 8 * x.element_size() - 1):  # 1 ulp, an exponent bit, the sign
+        y = x.clone()
+        y.view(ints)[where] ^= (1 << bit) if bit < 8 * x.element_size() - 1 else -(1 << bit)
+        assert not torch.equal(y.view(ints), x.view(ints))
+        assert tensor_hash(y) != h, (where, bit)
+        assert summarize_many([y])[0].hash != h
+
+
+def test_hash_sees_a_reordering_that_keeps_every_sum():
+    # a 2x2 rotation keeps the total, each row's and each column's sum: only weights that depend on the
+    # position of each element (not on its row or its column alone) see it
+    x = seeded(2048, 1024, seed=5)
+    h = tensor_hash(x)
+    a, b = x[7, 3].clone(), x[7, 900].clone()
+    y = x.clone()
+    y[7, 3], y[7, 900], y[1500, 3], y[1500, 900] = a, b, b, a
+    x2 = y.clone()
+    x2[7, 3], x2[7, 900], x2[1500, 3], x2[1500, 900] = b, a, a, b
+    moved = {"rotation": (tensor_hash(y), tensor_hash(x2)), "roll": (h, tensor_hash(x.roll(1))),
+             "rows swapped": (h, tensor_hash(x[[1, 0, *range(2, 2048)]])),
+             "columns swapped": (h, tensor_hash(x[:, [1, 0, *range(2, 1024)]]))}
+    for name, (before, after) in moved.items():
+        assert before[8:] == after[8:], name  # the plain sum of the bits is blind to the move ...
+        assert before != after, name          # ... the position-weighted word is not

@@ -83,6 +83,46 @@ def test_in_place_ops_do_not_rewrite_recorded_tensors():
     torch.testing.assert_close(add.outputs[0], x.detach() * 2 + 1, atol=0, rtol=0)
 
 
+def test_an_in_place_op_copies_what_it_writes_and_holds_what_it_reads():
+    x = seeded(4, 4)
+    with OpTracer() as t:
+        a, b = x * 2, x * 3
+        b.add_(a)            # writes b, reads a: a is held as it is, b's old bits are kept
+        ptr_after_add = a.data_ptr()
+    mul2 = next(r for r in t.trace.records if r.op == "aten.mul.Tensor" and r.occurrence == 0)
+    add = next(r for r in t.trace.records if r.op == "aten.add_.Tensor")
+    assert add.input_tensors()[1].data_ptr() == ptr_after_add == mul2.outputs[0].data_ptr()  # not copied
+    torch.testing.assert_close(add.input_tensors()[0], x * 3, atol=0, rtol=0)
+    with OpTracer() as t:
+        a, b = x * 2, x * 3
+        b.add_(a)
+        a.mul_(5)            # a later write to what add_ read: both holders keep the old bits
+    mul2 = next(r for r in t.trace.records if r.op == "aten.mul.Tensor" and r.occurrence == 0)
+    add = next(r for r in t.trace.records if r.op == "aten.add_.Tensor")
+    torch.testing.assert_close(add.input_tensors()[1], x * 2, atol=0, rtol=0)
+    torch.testing.assert_close(mul2.outputs[0], x * 2, atol=0, rtol=0)
+    torch.testing.assert_close(add.outputs[0], x * 3 + x * 2, atol=0, rtol=0)
+
+
+def test_the_cycle_collector_is_paused_inside_and_restored_after():
+    import gc
+
+    assert gc.isenabled()
+    with OpTracer():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), OpTracer():
+        raise KeyError("user code fails")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with OpTracer():
+            pass
+        assert not gc.isenabled()  # a caller's choice stays
+    finally:
+        gc.enable()
+
+
 def test_optimizer_step_after_the_trace_leaves_recorded_leaves_alone():
     model, x = Net(), seeded(5, 8)
     trace = _trace(model, x)
@@ -110,6 +150,9 @@ def test_save_and_load_round_trip(tmp_path):
     torch.save({"something": 1}, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="path"):
         Trace.load(tmp_path / "bad.pt")
+    torch.save({"format": "opsnn_lab.trace/1", "rank": 0, "records": []}, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match="before the hash changed"):
+        Trace.load(tmp_path / "old.pt")
 
 
 def test_flatten_round_trip():
