@@ -59,6 +59,17 @@ def _run(fn, inputs, params, seed=11):
     return [o.detach() for o in outs], list(got)
 
 
+def _three_runs(norm64, norm, kind, add, dtype):
+    """fp64 reference, eager in ``dtype`` and the fused op on the same inputs: (fused, inputs, triples)."""
+    fused = _fused_cls(kind, add).from_modules(norm)
+    inputs = _inputs((9, H), dtype, add)
+    inputs64 = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref_out, ref_grads = _run(_eager_fn(norm64, add), inputs64, list(norm64.parameters()))
+    eager_out, eager_grads = _run(_eager_fn(norm, add), inputs, list(norm.parameters()))
+    got_out, got_grads = _run(fused, inputs, list(norm.parameters()))
+    return fused, inputs, list(zip(got_out + got_grads, eager_out + eager_grads, ref_out + ref_grads))
+
+
 def _inputs(shape, dtype, add, contiguous=True):
     x = seeded(*shape, seed=1, dtype=dtype, scale=2.0) + 0.3
     r = seeded(*shape, seed=2, dtype=dtype)
@@ -89,15 +100,10 @@ def test_fp32_forward_and_every_gradient_match_eager(kind, add, shape, contiguou
 @pytest.mark.parametrize("add", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_within_twice_eager_error_vs_fp64(kind, add, dtype):
-    norm64, norm = _module(kind, torch.float64), _module(kind, dtype)
-    fused = _fused_cls(kind, add).from_modules(norm)
-    inputs = _inputs((9, H), dtype, add)
-    inputs64 = [t.detach().double().requires_grad_(True) for t in inputs]
-    ref_out, ref_grads = _run(_eager_fn(norm64, add), inputs64, list(norm64.parameters()))
-    eager_out, eager_grads = _run(_eager_fn(norm, add), inputs, list(norm.parameters()))
-    got_out, got_grads = _run(fused, inputs, list(norm.parameters()))
-    names = [f"out{i}" for i in range(len(ref_out))] + [f"grad{i}" for i in range(len(ref_grads))]
-    for name, got, eager, ref in zip(names, got_out + got_grads, eager_out + eager_grads, ref_out + ref_grads):
+    _, _, triples = _three_runs(_module(kind, torch.float64), _module(kind, dtype), kind, add, dtype)
+    n_out = 2 if add else 1
+    names = [f"out{i}" if i < n_out else f"grad{i - n_out}" for i in range(len(triples))]
+    for name, (got, eager, ref) in zip(names, triples):
         assert got.dtype == eager.dtype, name
         assert_within_eager_error(got, eager, ref, name=f"{kind} {name}")
 
@@ -136,14 +142,8 @@ def test_weights_near_zero_fall_back_to_saving_the_input_and_stay_exact(kind, ad
             norm.weight[::5] = -1.0 if kind == "gemma" else 0.0
         else:  # |b| / |w| = 1e9: (y - b) / w would amplify y's rounding error a billion times
             norm.weight[::5] = 1e-9
-    norm64, norm = norm, copy.deepcopy(norm).to(dtype)
-    fused = _fused_cls(kind, add).from_modules(norm)
-    inputs = _inputs((9, H), dtype, add)
-    inputs64 = [t.detach().double().requires_grad_(True) for t in inputs]
-    ref_out, ref_grads = _run(_eager_fn(norm64, add), inputs64, list(norm64.parameters()))
-    eager_out, eager_grads = _run(_eager_fn(norm, add), inputs, list(norm.parameters()))
-    got_out, got_grads = _run(fused, inputs, list(norm.parameters()))
-    for i, (got, eager, ref) in enumerate(zip(got_out + got_grads, eager_out + eager_grads, ref_out + ref_grads)):
+    fused, inputs, triples = _three_runs(norm, copy.deepcopy(norm).to(dtype), kind, add, dtype)
+    for i, (got, eager, ref) in enumerate(triples):
         if dtype == torch.float32:
             assert_close_dtype(got, eager)
         else:
