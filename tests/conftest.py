@@ -21,6 +21,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """Every test starts with the session's intra-op thread count: a benchmark's ``main()`` run in-process
+    sets its own (``--threads``, or 1 for tiny tensors), and a later test's numerics depend on it."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def interpreted(monkeypatch):
     """The GELU-dropout and RNG kernels forced onto the Triton interpreter for one test."""

@@ -17,13 +17,17 @@ from torch import nn
 
 import opsnn_lab as ol
 from opsnn_lab._checks import check_type
-from opsnn_lab.fusion.patterns import pattern_of
+from opsnn_lab.fusion.patterns import FAMILIES, pattern_of
 from opsnn_lab.widgets._base import StaticFigureMixin
 
 __all__ = ["FusionExplorer", "PATTERN_COLORS"]
 
-PATTERN_COLORS = {"conv_bn_relu": "#1f77b4", "linear_gelu_dropout": "#2ca02c", "attention": "#9467bd",
-                  "qkv": "#ff7f0e"}
+_FIXED = {"conv_bn_relu": "#1f77b4", "linear_gelu_dropout": "#2ca02c", "attention": "#9467bd", "qkv": "#ff7f0e",
+          "gated_mlp": "#17becf", "layer_norm": "#bcbd22", "add_layer_norm": "#8c564b", "rms_norm": "#e377c2",
+          "add_rms_norm": "#aec7e8", "linear_cross_entropy": "#ffbb78"}
+_SPARE = ("#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+# one colour per pattern family the engine knows (a family added later takes a spare colour, never a KeyError)
+PATTERN_COLORS = {f: _FIXED.get(f) or _SPARE[i % len(_SPARE)] for i, f in enumerate(FAMILIES)}
 _REJECTED, _OTHER, _BLOCK = "#d62728", "#b0b0b0", "#7f7f7f"
 _NUMBERED = re.compile(r"^(.*?\.)?(\d+)(\.|$)")
 

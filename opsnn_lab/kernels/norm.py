@@ -50,6 +50,10 @@ def norm_fwd_reference(x, weight, bias, residual, eps, rms, weight_offset=0.0):
         if bias is not None:
             y = y.add_(bias)
         return y, s, None, rstd.view(-1)
+    if s.dtype in (torch.bfloat16, torch.float16):  # aten keeps bf16/fp16 statistics: fp32 ones, y rounded once
+        y, mean, rstd = torch.native_layer_norm(s.float(), [n], None if w is None else w.float(),
+                                                None if bias is None else bias.float(), eps)
+        return y.to(s.dtype), s, mean.view(-1), rstd.view(-1)
     y, mean, rstd = torch.native_layer_norm(s, [n], w, bias, eps)
     return y, s, mean.view(-1), rstd.view(-1)
 
@@ -77,11 +81,17 @@ def norm_bwd_reference(grad_y, s, mean, rstd, weight, rms, weight_offset=0.0, ha
         grad_s, grad_w = _rms_bwd(grad_y, s, rstd.view(-1, 1), w, want_w)
     else:
         in_pass = has_bias and bias is not None
+        # bf16/fp16: aten's own low-precision backward sums the weight gradient in partial buffers of the input
+        # dtype (2-3x the error of an fp32 sum rounded once, worse at one thread); run it in fp32 instead
+        acc = torch.float32 if s.dtype in (torch.bfloat16, torch.float16) else s.dtype
+        up = (lambda t: None if t is None else t.to(acc))
         grad_s, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
-            grad_y, s, [n], mean.view(-1, 1), rstd.view(-1, 1), w, bias if in_pass else None,
+            up(grad_y), up(s), [n], up(mean.view(-1, 1)), up(rstd.view(-1, 1)), up(w), up(bias) if in_pass else None,
             [True, want_w, in_pass])
+        grad_s = grad_s.to(s.dtype)
+        grad_w = grad_w.to(weight.dtype) if want_w else None
         if in_pass:
-            return _add_sum(grad_s, grad_sum), grad_w if want_w else None, grad_b
+            return _add_sum(grad_s, grad_sum), grad_w, grad_b.to(bias.dtype)
     grad_b = grad_y.sum(0) if has_bias else None
     return _add_sum(grad_s, grad_sum), grad_w if want_w else None, grad_b
 

@@ -7,7 +7,9 @@ import torch
 
 from opsnn_lab.models import Encoder, EncoderConfig, ResNet, ResNetConfig
 from opsnn_lab.testing import seeded
+from opsnn_lab.fusion import FAMILIES
 from opsnn_lab.widgets import FusionExplorer
+from opsnn_lab.widgets.fusion_explorer import PATTERN_COLORS, _family
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,16 @@ def test_repeated_blocks_collapse():
     full = FusionExplorer(Encoder(EncoderConfig.tiny(layers=2)), torch.zeros(1, 8, dtype=torch.long),
                           collapse=False)
     assert len(_trace(full, "repeated block").x) == 0
+    # every family the plan fused is drawn in its own legend entry (the norms and the head + loss too)
+    fused = {d.pattern for d in full.plan.decisions if d.fused}
+    assert {"layer_norm", "add_layer_norm"} & fused, fused
+    drawn = {t.name.removeprefix("fused: ") for t in full.figure.data if t.name.startswith("fused: ") and len(t.x)}
+    assert {_family(p) for p in fused} <= drawn, (fused, drawn)
+
+
+def test_every_pattern_family_has_a_colour_of_its_own():
+    assert set(PATTERN_COLORS) == set(FAMILIES)
+    assert len(set(PATTERN_COLORS.values())) == len(PATTERN_COLORS)
 
 
 def test_bad_arguments():
