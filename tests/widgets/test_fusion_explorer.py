@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from opsnn_lab.fusion import FAMILIES
 from opsnn_lab.models import Encoder, EncoderConfig, ResNet, ResNetConfig
 from opsnn_lab.testing import seeded
-from opsnn_lab.fusion import FAMILIES
 from opsnn_lab.widgets import FusionExplorer
 from opsnn_lab.widgets.fusion_explorer import PATTERN_COLORS, _family
 
