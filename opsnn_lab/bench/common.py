@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -12,7 +13,22 @@ from opsnn_lab.bench.machine import machine_info, machine_line
 from opsnn_lab.measuring import interleaved_medians, median_time, sync
 
 __all__ = ["median_time", "interleaved_medians", "Timer", "machine_info", "machine_line", "write_json", "format_table",
-           "bench_dir", "sync"]
+           "bench_dir", "sync", "keeps_threads"]
+
+
+def keeps_threads(main):
+    """A benchmark's ``main()`` may set torch's intra-op thread count for its run (``--threads``, or one thread
+    for tiny tensors); called in-process (a notebook, a test), it hands the caller's count back when it ends."""
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            return main(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return wrapper
 
 
 class Timer:

@@ -22,7 +22,7 @@ from torch import nn
 from opsnn_lab.bench import chains_mlp
 from opsnn_lab.bench.chains_conv import CONV_BUILDERS, CONV_CHAINS
 from opsnn_lab.bench.chains_norm import NORM_BUILDERS, NORM_CHAINS
-from opsnn_lab.bench.common import format_table, interleaved_medians, machine_line, sync, write_json
+from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_threads, machine_line, sync, write_json
 from opsnn_lab.measuring import activation_bytes, peak_bytes
 
 __all__ = ["main", "build_chains", "measure", "FusedEncoderLayer", "CHAINS", "FULL", "QUICK"]
@@ -248,6 +248,7 @@ def _default(value, fallback):
     return fallback if value is None else value
 
 
+@keeps_threads
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     if args.threads:

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from opsnn_lab.bench.common import format_table, interleaved_medians, machine_line, write_json
+from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_threads, machine_line, write_json
 from opsnn_lab.precision import DynamicScaler, MasterWeightOptimizer
 
 __all__ = ["main", "peak_grad_bytes", "step_time_ratio"]
@@ -106,6 +106,7 @@ def pipelined_memory(hidden: int = 64, layers: int = 2) -> dict:
     return out
 
 
+@keeps_threads
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench precision", description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=1 << 22, help="parameter elements in the timed step")

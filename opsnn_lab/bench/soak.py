@@ -22,7 +22,7 @@ import random
 
 import torch
 
-from opsnn_lab.bench.common import Timer, machine_line, write_json
+from opsnn_lab.bench.common import Timer, keeps_threads, machine_line, write_json
 from opsnn_lab.precision import FP16_MAX, DynamicScaler, MasterWeightOptimizer
 from opsnn_lab.precision.dynamic_scaler import ScalerHistory
 
@@ -147,6 +147,7 @@ def run_soak(steps: int = 500_000, *, period: int = 2000, growth_interval: int =
     return summary
 
 
+@keeps_threads
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench soak", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=500_000)

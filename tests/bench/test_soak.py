@@ -1,5 +1,7 @@
 import json
 
+import torch
+
 from opsnn_lab.bench import soak
 
 
@@ -32,7 +34,9 @@ def test_recovery_is_measured_from_the_burst_end():
 
 
 def test_main_writes_json(tmp_path, capsys):
+    torch.set_num_threads(2)
     assert soak.main(["--steps", "600", "--period", "200", "--out", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == 2  # its one-thread run ends with the caller's count
     data = json.loads((tmp_path / "soak.json").read_text())
     assert data["benchmark"] == "soak" and data["ok"] and data["steps"] == 600
     assert "unaccounted 0" in capsys.readouterr().out
