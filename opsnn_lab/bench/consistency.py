@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 from tqdm.auto import tqdm
 
-from opsnn_lab.bench.common import format_table, machine_line, write_json
+from opsnn_lab.bench.common import format_table, keeps_threads, machine_line, write_json
 from opsnn_lab.consistency.strict import strict
 from opsnn_lab.models import EncoderConfig, MaskedTokenTask
 
@@ -124,13 +124,9 @@ def _parse(argv):
     return args
 
 
+@keeps_threads
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    threads = torch.get_num_threads()
-    try:
-        return _run(args)
-    finally:
-        torch.set_num_threads(threads)
+    return _run(_parse(argv))
 
 
 def _run(args) -> int:
