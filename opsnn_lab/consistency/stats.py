@@ -7,6 +7,7 @@ together by ``summarize_many``): this runs on every op of a traced step, so it i
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import torch
 
 from opsnn_lab.consistency.gemm_probe import one_thread
 
-__all__ = ["TensorStats", "summarize", "summarize_many", "tensor_hash", "stats_from_dict"]
+__all__ = ["TensorStats", "summarize", "summarize_many", "hash_many", "tensor_hash", "stats_from_dict"]
 
 # 8-byte elements hash as two int32 words each: an int64 product summed as int32 would drop the upper
 # half (sign, exponent and high mantissa of a float64)
@@ -94,24 +95,39 @@ def _weights_for(n: int, device) -> torch.Tensor:
 _scratch: dict = {}
 
 
+def _buffer(n: int, device) -> torch.Tensor:
+    """``n`` int32 of a reused buffer: a fresh large tensor per op costs page faults on every trace."""
+    buf = _scratch.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _scratch[device] = torch.empty(n, dtype=torch.int32, device=device)
+    return buf[:n]
+
+
 def _products(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``bits * w`` into a reused buffer: a fresh large tensor per op costs page faults on every trace."""
+    """``bits * w``, into the reused buffer for int32."""
     if bits.dtype != torch.int32:
         return bits * w
-    n = bits.numel()
-    buf = _scratch.get(bits.device)
-    if buf is None or buf.numel() < n:
-        buf = _scratch[bits.device] = torch.empty(n, dtype=torch.int32, device=bits.device)
-    return torch.mul(bits, w, out=buf[:n])
+    return torch.mul(bits, w, out=_buffer(bits.numel(), bits.device))
+
+
+# CPU: below this many rows of the weight grid the integer mv is faster than products + a row sum, and
+# without SIMD kernels (ATEN_CPU_CAPABILITY=default) it is faster at any size
+_MV_ROWS = 128
+
+
+@functools.cache
+def _simd() -> bool:
+    return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
 def _weighted_sum(bits: torch.Tensor) -> torch.Tensor:
     """``sum(bits * weights)`` mod 2**32 as an int32 scalar tensor.
 
-    32-bit elements (float32, int32) go row by row through the weight grid: ``u . (rows @ v)`` reads the
-    tensor once and writes nothing but one int32 per row of ``_K`` (on CPU one integer ``mv``, half the
-    time of a product pass plus a sum); the elements past the last full row, and other widths, multiply
-    by the weights spelled out. Both give the same number: the same weights, exact arithmetic mod 2**32.
+    32-bit elements (float32, int32) go row by row through the weight grid: ``u . (rows @ v)``, as one
+    integer ``mv`` for small tensors and as products into a reused buffer plus a row sum for large ones
+    (the vectorised pair beats ATen's integer mv there; which one runs never changes the number); the
+    elements past the last full row, and other widths, multiply by the weights spelled out. Every path
+    gives the same number: the same weights, exact arithmetic mod 2**32.
     """
     n = bits.numel()
     m = n // _K if bits.dtype == torch.int32 else 0
@@ -119,7 +135,10 @@ def _weighted_sum(bits: torch.Tensor) -> torch.Tensor:
         return _products(bits, _weights_for(n, bits.device)).sum(dtype=torch.int32)
     u, v = _uv(m + 1, bits.device)
     body = bits[: m * _K].view(m, _K)
-    rows = torch.mv(body, v) if bits.device.type == "cpu" else (body * v).sum(1, dtype=torch.int32)
+    if bits.device.type == "cpu" and (m < _MV_ROWS or not _simd()):
+        rows = torch.mv(body, v)
+    else:  # integer products into the reused buffer, then a row sum: about twice the integer mv's speed
+        rows = torch.mul(body, v, out=_buffer(m * _K, bits.device).view(m, _K)).sum(1, dtype=torch.int32)
     h = (rows * u[:m]).sum(dtype=torch.int32)
     if n > m * _K:
         h = h + (bits[m * _K:] * (v[: n - m * _K] * u[m])).sum(dtype=torch.int32)
@@ -204,6 +223,18 @@ def _group_layout(lengths: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
     return hit
 
 
+def _group_hashes(ts: list[torch.Tensor]) -> list[str]:
+    """The hashes of small tensors of one 4-byte dtype, together (segment sums over their concatenation)."""
+    lengths = tuple(t.numel() for t in ts)
+    device = ts[0].device
+    w, seg = _group_layout(lengths, device)
+    bits = torch.cat([_bits(t.detach()) for t in ts])
+    hashes = torch.zeros(2, len(ts), dtype=torch.int32, device=device)
+    hashes[0].index_add_(0, seg, _products(bits, w))
+    hashes[1].index_add_(0, seg, bits)
+    return [_hex(h) for h in hashes.t().tolist()]
+
+
 def _summarize_group(ts: list[torch.Tensor]) -> list[TensorStats]:
     """float32 tensors summarised together: one concatenation, segment sums, the same hash as ``summarize``."""
     lengths = tuple(t.numel() for t in ts)
@@ -239,6 +270,8 @@ def summarize_many(tensors: list[torch.Tensor]) -> list[TensorStats]:
     cache-sized tensor takes tens of microseconds, less than a fork/join of the thread pool, and on a
     machine whose cores are busy every join waits for a descheduled worker (measured: the same step's
     summaries took 2-9 s at 2 threads, 0.3-1.3 s at one). Larger tensors use the caller's threads.
+    (Python threads each taking a share of the tensors gained nothing on the 2-vCPU machine the figures
+    come from, measured: the reductions did not scale past one vCPU there.)
     """
     out: list = [None] * len(tensors)
     groups: dict = {}
@@ -257,4 +290,26 @@ def summarize_many(tensors: list[torch.Tensor]) -> list[TensorStats]:
     for i in big:
         out[i] = summarize(tensors[i])
     _scratch.clear()  # the products buffer lives for one call: as large as the largest tensor summarised
+    return out
+
+
+def hash_many(tensors: list[torch.Tensor]) -> list[str]:
+    """``[tensor_hash(t) for t in tensors]``: the small 4-byte ones together, the rest one by one.
+
+    Half the passes of ``summarize_many``: what a trace compared with a reference computes first, because
+    a tensor with the reference's bits has the reference's statistics.
+    """
+    out: list = [None] * len(tensors)
+    groups: dict = {}
+    with one_thread():
+        for i, t in enumerate(tensors):
+            if t.element_size() == 4 and not t.is_complex() and 0 < t.numel() <= SMALL \
+                    and t.layout == torch.strided:
+                groups.setdefault(t.device, []).append(i)
+            else:
+                out[i] = tensor_hash(t)
+        for idx in groups.values():
+            for i, h in zip(idx, _group_hashes([tensors[i] for i in idx])):
+                out[i] = h
+    _scratch.clear()
     return out

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from opsnn_lab.consistency import stats
 from opsnn_lab.consistency.stats import TensorStats, stats_from_dict, summarize, summarize_many, tensor_hash
 from opsnn_lab.testing import non_contiguous, seeded
 
@@ -86,10 +87,13 @@ def _hash_by_definition(t: torch.Tensor) -> str:
     return f"{weighted & 0xFFFFFFFF:08x}{sum(bits) & 0xFFFFFFFF:08x}"
 
 
-@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 40000, 70001])
-def test_hash_matches_its_definition_on_every_path(n):
-    # small tensors go through summarize_many's concatenation, full 1024-rows through an integer mv, the
-    # rest elementwise: each must give the hash of the definition, computed here in Python integers
+@pytest.mark.parametrize("mv_rows", [0, 1 << 30])  # full rows by products + row sums / by the integer mv
+@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 40000, 70001, 140001])
+def test_hash_matches_its_definition_on_every_path(n, mv_rows, monkeypatch):
+    # small tensors go through summarize_many's concatenation, full 1024-rows through an integer mv or
+    # products and row sums, the rest elementwise: each must give the hash of the definition, computed
+    # here in Python integers
+    monkeypatch.setattr(stats, "_MV_ROWS", mv_rows)
     t = seeded(n, seed=n)
     want = _hash_by_definition(t)
     assert tensor_hash(t) == summarize(t).hash == summarize_many([t])[0].hash == want
