@@ -8,6 +8,10 @@
         ...
     checker.report.first_divergence     # op, module path, source line, statistics of both runs, errors
 
+``checker.last_trace`` is the latest step's trace. The reference copies the parameters, inputs and
+gradients it read; a compared trace holds them by reference (its statistics and hashes are from the end
+of the step, and ``Trace.save(tensors=True)`` refuses once an optimizer step has changed them).
+
 How two traces are aligned and which row counts as the first divergence: ``consistency/compare.py``.
 """
 
@@ -56,18 +60,25 @@ class ConsistencyChecker:
         every rank's trace is compared with rank 0's trace of the same step instead.
         """
         check_type("model", model, torch.nn.Module, allow_none=True)
-        tracer = OpTracer(model, check_gradients=self.check_gradients)
+        if across_ranks is None:
+            across_ranks = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                            and torch.distributed.get_world_size() > 1)
+        # only a trace that becomes the reference outlives this call: a compared one is summarised, compared
+        # and dumped before the caller's optimizer step, so its leaves need no copy
+        keep = not across_ranks and self.reference is None
+        # the previous step's trace goes before this one records: two steps' tensors are never held at once
+        # (the peak stays one step's), and the memory it frees is what this step's ops allocate again
+        self.last_trace = None
+        tracer = OpTracer(model, check_gradients=self.check_gradients, copy_leaves=keep,
+                          reference=None if across_ranks else self.reference)
         with gc_paused():  # the comparison allocates a row per op too (see gc_paused)
             with tracer:
                 yield tracer
             self._finish(tracer.trace, across_ranks)
 
-    def _finish(self, trace: Trace, across_ranks: bool | None) -> None:
+    def _finish(self, trace: Trace, across_ranks: bool) -> None:
         self.last_trace = trace
         self.step += 1
-        if across_ranks is None:
-            across_ranks = (torch.distributed.is_available() and torch.distributed.is_initialized()
-                            and torch.distributed.get_world_size() > 1)
         if across_ranks:
             from opsnn_lab.consistency.distributed import compare_with_rank0
 
@@ -84,6 +95,11 @@ class ConsistencyChecker:
     def check(self, trace: Trace, reference: Trace | None = None) -> ConsistencyReport:
         """Compare ``trace`` with ``reference`` (default: the checker's reference); sets ``self.report``."""
         reference = reference or self.reference
+        changed = trace.changed_since_recorded()
+        if changed:
+            raise ValueError(f"trace: {changed} parameters/inputs/gradients it holds by reference changed after "
+                             "its step, so its tensors are no longer the step's; check it right after the step "
+                             "(as trace() does) or record it with OpTracer(copy_leaves=True)")
         if reference is None:
             raise ValueError("reference is None: trace a reference step first or load_reference(path)")
         self.report, records = compare_traces(reference, trace, self.precision)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from opsnn_lab.consistency.stats import TensorStats, stats_from_dict, summarize_many
+from opsnn_lab.consistency.stats import TensorStats, hash_many, stats_from_dict, summarize_many
 
 # /2: the hash's position weights became a grid (row weight x column weight); /1 files hash differently
 FORMAT = "opsnn_lab.trace/2"
@@ -61,15 +61,30 @@ class Trace:
 
     records: list[OpRecord]
     rank: int = 0
+    # (tensor, version at the end of the step) for leaves and gradients held by reference, not copied
+    live: list = field(default_factory=list, repr=False)
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def changed_since_recorded(self) -> int:
+        """How many held-by-reference leaves (parameters, inputs, gradients) were written after the step."""
+        return sum(t._version != v for t, v in self.live)
 
     def by_key(self) -> dict[tuple, OpRecord]:
         return {r.key: r for r in self.records}
 
     def save(self, path, tensors: bool = True) -> None:
-        """Write the trace to ``path`` (``torch.save``); ``tensors=False`` keeps hashes and statistics only."""
+        """Write the trace to ``path`` (``torch.save``); ``tensors=False`` keeps hashes and statistics only.
+
+        A trace recorded without copying its leaves (``OpTracer(copy_leaves=False)``) refuses to write its
+        tensors once an optimizer step or ``zero_grad`` has changed them: they would not be the step's.
+        """
+        changed = self.changed_since_recorded() if tensors else 0
+        if changed:
+            raise ValueError(f"tensors=True: {changed} parameters/inputs/gradients this trace holds by reference "
+                             "changed after the step (optimizer step, zero_grad); save with tensors=False, or "
+                             "save before they change (the checker's reference is always a copy)")
         recs = []
         for r in self.records:
             d = r.meta()
@@ -144,12 +159,17 @@ def unflatten(flat: list, spec, _pos=None):
 
 
 
-def summarize_records(records: list[OpRecord]) -> None:
+def summarize_records(records: list[OpRecord], reference: Trace | None = None) -> None:
     """Every record's output statistics and its leaf inputs' statistics, each distinct tensor once.
 
     A module's output is often a reshaped view of its last op's output (same bits, same statistics), so
     contiguous tensors over the same memory are summarised once; all of them go through one
     ``summarize_many`` call, which summarises the small ones together.
+
+    With a ``reference`` (the trace this one will be compared with) every tensor is hashed first, and one
+    with the same bits as the reference's tensor in the same place (same record key, position, shape and
+    dtype) takes the reference's statistics: only the tensors that differ are summarised in full. A step
+    that replays its reference exactly costs its hashes, about half of the statistics' passes.
     """
     tensors: list[torch.Tensor] = []
     slot: dict[tuple, int] = {}
@@ -168,7 +188,12 @@ def summarize_records(records: list[OpRecord]) -> None:
     plan = [([index(t) for t in rec.outputs],
              [index(t) if prod is None else None for t, prod in zip(rec.input_tensors(), rec.input_producers)])
             for rec in records]
-    stats = summarize_many(tensors)
+    stats: list = [None] * len(tensors)
+    if reference is not None:
+        _reuse(records, plan, tensors, reference, stats)
+    todo = [i for i, st in enumerate(stats) if st is None]
+    for i, st in zip(todo, summarize_many([tensors[i] for i in todo])):
+        stats[i] = st
 
     def view(i: int, t: torch.Tensor) -> TensorStats:
         st = stats[i]
@@ -177,3 +202,33 @@ def summarize_records(records: list[OpRecord]) -> None:
     for rec, (outs, ins) in zip(records, plan):
         rec.output_stats = [view(i, t) for i, t in zip(outs, rec.outputs)]
         rec.input_stats = [None if i is None else view(i, t) for i, t in zip(ins, rec.input_tensors())]
+
+
+def _reuse(records: list[OpRecord], plan: list, tensors: list, reference: Trace, stats: list) -> None:
+    """Fill ``stats[i]`` from the reference for every tensor whose every use matches the reference's bits."""
+    hashes = hash_many(tensors)
+    ref = reference.by_key()
+    found: dict[int, TensorStats] = {}
+    differs: set[int] = set()
+
+    def match(i: int, t: torch.Tensor, theirs: list, j: int) -> None:
+        st = theirs[j] if j < len(theirs) else None
+        if st is None or st.hash != hashes[i] or st.shape != tuple(t.shape) or st.dtype != _dtype(t):
+            differs.add(i)
+        else:
+            found.setdefault(i, st)
+
+    for rec, (outs, ins) in zip(records, plan):
+        other = ref.get(rec.key)
+        for j, (i, t) in enumerate(zip(outs, rec.outputs)):
+            match(i, t, other.output_stats if other is not None else [], j)
+        for j, (i, t) in enumerate(zip(ins, rec.input_tensors())):
+            if i is not None:
+                match(i, t, other.input_stats if other is not None else [], j)
+    for i, st in found.items():
+        if i not in differs:
+            stats[i] = st
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")

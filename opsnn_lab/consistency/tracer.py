@@ -7,8 +7,9 @@ module path and source line of the op that created it; in backward ``torch._C._c
 names the node, so a backward op lands on the same module path as its forward op.
 
 Tensors are held by reference while tracing (no copies on the hot path); an in-place op on a held
-tensor first swaps the held one for a copy (copy-on-write), and at exit the leaves (parameters, user
-inputs) and parameter gradients are copied because an optimizer step mutates them later. Statistics and
+tensor first swaps the held one for a copy (copy-on-write). At exit the leaves (parameters, user
+inputs) and parameter gradients are copied, because an optimizer step mutates them later, unless the
+caller uses the trace right away and says so (``copy_leaves=False``: the checker's compared steps). Statistics and
 the bitwise hash are computed once per tensor at exit, the small ones together (``stats.summarize_many``).
 The records themselves (``OpRecord``, ``Trace``) live in ``records.py``.
 """
@@ -20,6 +21,7 @@ import gc
 import os
 import sys
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -53,6 +55,7 @@ _SKIP = {
 # allocation ops: their outputs hold no value yet, so they are neither leaves nor divergences
 _FRESH = {_aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
           _aten.new_empty.default, _aten.new_empty_strided.default}
+_current_node = torch._C._current_autograd_node
 # frames in these directories are never "the user's code" when naming a source location
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 
@@ -69,27 +72,31 @@ def _user_location() -> str:
     return "<unknown>"
 
 
-_op_names: dict = {}
-_mutable: dict = {}
+class _OpInfo(NamedTuple):
+    passthrough: bool     # a view or a _SKIP op: run, not recorded
+    fresh: bool           # an allocation (_FRESH)
+    name: str             # "aten.addmm.default"
+    written: tuple | None  # (position, name) of the arguments it writes; None for an op that writes nothing
+    op: object            # the op itself: keeps it alive, so its id is never reused for another
 
 
-def _op_name(func) -> str:
-    name = _op_names.get(func)
-    if name is None:
-        name = _op_names[func] = str(func)  # "aten.addmm.default"
-    return name
+_infos: dict[int, _OpInfo] = {}
 
 
-def _written(func) -> tuple | None:
-    """The (position, name) of the arguments ``func`` writes to; None for an op that writes nothing."""
-    w = _mutable.get(func, False)
-    if w is False:
-        w = None
+def _op_info(func) -> _OpInfo:
+    """What the dispatch mode needs to know about ``func``, worked out once per op.
+
+    Keyed by ``id``: ``OpOverload.__hash__`` is Python code, and this lookup runs on every dispatched op.
+    """
+    info = _infos.get(id(func))
+    if info is None:
+        written = None
         if func._schema.is_mutable:
-            w = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                      if a.alias_info is not None and a.alias_info.is_write)
-        _mutable[func] = w
-    return w
+            written = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                            if a.alias_info is not None and a.alias_info.is_write)
+        info = _infos[id(func)] = _OpInfo(bool(func.is_view) or func in _SKIP, func in _FRESH, str(func),
+                                          written, func)
+    return info
 
 
 def _written_storages(written: tuple, args, kwargs) -> set:
@@ -136,41 +143,51 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tr = self.tracer
-        node = torch._C._current_autograd_node()
-        if func.is_view or func in _SKIP:
+        info = _op_info(func)
+        node = _current_node()
+        if info.passthrough:
             if node is None:  # its backward node still belongs to this module
                 tr._map_node(tr._stack[-1] if tr._stack else "", None)
             out = func(*args, **kwargs)
-            if func in _FRESH:
+            if info.fresh:
                 tr._producer[_storage_key(out)] = -1
             return out
         if node is not None and not tr.check_gradients:
             return func(*args, **kwargs)
         flat: list = []
         spec = flatten((args, kwargs), flat)
-        producers = tr._producers(flat)
-        written = _written(func)
-        if written is not None:  # keep the pre-mutation inputs, and protect held tensors from the write
+        slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        keys = [_storage_key(flat[i]) for i in slots]
+        producers = [tr._producer.get(k) for k in keys]
+        if info.written is not None:  # keep the pre-mutation inputs, and protect held tensors from the write
             # only the storages the op writes: its other inputs keep their bits, and a later write to
             # them is caught by the copy-on-write of the records that hold them
-            keys = _written_storages(written, args, kwargs) if written else None
-            tr._copy_on_write(flat, keys)
-            flat = [a.detach().clone() if isinstance(a, torch.Tensor) and (keys is None or _storage_key(a) in keys)
-                    else a for a in flat]
+            hit = _written_storages(info.written, args, kwargs) if info.written else None
+            for i, k in zip(slots, keys):
+                if hit is None or k in hit:
+                    tr._copy_on_write(k)
+                    flat[i] = flat[i].detach().clone()
         out = func(*args, **kwargs)
         outs = [out] if isinstance(out, torch.Tensor) else [
             o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if outs:
-            tr._record_op(func, flat, spec, producers, outs, node)
+            tr._record_op(info.name, flat, spec, slots, keys, producers, outs, node)
         return out
 
 
 class OpTracer:
     """Context manager recording one step; the result is ``tracer.trace`` (a ``Trace``)."""
 
-    def __init__(self, model: torch.nn.Module | None = None, *, check_gradients: bool = True):
+    def __init__(self, model: torch.nn.Module | None = None, *, check_gradients: bool = True,
+                 copy_leaves: bool = True, reference: Trace | None = None):
         self.model = model
+        # the trace this one will be compared with: tensors with its bits take its statistics (hashes only)
+        self.reference = reference
         self.check_gradients = check_gradients
+        # False: leaves and parameter gradients stay the live tensors (the trace marks them, and
+        # ``Trace.save`` refuses to write them once they changed); saves copying every parameter and
+        # gradient per traced step, which the checker only needs for the trace it keeps as reference
+        self.copy_leaves = copy_leaves
         self.records: list[OpRecord] = []
         self.trace: Trace | None = None
         self._names: dict[int, str] = {}
@@ -231,16 +248,11 @@ class OpTracer:
         self.records.append(rec)
         return rec
 
-    def _producers(self, flat) -> list:
-        return [self._producer.get(_storage_key(a)) for a in flat if isinstance(a, torch.Tensor)]
-
-    def _record_op(self, func, flat, spec, producers, outs, node) -> None:
-        for i, a in enumerate(flat):
-            if isinstance(a, torch.Tensor):
-                p = _storage_key(a)
-                if p is not None:
-                    self._held[p].append((flat, i))
-        name = _op_name(func)
+    def _record_op(self, name, flat, spec, slots, keys, producers, outs, node) -> None:
+        held = self._held
+        for i, p in zip(slots, keys):
+            if p is not None:
+                held[p].append((flat, i))
         if node is None:
             path = self._stack[-1] if self._stack else ""
             loc = _user_location()
@@ -280,14 +292,10 @@ class OpTracer:
             self._pnames_roots = len(self._roots)
         return self._pnames
 
-    def _copy_on_write(self, flat, keys: set | None = None) -> None:
-        for a in flat:
-            if isinstance(a, torch.Tensor):
-                p = _storage_key(a)
-                if keys is not None and p not in keys:
-                    continue
-                for lst, i in self._held.pop(p, ()):
-                    lst[i] = lst[i].clone()
+    def _copy_on_write(self, key) -> None:
+        """Before a write to storage ``key``: every held tensor over it is swapped for a copy."""
+        for lst, i in self._held.pop(key, ()):
+            lst[i] = lst[i].clone()
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> OpTracer:
@@ -314,9 +322,9 @@ class OpTracer:
         if self.check_gradients:
             self._record_param_grads()
         with one_thread():  # many small copies: a thread-pool fork/join each costs more than the copy
-            self._freeze()
-        summarize_records(self.records)
-        self.trace = Trace(self.records)
+            live = self._freeze()
+        summarize_records(self.records, self.reference)
+        self.trace = Trace(self.records, live=live)
         self._held.clear()
         self._producer.clear()
         self._nodes.clear()
@@ -329,18 +337,31 @@ class OpTracer:
                 path, _, leaf = full.rpartition(".")
                 self._append(OpRecord(0, "backward", "grad", f"grad.{leaf}", path, "<autograd>"), [p.grad])
 
-    def _freeze(self) -> None:
-        """Copy what outlives the step and will change: leaves (parameters, inputs) and parameter grads."""
+    def _freeze(self) -> list:
+        """Copy what outlives the step and will change: leaves (parameters, inputs) and parameter grads.
+
+        Without ``copy_leaves`` they stay as they are; returns them with their version counters then
+        (empty when copied), so that the trace can tell later whether they still hold the step's values.
+        """
         grads = {_storage_key(r.outputs[0]) for r in self.records if r.kind == "grad"}
         copies: dict[int, torch.UntypedStorage] = {}
+        live: dict[int, torch.Tensor] = {}
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            if self.copy_leaves:
+                return _copy_view(t, copies)
+            live.setdefault(id(t), t)
+            return t.detach()
+
         for rec in self.records:
             if rec.flat_args:
                 for slot, prod in zip(_tensor_slots(rec.flat_args), rec.input_producers):
                     t = rec.flat_args[slot]
                     if prod is None or _storage_key(t) in grads:
-                        rec.flat_args[slot] = _copy_view(t, copies)
+                        rec.flat_args[slot] = keep(t)
             for i, t in enumerate(rec.outputs):
-                rec.outputs[i] = _copy_view(t, copies) if _storage_key(t) in grads else t.detach()
+                rec.outputs[i] = keep(t) if _storage_key(t) in grads else t.detach()
+        return [(t, t._version) for t in live.values()]
 
 
 

@@ -89,6 +89,26 @@ def test_weight_perturbation_is_named_forward_and_backward(name):
     assert [a["hash"] == b["hash"] for a, b in zip(ref_in, run_in)] == [True, True, False]
 
 
+def test_a_compared_trace_has_the_statistics_of_its_own_tensors():
+    # a compared trace hashes first and takes the reference's statistics where the bits are the same; its
+    # statistics must be the ones a first (fully summarised) trace of the same step gets, changed or not
+    model, checker = make_model(), ConsistencyChecker(dump_on_failure=False)
+    traced_step(checker, model)
+    perturb(model, "layers.1.mlp.fc2", eps=0.1)  # large enough to move every later statistic clearly
+    report = traced_step(checker, model)
+    alone = ConsistencyChecker(dump_on_failure=False)
+    traced_step(alone, model)  # the same step again, as a reference: everything summarised in full
+    run, ref, full = checker.last_trace, checker.reference.by_key(), alone.reference.by_key()
+    same = changed = 0
+    for rec in run.records:
+        assert rec.output_stats == full[rec.key].output_stats, (rec.op, rec.module_path)
+        assert rec.input_stats == full[rec.key].input_stats, (rec.op, rec.module_path)
+        theirs = ref[rec.key].output_stats
+        same += all(a.hash == b.hash for a, b in zip(rec.output_stats, theirs))
+        changed += any(a.mean != b.mean for a, b in zip(rec.output_stats, theirs))
+    assert same > 0 and changed > 0 and report.first_divergence.module_path == "layers.1.mlp.fc2"
+
+
 def test_planted_nondeterministic_op_is_named_forward_and_backward():
     model, checker = make_model(), ConsistencyChecker(dump_on_failure=False)
     model.layers[1].mlp.act = NoisyGELU()
@@ -193,6 +213,37 @@ def test_reference_saved_to_file_is_compared_in_a_new_checker(tmp_path):
     report = traced_step(light, model)
     assert report.first_divergence.module_path == "layers.1.mlp.fc2"
     assert report.rows[report.first_divergence.index].measured == "hash"
+
+
+def test_reference_copies_its_leaves_and_a_compared_trace_holds_them_until_they_change(tmp_path):
+    model, checker = make_model(), ConsistencyChecker(dump_on_failure=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = model.get_parameter("layers.0.mlp.fc1.weight")
+    traced_step(checker, model)
+    ref_grad = checker.reference.records[-1].outputs[0]  # the last parameter's .grad at the reference step
+    before = (w.detach().clone(), ref_grad.clone())
+    opt.step()
+    # the reference kept the step's values: the optimizer and the next zero_grad change the live ones
+    leaf = next(a for r in checker.reference.records for a in r.input_tensors() if a.shape == w.shape
+                and r.module_path == "layers.0.mlp.fc1")
+    assert torch.equal(leaf, before[0]) and not torch.equal(leaf, w.detach())
+    assert torch.equal(checker.reference.records[-1].outputs[0], before[1])
+
+    assert not traced_step(checker, model).ok  # the weights moved: a divergence, found at once
+    run = checker.last_trace
+    grad = next(r.outputs[0] for r in run.records if r.kind == "grad" and r.module_path == "layers.0.mlp.fc1"
+                and r.op == "grad.weight")
+    assert grad.untyped_storage().data_ptr() == w.grad.untyped_storage().data_ptr()  # held, not copied
+    run.save(tmp_path / "fresh.pt")  # unchanged yet: its tensors are the step's
+    opt.step()
+    assert run.changed_since_recorded() > 0
+    with pytest.raises(ValueError, match="tensors=True"):
+        run.save(tmp_path / "stale.pt")
+    with pytest.raises(ValueError, match="trace:"):
+        checker.check(run)
+    run.save(tmp_path / "stats.pt", tensors=False)  # statistics and hashes were taken at the step's end
+    assert [r.output_stats for r in type(run).load(tmp_path / "stats.pt").records] == \
+        [r.output_stats for r in run.records]
 
 
 class _MLP(nn.Module):
