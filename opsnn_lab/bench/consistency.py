@@ -72,26 +72,39 @@ def _switch_cost(repeat: int = 50) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
+def _faults() -> int:
+    """Minor page faults of this process so far (0 where ``resource`` is missing, e.g. Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _interleaved(fns: dict, repeat: dict, warmup: int = 2) -> dict:
-    """Median wall and CPU (process) seconds per variant, measured round-robin.
+    """Median wall and CPU (process) seconds and minor page faults per variant, measured round-robin.
 
     CPU time is reported next to wall time because on a shared machine other processes' load
-    stretches wall time far more than the work the step does.
+    stretches wall time far more than the work the step does. Page faults are reported because a
+    traced step holds every tensor it records, so the memory it allocates is fresh, and what a fault
+    costs varies several-fold between machines (and over time on a virtual one).
     """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     wall = {k: [] for k in fns}
     cpu = {k: [] for k in fns}
+    faults = {k: [] for k in fns}
     for i in tqdm(range(max(repeat.values())), desc="consistency bench", leave=False):
         for k, fn in fns.items():
             if i >= repeat[k]:
                 continue
-            w0, c0 = time.perf_counter(), time.process_time()
+            f0, w0, c0 = _faults(), time.perf_counter(), time.process_time()
             fn()
             cpu[k].append(time.process_time() - c0)
             wall[k].append(time.perf_counter() - w0)
-    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
+            faults[k].append(_faults() - f0)
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), statistics.median(faults[k])) for k in fns}
 
 
 def _gemm_paths() -> dict:
@@ -155,11 +168,11 @@ def _run(args) -> int:
     # strict is judged against the default step, trace against the same forward+backward untraced
     base = {k: times["fwd_bwd" if k == "trace" else "default"] for k in times}
     rows = [{"variant": k, "step_ms": w * 1e3, "ratio": w / base[k][0], "cpu_ms": c * 1e3,
-             "cpu_ratio": c / base[k][1]} for k, (w, c) in times.items()]
+             "cpu_ratio": c / base[k][1], "page_faults": int(f)} for k, (w, c, f) in times.items()]
     print(machine_line())
     print(f"encoder: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}; "
           f"threads {torch.get_num_threads()}")
-    print(format_table(rows, ["variant", "step_ms", "ratio", "cpu_ms", "cpu_ratio"]))
+    print(format_table(rows, ["variant", "step_ms", "ratio", "cpu_ms", "cpu_ratio", "page_faults"]))
     print(f"strict() enter+exit: {switch * 1e3:.3f} ms (included in the strict step)")
     print(f"strict() GEMM paths (probed on this machine): {_gemm_paths()}")
     if checker is None and not args.no_trace:

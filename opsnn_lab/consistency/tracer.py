@@ -316,6 +316,11 @@ class OpTracer:
             if exc[0] is None:
                 self._finish()
         finally:
+            # the mode refers to the tracer, and the mode outlives its exit (the tracer refers to it, and
+            # torch may keep the last mode): without this link cut, a finished trace (every tensor of its
+            # step) lives until the cycle collector runs, or longer, not until its owner drops it
+            self._mode.tracer = None
+            self._mode = self._handles = None
             self._gc.__exit__(None, None, None)
 
     def _finish(self) -> None:

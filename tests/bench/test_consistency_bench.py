@@ -22,5 +22,6 @@ def test_quick_run_writes_json(tmp_path, capsys):
     paths = data["strict_gemm_paths"]  # which GEMM path the probe chose, per op: the strict steps ran some
     assert paths and {k.split(":")[0] for k in paths} <= {"mm", "bmm"} and all(v > 0 for v in paths.values())
     out = capsys.readouterr().out
-    assert "strict" in out and "cpu_ratio" in out
+    assert "strict" in out and "cpu_ratio" in out and "page_faults" in out
+    assert all(isinstance(r["page_faults"], int) and r["page_faults"] >= 0 for r in data["rows"])
     assert not is_strict()

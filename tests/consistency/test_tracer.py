@@ -169,3 +169,25 @@ def test_empty_batch_traces():
     trace = _trace(model, torch.zeros(0, 8))
     assert any(r.phase == "backward" for r in trace.records)
     assert all(s.shape[0] == 0 for r in trace.records if r.op == "aten.addmm.default" for s in r.output_stats)
+
+
+def test_a_dropped_trace_frees_its_tensors_without_the_cycle_collector():
+    # the tracer holds every tensor of its step; once the caller drops it they must go at once (reference
+    # counting), not at the next cycle collection: a checker tracing step after step would otherwise hold
+    # two steps' tensors and allocate fresh memory for each
+    import gc
+    import weakref
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with OpTracer(Net()) as t:
+            Net()(seeded(4, 8)).sum().backward()
+        inner = [o for r in t.trace.records if r.op == "aten.relu.default" for o in r.outputs]
+        assert inner
+        alive = [weakref.ref(o) for o in inner]
+        del t, inner
+        assert all(ref() is None for ref in alive)
+    finally:
+        if was:
+            gc.enable()
