@@ -348,24 +348,35 @@ class OpTracer:
         Without ``copy_leaves`` they stay as they are; returns them with their version counters then
         (empty when copied), so that the trace can tell later whether they still hold the step's values.
         """
+        if not self.copy_leaves:
+            return self._mark_live()
         grads = {_storage_key(r.outputs[0]) for r in self.records if r.kind == "grad"}
         copies: dict[int, torch.UntypedStorage] = {}
-        live: dict[int, torch.Tensor] = {}
-
-        def keep(t: torch.Tensor) -> torch.Tensor:
-            if self.copy_leaves:
-                return _copy_view(t, copies)
-            live.setdefault(id(t), t)
-            return t.detach()
-
         for rec in self.records:
             if rec.flat_args:
                 for slot, prod in zip(_tensor_slots(rec.flat_args), rec.input_producers):
                     t = rec.flat_args[slot]
                     if prod is None or _storage_key(t) in grads:
-                        rec.flat_args[slot] = keep(t)
+                        rec.flat_args[slot] = _copy_view(t, copies)
             for i, t in enumerate(rec.outputs):
-                rec.outputs[i] = keep(t) if _storage_key(t) in grads else t.detach()
+                rec.outputs[i] = _copy_view(t, copies) if _storage_key(t) in grads else t.detach()
+        return []
+
+    def _mark_live(self) -> list:
+        """The leaves and parameter gradients, kept as they are, with their version counters."""
+        live: dict[int, torch.Tensor] = {}
+        for rec in self.records:
+            if rec.flat_args:
+                for slot, prod in zip(_tensor_slots(rec.flat_args), rec.input_producers):
+                    if prod is None:
+                        t = rec.flat_args[slot]
+                        live.setdefault(id(t), t)
+                        rec.flat_args[slot] = t.detach()
+            outs = rec.outputs
+            for i, t in enumerate(outs):
+                outs[i] = t.detach()  # shares the version counter: a later write still shows
+            if rec.kind == "grad":
+                live.setdefault(id(outs[0]), outs[0])
         return [(t, t._version) for t in live.values()]
 
 
