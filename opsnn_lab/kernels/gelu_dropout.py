@@ -73,9 +73,20 @@ def act_backward(grad, h, act):
         return torch.ops.aten.silu_backward(grad, h)
     if act == "relu":
         return torch.ops.aten.threshold_backward(grad, h, 0)
+    return _quick_gelu_grad(grad, h, want_out=False)[0]
+
+
+def _quick_gelu_grad(grad, h, want_out: bool):
+    """QuickGELU's ``grad * act'(h)`` and, when ``want_out``, ``act(h)``, from one sigmoid.
+
+    ``act(x) = x s`` with ``s = sigmoid(1.702 x)``; ``act'(x) = s + 1.702 x s (1 - s)``: six passes for both
+    (the output is ``act_forward``'s bits), where the two computed apart take eleven.
+    """
     w = _wide(h)
-    s = torch.sigmoid(_QUICK * w)
-    return (_wide(grad) * (s + _QUICK * w * s * (1.0 - s))).to(h.dtype)
+    s = torch.mul(w, _QUICK).sigmoid_()
+    xs = w * s
+    d = torch.addcmul(s, xs, 1.0 - s, value=_QUICK).mul_(_wide(grad))
+    return d.to(h.dtype), (xs.to(h.dtype) if want_out else None)
 
 
 def act_dropout_fwd_reference(h, p, seed, offset, act="gelu", bias=None):
@@ -91,12 +102,14 @@ def act_dropout_fwd_reference(h, p, seed, offset, act="gelu", bias=None):
 def act_dropout_bwd_reference(grad_out, h, p, seed, offset, act="gelu", want_bias=False, want_out=False):
     """Torch path: ``(grad_h, grad_bias | None, out | None)`` with ``out`` the recomputed forward output."""
     keep = dropout_mask(seed, offset, h.shape, p, h.device, dtype=h.dtype) if p > 0 else None
-    out = None
-    if want_out:
-        out = act_forward(h, act)
-        if keep is not None:
-            out.mul_(keep).mul_(_scale(p))
-    grad_h = act_backward(grad_out if keep is None else grad_out * keep, h, act)
+    grad_kept = grad_out if keep is None else grad_out * keep
+    if act == "quick_gelu":  # the output and the gradient share the sigmoid
+        grad_h, out = _quick_gelu_grad(grad_kept, h, want_out)
+    else:
+        out = act_forward(h, act) if want_out else None
+        grad_h = act_backward(grad_kept, h, act)
+    if out is not None and keep is not None:
+        out.mul_(keep).mul_(_scale(p))
     if keep is not None:
         grad_h.mul_(_scale(p))
     grad_bias = grad_h.sum(0) if want_bias else None
