@@ -200,7 +200,8 @@ def _empty_grads(ctx, x, weight):
 
 def _conv_backward(ctx, grad_y, x, weight, need_w):
     cfg, need = ctx.cfg, ctx.needs_input_grad
-    bias_sizes = [weight.shape[0]]
+    # [0] without a bias: the same call autograd makes for the eager conv, so ATen picks the same kernels
+    bias_sizes = [weight.shape[0]] if ctx.has_bias else [0]
     return torch.ops.aten.convolution_backward(grad_y, x, weight, bias_sizes, *cfg.conv_args(), False, [0, 0],
                                                cfg.groups, [need[0], need_w, need[2] and ctx.has_bias])
 
