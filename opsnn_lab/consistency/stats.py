@@ -225,29 +225,22 @@ def _group_layout(lengths: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
     return hit
 
 
-def _group_hashes(ts: list[torch.Tensor]) -> list[str]:
-    """The hashes of small tensors of one 4-byte dtype, together (segment sums over their concatenation)."""
-    lengths = tuple(t.numel() for t in ts)
-    device = ts[0].device
-    w, seg = _group_layout(lengths, device)
+def _group(ts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Small tensors of one 4-byte dtype as one int32 concatenation, its segment ids, and their two hash
+    words per tensor ([2, len(ts)], the same numbers as ``tensor_hash``'s), by segment sums."""
+    w, seg = _group_layout(tuple(t.numel() for t in ts), ts[0].device)
     bits = torch.cat([_bits(t.detach()) for t in ts])
-    hashes = torch.zeros(2, len(ts), dtype=torch.int32, device=device)
+    hashes = torch.zeros(2, len(ts), dtype=torch.int32, device=bits.device)
     hashes[0].index_add_(0, seg, _products(bits, w))
     hashes[1].index_add_(0, seg, bits)
-    return [_hex(h) for h in hashes.t().tolist()]
+    return bits, seg, hashes
 
 
 def _summarize_group(ts: list[torch.Tensor]) -> list[TensorStats]:
     """float32 tensors summarised together: one concatenation, segment sums, the same hash as ``summarize``."""
     lengths = tuple(t.numel() for t in ts)
-    device = ts[0].device
-    w, seg = _group_layout(lengths, device)
-    bits = torch.cat([_bits(t.detach()) for t in ts])
-    x = bits.view(torch.float32)
-    k = len(ts)
-    hashes = torch.zeros(2, k, dtype=torch.int32, device=device)
-    hashes[0].index_add_(0, seg, _products(bits, w))
-    hashes[1].index_add_(0, seg, bits)
+    bits, seg, hashes = _group(ts)
+    device, x, k = bits.device, bits.view(torch.float32), len(ts)
     f = torch.zeros(4, k, dtype=torch.float32, device=device)
     f[0].index_add_(0, seg, x)
     f[1].index_add_(0, seg, x * x)
@@ -311,7 +304,7 @@ def hash_many(tensors: list[torch.Tensor]) -> list[str]:
             else:
                 out[i] = tensor_hash(t)
         for idx in groups.values():
-            for i, h in zip(idx, _group_hashes([tensors[i] for i in idx])):
-                out[i] = h
+            for i, h in zip(idx, _group([tensors[i] for i in idx])[2].t().tolist()):
+                out[i] = _hex(h)
     _scratch.clear()
     return out

@@ -132,3 +132,12 @@ def test_hash_sees_a_reordering_that_keeps_every_sum():
     for name, (before, after) in moved.items():
         assert before[8:] == after[8:], name  # the plain sum of the bits is blind to the move ...
         assert before != after, name          # ... the position-weighted word is not
+
+
+def test_hash_many_gives_tensor_hash_for_every_kind_of_tensor():
+    # the small 4-byte ones go through one concatenation: each must still get its own tensor_hash
+    tensors = [seeded(5, seed=1), seeded(3, 7, seed=2), torch.arange(11, dtype=torch.int32),
+               seeded(300, 200, seed=3), seeded(6, 4, seed=4).t(), torch.zeros(0), torch.ones(9, dtype=torch.bool),
+               seeded(33, dtype=torch.bfloat16, seed=5), seeded(17, dtype=torch.float64, seed=6), seeded(5, seed=1)]
+    assert stats.hash_many(tensors) == [tensor_hash(t) for t in tensors]
+    assert len(set(stats.hash_many(tensors[:4]))) == 4
