@@ -17,7 +17,7 @@ import copy
 import numpy as np
 import torch
 
-from opsnn_lab.bench.common import format_table, interleaved_medians, machine_line, write_json
+from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_threads, machine_line, write_json
 
 TARGET_REDRAW_S = 0.200
 TARGET_OVERHEAD = 0.10
@@ -92,6 +92,7 @@ def bench_stats(repeat: int) -> list[dict]:
              "overhead": v / base - 1 if "+" in k else float("nan")} for k, v in t.items()]
 
 
+@keeps_threads
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench widgets", description=__doc__.splitlines()[0])
     ap.add_argument("--trace-steps", type=int, default=10_000)
@@ -99,15 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-repeat", type=int, default=30, help="timed training steps per case")
     ap.add_argument("--out", default=None, help="directory for widgets.json (default build/bench)")
     args = ap.parse_args(argv)
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the shared CI machine: one thread gives the least noisy ratios
-    try:
-        tuner_rows = bench_tuner(args.trace_steps, args.repeat)
-        print(machine_line())
-        print(format_table(tuner_rows, ["case", "median_ms", "vs_replay", "vs_target"]))
-        stats_rows = bench_stats(args.train_repeat)
-    finally:
-        torch.set_num_threads(threads)
+    tuner_rows = bench_tuner(args.trace_steps, args.repeat)
+    print(machine_line())
+    print(format_table(tuner_rows, ["case", "median_ms", "vs_replay", "vs_target"]))
+    stats_rows = bench_stats(args.train_repeat)
     print(format_table(stats_rows, ["case", "median_ms", "vs_step", "overhead"]))
     redraw = next(r for r in tuner_rows if r["case"].endswith("slider -> redraw"))["median_ms"] / 1e3
     overhead = next(r for r in stats_rows if "+" in r["case"])["overhead"]

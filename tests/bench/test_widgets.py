@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 
 from opsnn_lab.bench import widgets
 
@@ -20,8 +21,11 @@ def test_synthetic_trace_has_overflows_nonfinite_steps_and_full_histograms():
 
 
 def test_quick_run_writes_json(tmp_path, capsys):
+    torch.set_num_threads(2)
     assert widgets.main(["--trace-steps", "300", "--repeat", "1", "--train-repeat", "1", "--out", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == 2  # its one-thread run ends with the caller's count
     data = json.loads((tmp_path / "widgets.json").read_text())
+    assert data["machine"]["threads"] == 1  # the JSON says how the figures were measured
     assert data["redraw_s"] > 0 and np.isfinite(data["grad_stats_overhead"])
     assert [r["case"].split(": ")[1] for r in data["tuner"]] == [
         "replay only", "underflow at replayed scales", "slider -> redraw"]
