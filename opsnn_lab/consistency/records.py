@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from opsnn_lab.consistency.stats import TensorStats, hash_many, stats_from_dict, summarize_many
+from opsnn_lab.consistency.stats import TensorStats, dtype_name, hash_many, stats_from_dict, summarize_many
 
 # /2: the hash's position weights became a grid (row weight x column weight); /1 files hash differently
 FORMAT = "opsnn_lab.trace/2"
@@ -213,7 +213,7 @@ def _reuse(records: list[OpRecord], plan: list, tensors: list, reference: Trace,
 
     def match(i: int, t: torch.Tensor, theirs: list, j: int) -> None:
         st = theirs[j] if j < len(theirs) else None
-        if st is None or st.hash != hashes[i] or st.shape != tuple(t.shape) or st.dtype != _dtype(t):
+        if st is None or st.hash != hashes[i] or st.shape != tuple(t.shape) or st.dtype != dtype_name(t):
             differs.add(i)
         else:
             found.setdefault(i, st)
@@ -228,7 +228,3 @@ def _reuse(records: list[OpRecord], plan: list, tensors: list, reference: Trace,
     for i, st in found.items():
         if i not in differs:
             stats[i] = st
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")

@@ -15,7 +15,7 @@ import torch
 
 from opsnn_lab.consistency.gemm_probe import one_thread
 
-__all__ = ["TensorStats", "summarize", "summarize_many", "hash_many", "tensor_hash", "stats_from_dict"]
+__all__ = ["TensorStats", "summarize", "summarize_many", "hash_many", "tensor_hash", "stats_from_dict", "dtype_name"]
 
 # 8-byte elements hash as two int32 words each: an int64 product summed as int32 would drop the upper
 # half (sign, exponent and high mantissa of a float64)
@@ -41,6 +41,11 @@ class TensorStats:
         d = dict(self.__dict__)  # every report row converts two of these: no per-field Python loop
         d["shape"] = list(self.shape)
         return d
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    """``t``'s dtype as ``TensorStats.dtype`` spells it: ``"float32"``."""
+    return str(t.dtype).replace("torch.", "")
 
 
 def stats_from_dict(d: dict) -> TensorStats:
@@ -174,7 +179,7 @@ def summarize(t: torch.Tensor) -> TensorStats:
     judge a divergence are computed elementwise in float64.
     """
     t = t.detach()
-    shape, dtype = tuple(t.shape), str(t.dtype).replace("torch.", "")
+    shape, dtype = tuple(t.shape), dtype_name(t)
     if not t.is_contiguous():
         t = t.contiguous()  # one copy, which the hash's and the statistics' flat views then share
     n = t.numel()

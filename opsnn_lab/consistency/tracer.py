@@ -156,7 +156,7 @@ class _Mode(TorchDispatchMode):
             return func(*args, **kwargs)
         flat: list = []
         spec = flatten((args, kwargs), flat)
-        slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        slots = _tensor_slots(flat)
         keys = [_storage_key(flat[i]) for i in slots]
         producers = [tr._producer.get(k) for k in keys]
         if info.written is not None:  # keep the pre-mutation inputs, and protect held tensors from the write
