@@ -1,4 +1,6 @@
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -327,9 +329,16 @@ def test_conv1d_equals_linear_with_the_transposed_weight():
     x = non_contiguous(seeded(1823, 17, seed=14)).requires_grad_(True)
     out_c, grads_c = run_fwd_bwd(_act_fused(c1, nn.SiLU(), 0.1, c2), [x], _all_params(c1, c2))
     out_l, grads_l = run_fwd_bwd(_act_fused(l1, nn.SiLU(), 0.1, l2), [x], _all_params(l1, l2))
-    assert_close_dtype(out_c, out_l)
-    for g_c, g_l in zip(grads_c, grads_l):
-        assert_close_dtype(g_c, g_l.t() if g_l.dim() == 2 and g_l.shape != g_c.shape else g_l)
+    # the same sums with the weight stored the other way round: the GEMMs may round differently (on an
+    # AVX2 CPU under ATEN_CPU_CAPABILITY=default, one weight-gradient element of 231 by 4e-5 relative), so
+    # both are judged against the Linear path in float64: Conv1D within 2x the Linear path's own error
+    l1_64, l2_64 = copy.deepcopy(l1).double(), copy.deepcopy(l2).double()
+    x64 = x.detach().double().requires_grad_(True)
+    out_64, grads_64 = run_fwd_bwd(_act_fused(l1_64, nn.SiLU(), 0.1, l2_64), [x64], _all_params(l1_64, l2_64))
+    assert_within_eager_error(out_c, out_l, out_64)
+    for g_c, g_l, g_64, name in zip(grads_c, grads_l, grads_64, ["x", "w1", "b1", "w2", "b2"]):
+        flip = (lambda g: g.t()) if g_l.dim() == 2 and g_l.shape != g_c.shape else (lambda g: g)
+        assert_within_eager_error(g_c, flip(g_l), flip(g_64), name=name)
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])
