@@ -169,7 +169,7 @@ def summarize_records(records: list[OpRecord], reference: Trace | None = None) -
     With a ``reference`` (the trace this one will be compared with) every tensor is hashed first, and one
     with the same bits as the reference's tensor in the same place (same record key, position, shape and
     dtype) takes the reference's statistics: only the tensors that differ are summarised in full. A step
-    that replays its reference exactly costs its hashes, about half of the statistics' passes.
+    that replays its reference exactly costs its hashes, one pass over each tensor (on CPU).
     """
     tensors: list[torch.Tensor] = []
     slot: dict[tuple, int] = {}

@@ -7,7 +7,6 @@ together by ``summarize_many``): this runs on every op of a traced step, so it i
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -15,7 +14,8 @@ import torch
 
 from opsnn_lab.consistency.gemm_probe import one_thread
 
-__all__ = ["TensorStats", "summarize", "summarize_many", "hash_many", "tensor_hash", "stats_from_dict", "dtype_name"]
+__all__ = ["TensorStats", "summarize", "summarize_many", "hash_many", "tensor_hash", "stats_from_dict",
+           "dtype_name"]
 
 # 8-byte elements hash as two int32 words each: an int64 product summed as int32 would drop the upper
 # half (sign, exponent and high mantissa of a float64)
@@ -73,13 +73,24 @@ def _odd(n: int, mul: int, add: int, device) -> torch.Tensor:
     return ((w & 0x7FFFFFFF) | 1).to(torch.int32)
 
 
-def _uv(rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row weights (at least ``rows`` of them) and the ``_K`` column weights, odd int32, cached per device."""
+def _uv(rows: int, device) -> tuple[torch.Tensor, ...]:
+    """Row weights ``u`` (at least ``rows`` of them), the ``_K`` column weights ``v``, odd int32, and for the
+    GEMM hash ``[v; 1]`` ([2, _K]) and ``[u, 1]`` ([len(u), 2]); cached per device."""
     hit = _grid.get(device)
     if hit is None or hit[0].numel() < rows:
         size = max(rows, 2 * hit[0].numel() if hit is not None else 64)
-        hit = _grid[device] = (_odd(size, 0x9E3779B1, 0x7F4A7C15, device), _odd(_K, 0x85EBCA6B, 0x2545F491, device))
+        u, v = _odd(size, 0x9E3779B1, 0x7F4A7C15, device), _odd(_K, 0x85EBCA6B, 0x2545F491, device)
+        hit = _grid[device] = (u, v, torch.stack([v, torch.ones_like(v)]), torch.stack([u, torch.ones_like(u)], 1))
     return hit
+
+
+def _spelled(n: int, device) -> torch.Tensor:
+    # odd int32 multipliers (a product of odd numbers is odd): multiplying by an odd number is a
+    # bijection mod 2**32, so changing any one element changes its product and the sum; the weight
+    # depends on the position (row and column of the grid), so a permutation shows too
+    rows = -(-n // _K)
+    u, v = _uv(rows, device)[:2]
+    return (u[:rows].view(-1, 1) * v.view(1, -1)).reshape(-1)[:n]  # int32 products wrap mod 2**32
 
 
 def _weights_for(n: int, device) -> torch.Tensor:
@@ -87,15 +98,47 @@ def _weights_for(n: int, device) -> torch.Tensor:
     key = (n, device)
     w = _weights.get(key)
     if w is None:
-        # odd int32 multipliers (a product of odd numbers is odd): multiplying by an odd number is a
-        # bijection mod 2**32, so changing any one element changes its product and the sum; the weight
-        # depends on the position (row and column of the grid), so a permutation shows too
-        rows = -(-n // _K)
-        u, v = _uv(rows, device)
-        w = (u[:rows].view(-1, 1) * v.view(1, -1)).reshape(-1)[:n]  # int32 products wrap mod 2**32
         if len(_weights) > 256:
             _weights.clear()
-        _weights[key] = w
+        w = _weights[key] = _spelled(n, device)
+    return w
+
+
+# A transposed (or otherwise permuted) dense tensor, such as the ``W.t()`` a Linear hands its GEMM, is
+# hashed where it lies: its bits in memory order times its logical positions' weights in that order,
+# cached per layout (a step meets the same ones again). Its contiguous copy is a cache-hostile
+# transposition, 4-5x the hash's own cost. Up to _PERMUTED_MAX elements per tensor and _PERMUTED_BUDGET
+# cached in all; beyond, the copy.
+_PERMUTED_MAX = 1 << 22
+_PERMUTED_BUDGET = 1 << 24
+_permuted: dict[tuple, torch.Tensor] = {}
+
+
+def _dense_order(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """``(t, None)`` for a contiguous ``t``; else ``(t.permute(dims), dims)`` where that view is contiguous
+    (the same memory, no copy) and the permuted hash applies; else ``(t.contiguous(), None)``."""
+    if t.is_contiguous():
+        return t, None
+    if t.element_size() in (2, 4) and not t.is_complex() and t.numel() <= _PERMUTED_MAX:
+        dims = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+        p = t.permute(dims)
+        if p.is_contiguous():
+            return p, dims
+    return t.contiguous(), None
+
+
+def _permuted_weights(p: torch.Tensor, dims: tuple) -> torch.Tensor:
+    """The weights of ``p``'s elements in memory order, where ``p`` is ``t.permute(dims)`` for a logical ``t``."""
+    shape = [0] * p.dim()
+    for k, d in enumerate(dims):
+        shape[d] = p.shape[k]
+    key = (tuple(shape), dims, p.device)
+    w = _permuted.get(key)
+    if w is None:
+        w = _spelled(p.numel(), p.device).view(shape).permute(dims).contiguous().view(-1)
+        if sum(x.numel() for x in _permuted.values()) + w.numel() > _PERMUTED_BUDGET:
+            _permuted.clear()
+        _permuted[key] = w
     return w
 
 
@@ -117,46 +160,53 @@ def _products(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mul(bits, w, out=_buffer(bits.numel(), bits.device))
 
 
-# CPU: below this many rows of the weight grid the integer mv is faster than products + a row sum, and
-# without SIMD kernels (ATEN_CPU_CAPABILITY=default) it is faster at any size
-_MV_ROWS = 128
+# devices with an integer GEMM (the one-pass hash); the others take products and sums
+_INT_GEMM = {"cpu"}
 
 
-@functools.cache
-def _simd() -> bool:
-    return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+def _words(bits: torch.Tensor) -> torch.Tensor:
+    """``[sum(bits * weights), sum(bits)]`` mod 2**32, an int32 tensor of two.
 
-
-def _weighted_sum(bits: torch.Tensor) -> torch.Tensor:
-    """``sum(bits * weights)`` mod 2**32 as an int32 scalar tensor.
-
-    32-bit elements (float32, int32) go row by row through the weight grid: ``u . (rows @ v)``, as one
-    integer ``mv`` for small tensors and as products into a reused buffer plus a row sum for large ones
-    (the vectorised pair beats ATen's integer mv there; which one runs never changes the number); the
-    elements past the last full row, and other widths, multiply by the weights spelled out. Every path
-    gives the same number: the same weights, exact arithmetic mod 2**32.
+    32-bit elements (float32, int32) go row by row through the weight grid. On CPU one integer GEMM,
+    ``[v; 1] @ rows.T``, gives every row's weighted sum and its plain sum in a single pass over the
+    tensor (2-3x the speed of products and two sums, which read it three times); elsewhere (CUDA has no
+    integer GEMM) products into a reused buffer, a row sum and a plain sum. The elements past the last
+    full row, and other widths, multiply by the weights spelled out. Every path gives the same numbers:
+    the same weights, exact arithmetic mod 2**32 (int32 products and sums wrap).
     """
     n = bits.numel()
     m = n // _K if bits.dtype == torch.int32 else 0
     if m == 0:
-        return _products(bits, _weights_for(n, bits.device)).sum(dtype=torch.int32)
-    u, v = _uv(m + 1, bits.device)
-    body = bits[: m * _K].view(m, _K)
-    if bits.device.type == "cpu" and (m < _MV_ROWS or not _simd()):
-        rows = torch.mv(body, v)
-    else:  # integer products into the reused buffer, then a row sum: about twice the integer mv's speed
+        return torch.stack([_products(bits, _weights_for(n, bits.device)).sum(dtype=torch.int32),
+                            bits.sum(dtype=torch.int32)])
+    u, v, vone, uone = _uv(m + 1, bits.device)
+    body = (bits if n == m * _K else bits.narrow(0, 0, m * _K)).view(m, _K)  # narrow: a slice costs ~5 us
+    if bits.device.type in _INT_GEMM:
+        # [v; 1] @ rows.T: each row's weighted and plain sums ([2, m]; this orientation makes a contiguous
+        # dot per row); @ [u, 1]: the first weighted by the row weights, both summed (the diagonal)
+        words = torch.mm(torch.mm(vone, body.t()), uone.narrow(0, 0, m)).diagonal()
+    else:
         rows = torch.mul(body, v, out=_buffer(m * _K, bits.device).view(m, _K)).sum(1, dtype=torch.int32)
-    h = (rows * u[:m]).sum(dtype=torch.int32)
+        words = torch.stack([(rows * u[:m]).sum(dtype=torch.int32), body.sum(dtype=torch.int32)])
     if n > m * _K:
-        h = h + (bits[m * _K:] * (v[: n - m * _K] * u[m])).sum(dtype=torch.int32)
-    return h
+        tail = bits[m * _K:]
+        words = words + torch.stack([(tail * (v[: n - m * _K] * u[m])).sum(dtype=torch.int32),
+                                     tail.sum(dtype=torch.int32)])
+    return words
 
 
-def _hash_parts(t: torch.Tensor) -> list[int]:
-    bits = _bits(t)
-    # int32 products and int32 sums wrap: exact arithmetic mod 2**32, the same on any machine and in any
-    # reduction order (a native int32 sum is ~6x faster than the int64-promoting default)
-    return torch.stack([_weighted_sum(bits), bits.sum(dtype=torch.int32)]).tolist()
+def _hash_words(t: torch.Tensor, dims: tuple | None = None) -> torch.Tensor:
+    """The two hash words of ``t`` (int32 [2]); with ``dims``, of the logical tensor that ``t`` (contiguous)
+    is a permutation of."""
+    if dims is None:
+        return _words(_bits(t))
+    bits = t.reshape(-1).view(_BITS[t.element_size()])
+    w = _permuted_weights(t, dims)
+    if bits.dtype == torch.int32 and bits.device.type in _INT_GEMM:
+        weighted = torch.dot(bits, w)  # one pass, as the GEMM of the contiguous path
+    else:
+        weighted = _products(bits, w).sum(dtype=torch.int32)
+    return torch.stack([weighted, bits.sum(dtype=torch.int32)])
 
 
 def _hex(h: list[int]) -> str:
@@ -168,22 +218,23 @@ def tensor_hash(t: torch.Tensor) -> str:
 
     64 bits in all: any one changed element changes both words; a reordering changes the weighted one.
     """
-    return _hex(_hash_parts(t.detach()))
+    return _hex(_hash_words(*_dense_order(t.detach())).tolist())
 
 
 def summarize(t: torch.Tensor) -> TensorStats:
     """Shape, dtype, min/max/mean/std/norm and NaN/Inf counts plus the bitwise hash.
 
-    Five passes over the tensor, no float64 copy of it: the hash's two, sum, dot (norm) and aminmax. Statistics
+    Four passes over the tensor, no float64 copy of it: the hash's one (on CPU), sum, dot (norm) and aminmax. Statistics
     accumulate in float32 (float64 for float64 tensors): they are for people to read, the errors that
     judge a divergence are computed elementwise in float64.
     """
     t = t.detach()
     shape, dtype = tuple(t.shape), dtype_name(t)
-    if not t.is_contiguous():
-        t = t.contiguous()  # one copy, which the hash's and the statistics' flat views then share
+    # contiguous, or a permutation of t over the same memory (the statistics do not depend on the order,
+    # the hash is computed for t's logical order), or one copy that the hash and the statistics share
+    t, dims = _dense_order(t)
     n = t.numel()
-    h = _hex(_hash_parts(t))
+    h = _hex(_hash_words(t, dims).tolist())
     if n == 0:
         return TensorStats(shape, dtype, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, h)
     x = t.abs() if t.is_complex() else t
@@ -296,10 +347,10 @@ def summarize_many(tensors: list[torch.Tensor]) -> list[TensorStats]:
 def hash_many(tensors: list[torch.Tensor]) -> list[str]:
     """``[tensor_hash(t) for t in tensors]``: the small 4-byte ones together, the rest one by one.
 
-    Half the passes of ``summarize_many``: what a trace compared with a reference computes first, because
+    One pass of ``summarize_many``'s four (on CPU): what a trace compared with a reference computes first, because
     a tensor with the reference's bits has the reference's statistics.
     """
-    out: list = [None] * len(tensors)
+    words: dict = {}
     groups: dict = {}
     with one_thread():
         for i, t in enumerate(tensors):
@@ -307,7 +358,11 @@ def hash_many(tensors: list[torch.Tensor]) -> list[str]:
                     and t.layout == torch.strided:
                 groups.setdefault(t.device, []).append(i)
             else:
-                out[i] = tensor_hash(t)
+                words[i] = _hash_words(*_dense_order(t.detach()))
+        out: list = [None] * len(tensors)
+        if words:
+            for i, h in zip(words, torch.stack([w.cpu() for w in words.values()]).tolist()):
+                out[i] = _hex(h)
         for idx in groups.values():
             for i, h in zip(idx, _group([tensors[i] for i in idx])[2].t().tolist()):
                 out[i] = _hex(h)

@@ -87,16 +87,58 @@ def _hash_by_definition(t: torch.Tensor) -> str:
     return f"{weighted & 0xFFFFFFFF:08x}{sum(bits) & 0xFFFFFFFF:08x}"
 
 
-@pytest.mark.parametrize("mv_rows", [0, 1 << 30])  # full rows by products + row sums / by the integer mv
+@pytest.mark.parametrize("gemm", [True, False])  # full rows by one integer GEMM / by products and sums (CUDA)
 @pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 40000, 70001, 140001])
-def test_hash_matches_its_definition_on_every_path(n, mv_rows, monkeypatch):
-    # small tensors go through summarize_many's concatenation, full 1024-rows through an integer mv or
+def test_hash_matches_its_definition_on_every_path(n, gemm, monkeypatch):
+    # small tensors go through summarize_many's concatenation, full 1024-rows through an integer GEMM or
     # products and row sums, the rest elementwise: each must give the hash of the definition, computed
     # here in Python integers
-    monkeypatch.setattr(stats, "_MV_ROWS", mv_rows)
+    monkeypatch.setattr(stats, "_INT_GEMM", {"cpu"} if gemm else set())
     t = seeded(n, seed=n)
     want = _hash_by_definition(t)
     assert tensor_hash(t) == summarize(t).hash == summarize_many([t])[0].hash == want
+
+
+_LAYOUTS = {  # the contiguous tensor's shape, and the view taken of it
+    "transposed": ((90, 1100), lambda x: x.t()),
+    "permuted 3-d": ((6, 50, 70), lambda x: x.permute(2, 0, 1)),
+    "channels last": ((3, 8, 9, 11), lambda x: x.to(memory_format=torch.channels_last)),
+    "size-1 dims": ((1, 900, 1, 3), lambda x: x.transpose(1, 3)),
+    "sliced": ((40, 900), lambda x: x[:, 1:-2]),
+    "expanded": ((1, 2000), lambda x: x.expand(3, 2000)),
+}
+
+
+@pytest.mark.parametrize("copy", [False, True])  # in memory order with permuted weights / by a contiguous copy
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.float64])
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_a_strided_tensor_hashes_and_summarises_as_its_contiguous_copy(layout, dtype, copy, monkeypatch):
+    # a transposed weight (what a Linear hands its GEMM) is hashed where it lies, without the copy: the
+    # hash must still be the one of its logical order, the definition's, and the statistics the same
+    if copy:
+        monkeypatch.setattr(stats, "_PERMUTED_MAX", 0)
+    shape, view = _LAYOUTS[layout]
+    x = seeded(*shape, seed=len(layout))
+    t = view(x.mul(1e6).int() if dtype == torch.int32 else x.to(dtype))
+    assert not t.is_contiguous()
+    c = t.contiguous()
+    want = _hash_by_definition(c) if c.element_size() == 4 else tensor_hash(c)
+    assert tensor_hash(t) == want
+    got, ref = summarize(t), summarize(c)
+    assert got.hash == want and got.shape == tuple(t.shape)
+    assert (got.min, got.max, got.nan, got.inf) == (ref.min, ref.max, ref.nan, ref.inf)
+    for k in ("mean", "std", "norm"):
+        assert getattr(got, k) == pytest.approx(getattr(ref, k), rel=1e-5, abs=1e-6), k
+    assert stats.hash_many([t]) == [want]
+
+
+def test_permuted_hash_weights_stay_within_their_budget(monkeypatch):
+    monkeypatch.setattr(stats, "_PERMUTED_BUDGET", 3 * 256 * 256)
+    monkeypatch.setattr(stats, "_permuted", {})
+    for rows in range(200, 300, 10):
+        t = seeded(rows, 256, seed=rows).t()
+        assert tensor_hash(t) == _hash_by_definition(t)
+        assert sum(w.numel() for w in stats._permuted.values()) <= 3 * 256 * 256
 
 
 LARGE = 1024 * 1023 + 517  # > summarize_many's SMALL, full rows and a tail
