@@ -161,6 +161,7 @@ def _products(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 # devices with an integer GEMM (the one-pass hash); the others take products and sums
+_rows_u: dict = {}  # (row count, [u, 1] storage) -> its first rows
 _INT_GEMM = {"cpu"}
 
 
@@ -184,7 +185,12 @@ def _words(bits: torch.Tensor) -> torch.Tensor:
     if bits.device.type in _INT_GEMM:
         # [v; 1] @ rows.T: each row's weighted and plain sums ([2, m]; this orientation makes a contiguous
         # dot per row); @ [u, 1]: the first weighted by the row weights, both summed (the diagonal)
-        words = torch.mm(torch.mm(vone, body.t()), uone.narrow(0, 0, m)).diagonal()
+        rows_u = _rows_u.get((m, uone.data_ptr()))
+        if rows_u is None:  # a step meets a few row counts again and again: the view is cached
+            if len(_rows_u) > 1024:
+                _rows_u.clear()
+            rows_u = _rows_u[m, uone.data_ptr()] = uone.narrow(0, 0, m)
+        words = torch.mm(torch.mm(vone, body.t()), rows_u).diagonal()
     else:
         rows = torch.mul(body, v, out=_buffer(m * _K, bits.device).view(m, _K)).sum(1, dtype=torch.int32)
         words = torch.stack([(rows * u[:m]).sum(dtype=torch.int32), body.sum(dtype=torch.int32)])
