@@ -77,16 +77,28 @@ class Analysis:
                 for m in find_all(r.graph):
                     if m.viable and m.key in self.why_not and m.key not in self.rewritable:
                         self.rewritable[m.key] = f"fx:{r.path or '<model>'}"
-        self.costs: dict[tuple, tuple[int, int]] = {}
+        self.costs: dict[tuple, tuple[int, int, int]] = {}  # match key -> saved, traffic, eager bytes
         for m in viable:
             if m.key in self.rewritable:
-                self.costs[m.key] = (self.cost.saved_bytes(m), self.cost.traffic_bytes(m))
+                self.costs[m.key] = (self.cost.saved_bytes(m), self.cost.traffic_bytes(m), self.cost.eager_bytes(m))
         self.trace.tensors.clear()  # activations (and the autograd graph holding them) are no longer needed
         self.trace.output = None
 
     def _not_rewritable(self, m: Match) -> str:
         why = self.why_not.get(m.key, "")
         return f"cannot be rewritten: {why}" if why else "cannot be rewritten here"
+
+    def not_worth(self, m: Match) -> str:
+        """Why a rewritable match is not worth fusing where it is ('' when it is): a pattern whose gain is
+        memory must save its share of the chain's activation bytes (``Pattern.min_share``)."""
+        pat = pattern_of(m.pattern)
+        if not pat.min_share or m.key not in self.costs:
+            return ""
+        saved, _, eager = self.costs[m.key]
+        if saved > 0 and saved >= pat.min_share * eager:
+            return ""
+        return (f"not fused: saves {saved:,} of its {eager:,} activation bytes here (under {pat.min_share:.0%}); "
+                f"{pat.needs}")
 
     def decision(self, m: Match) -> Decision:
         d = Decision(m.pattern, m.modules, m.ok, m.reason, chain=[n.label for n in m.nodes],
@@ -95,19 +107,23 @@ class Analysis:
                      params={k: v for k, v in m.params.items() if isinstance(v, (int, float, str, bool))})
         if m.ok and m.key not in self.rewritable:
             d.fused, d.reason = False, self._not_rewritable(m)
+        elif m.ok and self.not_worth(m):
+            d.fused, d.reason = False, self.not_worth(m)
+            d.saved_bytes, d.traffic_bytes = self.costs[m.key][:2]
         elif m.ok:
             d.route = self.rewritable[m.key]
             route = self.routes.get(m.key)
             if route is not None:
                 d.carriers, d.first, d.ops = list(route.carriers), route.first, [act_kind(n) for n in m.nodes]
-            d.saved_bytes, d.traffic_bytes = self.costs[m.key]
+            d.saved_bytes, d.traffic_bytes = self.costs[m.key][:2]
         return d
 
     def plan(self, patterns=None) -> FusionPlan:
         patterns = check_patterns(patterns)
         with torch.random.fork_rng(devices=[]):  # ops may draw a dropout seed when built to validate a chain
             decisions = [self.decision(m) for m in find_all(self.trace.graph, patterns,
-                                                            claims=lambda m: m.key in self.rewritable)]
+                                                            claims=lambda m: m.key in self.rewritable
+                                                            and not self.not_worth(m))]
         total = sum(dict((k, b) for _, k, b in self.trace.saved).values())
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
                           graph=graph_data(self.trace), _analysis=self)

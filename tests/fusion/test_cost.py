@@ -48,5 +48,10 @@ def test_per_decision_costs_are_from_shapes():
     mlp_large = next(d for d in large.decisions if d.pattern.startswith("linear_gelu"))
     assert mlp_large.saved_bytes == 2 * mlp_small.saved_bytes  # twice the batch, twice the bytes
     assert mlp_small.traffic_bytes > 0
-    assert all(d.saved_bytes == 0 and d.traffic_bytes == 0 for d in small.decisions if not d.fused)
+    # a rejected chain saves nothing, except one declined for saving too little: it shows what it would save
+    declined = [d for d in small.decisions if d.reason.startswith("not fused: saves")]
+    assert [d.modules for d in declined] == [["embedding_norm"]]
+    assert all(0 < d.saved_bytes < 0.1 * 2 * 8 * 32 * 4 for d in declined)
+    rejected = [d for d in small.decisions if not d.fused and d not in declined]
+    assert rejected and all(d.saved_bytes == 0 and d.traffic_bytes == 0 for d in rejected)
     assert small.traffic_bytes == sum(d.traffic_bytes for d in small.fused)

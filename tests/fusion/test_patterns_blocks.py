@@ -182,13 +182,15 @@ def test_a_module_that_only_looks_like_a_norm_is_no_candidate():
 
 # --------------------------------------------------------------------------- residual add + norm
 class Residual(nn.Module):
+    """``x + lin(x)``, its norm and the Linear reading the norm (a LayerNorm fuses only where its output is kept)."""
+
     def __init__(self, norm):
         super().__init__()
-        self.lin, self.norm = nn.Linear(16, 16), norm
+        self.lin, self.norm, self.out = nn.Linear(16, 16), norm, nn.Linear(16, 16)
 
     def forward(self, x):
         s = x + self.lin(x)
-        return self.norm(s), s
+        return self.out(self.norm(s)), s
 
 
 @pytest.mark.parametrize("norm, pattern", [(lambda: nn.LayerNorm(16), "add_layer_norm"),
