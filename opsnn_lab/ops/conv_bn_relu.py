@@ -1,6 +1,8 @@
 """Conv2d (grouped, depthwise) -> BatchNorm2d -> activation (-> MaxPool2d) as one autograd Function that saves
 only the conv input, the conv output and per-channel statistics (with a pool: uint8 within-window indices
-instead of int64). Activations: ReLU, ReLU6, LeakyReLU, SiLU, Hardswish, GELU (erf and tanh).
+instead of int64). A depthwise conv's output is recomputed in backward instead of saved: it costs one pass
+over the input, and the bytes fall from 2/3 to 1/3 of eager's at stride 1. Activations: ReLU, ReLU6,
+LeakyReLU, SiLU, Hardswish, GELU (erf and tanh).
 
 Activation bytes on the ResNet stem (8x3x224x224, 3->64 k7 s2, BN, ReLU, MaxPool 3/2/1): eager saves x, the
 conv output, the ReLU output and int64 pool indices (69.0 MB); this op saves x, the conv output and one
@@ -39,6 +41,9 @@ class _Config:
     momentum: float  # effective factor of this step (F.batch_norm's ``momentum`` argument)
     pool: PoolSpec | None
     act: Act = RELU
+    # training: recompute the conv output in backward instead of saving it (a depthwise conv: k*k
+    # multiply-adds per output, one pass over its input, which backward keeps anyway)
+    recompute: bool = False
 
     def conv_args(self):
         return list(self.stride), list(self.padding), list(self.dilation)
@@ -136,7 +141,8 @@ def _zeros_like_or_none(t, needed):
 class ConvBNActFunction(torch.autograd.Function):
     """Training: batch statistics + running-stat update; eval: BatchNorm folded into the conv.
 
-    Saved for backward: training -> x, conv output y, mean, invstd [C] (+ uint8 pool index);
+    Saved for backward: training -> x, conv output y (recomputed from x instead for a depthwise conv),
+    mean, invstd [C] (+ uint8 pool index);
     eval -> x, the folded conv output (none with a pool and ReLU/ReLU6: the uint8 index's sentinel holds
     the derivative), the folding factors [C] (+ uint8 pool index). Never a second full-size tensor.
     """
@@ -153,7 +159,10 @@ class ConvBNActFunction(torch.autograd.Function):
             out, mean, invstd, idx = bn_act_forward(y, bn_weight, bn_bias, running_mean, running_var,
                                                     training=True, momentum=cfg.momentum, eps=cfg.eps,
                                                     act=cfg.act, pool=cfg.pool)
-            ctx.save_for_backward(x, weight, bn_weight, bn_bias, y, mean, invstd, idx)
+            if cfg.recompute:  # backward runs the same conv on the same input: the same bits
+                ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, None, mean, invstd, idx)
+            else:
+                ctx.save_for_backward(x, weight, None, bn_weight, bn_bias, y, mean, invstd, idx)
             return _like_input(out, x)
         mean = running_mean.detach().clone()
         invstd = torch.rsqrt(running_var.float() + cfg.eps)
@@ -207,8 +216,10 @@ def _conv_backward(ctx, grad_y, x, weight, need_w):
 
 
 def _backward_train(ctx, grad_out):
-    x, weight, bn_weight, bn_bias, y, mean, invstd, idx = ctx.saved_tensors
+    x, weight, bias, bn_weight, bn_bias, y, mean, invstd, idx = ctx.saved_tensors
     cfg, need = ctx.cfg, ctx.needs_input_grad
+    if y is None:
+        y = F.conv2d(_internal(x, cfg), weight, bias, *cfg.conv_args(), cfg.groups)
     grad_y, grad_gamma, grad_beta = bn_act_backward(
         grad_out, y, bn_weight, bn_bias, mean, invstd, idx, training=True, eps=cfg.eps, act=cfg.act,
         pool=cfg.pool, output_mask=(True, need[3], need[4]))
@@ -286,8 +297,9 @@ class FusedConvBNAct(nn.Module):
       In train mode ``bn.num_batches_tracked`` is incremented and the running stats are updated exactly
       as ``nn.BatchNorm2d`` does (``momentum=None``: cumulative average).
 
-    Saved for backward: the conv input, the conv output, two fp32 values per channel, and with a pool one
-    uint8 per pooled element; the BN output and the activation's output are recomputed. Empty batch:
+    Saved for backward: the conv input, the conv output (training with a depthwise conv: recomputed from the
+    input instead), two fp32 values per channel, and with a pool one uint8 per pooled element; the BN
+    output and the activation's output are recomputed. Empty batch:
     behaves as eager (empty output, running stats unchanged, ``num_batches_tracked`` + 1, zero parameter
     gradients). One value per channel in training raises ValueError, as eager does.
     """
@@ -331,8 +343,9 @@ class FusedConvBNAct(nn.Module):
         if self.training:
             bn.num_batches_tracked.add_(1)
             factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+        depthwise = conv.groups > 1 and conv.groups == conv.in_channels
         return _Config(_pair(conv.stride), _conv_padding(conv), _pair(conv.dilation), conv.groups, bn.eps,
-                       self.training, factor, self.pool, self.act_spec)
+                       self.training, factor, self.pool, self.act_spec, recompute=self.training and depthwise)
 
     def _check_input(self, x) -> None:
         check_tensor("input", x, dtypes=_FLOATS, dim=4)

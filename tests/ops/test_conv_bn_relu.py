@@ -5,6 +5,7 @@ arguments and the activation bytes it saves."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -349,6 +350,38 @@ def test_depthwise_matches_eager(cfg, act, train):
     eager, eager_mods, fused = pair(mods, train=train)
     x = seeded(2, c, 13, 11, seed=12)
     compare(fwd_bwd(eager, eager_mods, x, steps=2), fwd_bwd(fused, mods, x, steps=2))
+
+
+@pytest.mark.parametrize("stride, pool", [(1, None), (2, None), (1, (3, 2, 1))])
+def test_depthwise_recomputes_its_conv_output_with_the_same_bits(stride, pool, monkeypatch):
+    # a depthwise conv's output is recomputed in backward instead of saved: the op keeps only the conv
+    # input (which the conv's weight gradient needs anyway) and per-channel statistics, a third of eager's
+    # bytes at stride 1; the recomputed output has the saved one's bits, so every gradient is bitwise the
+    # gradient of the op that saves it
+    c, hw = 12, 10
+    mods = make_chain(c, c, 3, stride, 1, pool, groups=c, act="relu6", bias=True)
+    eager, _, fused = pair(mods)
+    x = seeded(2, c, hw, hw, seed=5)
+    shapes = [row["shape"] for row in saved_tensors_report(lambda: fused(x)).tensors]
+    conv_out = (2, c, (hw - 1) // stride + 1, (hw - 1) // stride + 1)
+    assert conv_out not in shapes or (stride == 1 and shapes.count(conv_out) == 1), shapes  # x itself at s1
+    ratio = activation_bytes(lambda: fused(x)) / activation_bytes(lambda: eager(x))
+    if pool is None:
+        n_x, n_y = hw * hw, conv_out[2] * conv_out[3]
+        assert ratio == pytest.approx(n_x / (n_x + 2 * n_y), abs=0.02), ratio  # x, against eager's x, y, y'
+    grads = []
+    for recompute in (True, False):
+        torch.manual_seed(0)
+        m = make_chain(c, c, 3, stride, 1, pool, groups=c, act="relu6", bias=True)
+        op = pair(m)[2]
+        if not recompute:
+            monkeypatch.setattr(op, "_config", lambda real=op._config: dataclasses.replace(real(), recompute=False))
+        xi = x.clone().requires_grad_()
+        op(xi).square().sum().backward()
+        grads.append([xi.grad, *(p.grad for p in m[0].parameters()), *(p.grad for p in m[1].parameters())])
+        monkeypatch.undo()
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name", ["gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_accurate", "silu"])
