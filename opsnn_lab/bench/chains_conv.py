@@ -5,8 +5,9 @@ Each activation gets two rows, the two convolutions of an inverted-residual bloc
 * ``conv_bn_<act>``: the 1x1 expansion (C -> 6C). Eager saves x, the conv output and the BN output; the fused
   op saves x and the conv output: (1 + 6) / (1 + 12) = 0.54 of the chain's bytes.
 * ``conv_bn_<act>_dw``: the 3x3 depthwise conv (groups = 6C). Here x is as large as the conv output (stride 1)
-  or 4x larger (stride 2), and the conv's backward needs it, so the ratio is bounded by (1 + 1) / (1 + 2) =
-  0.67 (stride 1) and (4 + 1) / (4 + 2) = 0.83 (stride 2): what is saved is the BN output only.
+  or 4x larger (stride 2). The fused op saves x only and recomputes the depthwise conv's output in backward
+  (one pass over x): 1 / (1 + 2) = 0.33 of eager's x, conv output and BN output at stride 1, 4 / (4 + 2) =
+  0.67 at stride 2, where x itself, which the conv's weight gradient needs, is the bound.
 
 Widths from the bench's shape table: ``FULL`` (batch 8, stem 224) gives MobileNetV2's 56 x 56 stage
 (24 -> 144 channels); ``QUICK`` a 8 x 8 plane with 4 -> 24 channels. ReLU6 and Hardswish rows use
