@@ -161,8 +161,8 @@ def _products(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 # devices with an integer GEMM (the one-pass hash); the others take products and sums
-_rows_u: dict = {}  # (row count, [u, 1] storage) -> its first rows
 _INT_GEMM = {"cpu"}
+_rows_u: dict = {}  # (row count, [u, 1] storage) -> its first rows
 
 
 def _words(bits: torch.Tensor) -> torch.Tensor:
@@ -230,9 +230,9 @@ def tensor_hash(t: torch.Tensor) -> str:
 def summarize(t: torch.Tensor) -> TensorStats:
     """Shape, dtype, min/max/mean/std/norm and NaN/Inf counts plus the bitwise hash.
 
-    Four passes over the tensor, no float64 copy of it: the hash's one (on CPU), sum, dot (norm) and aminmax. Statistics
-    accumulate in float32 (float64 for float64 tensors): they are for people to read, the errors that
-    judge a divergence are computed elementwise in float64.
+    Four passes over the tensor, no float64 copy of it: the hash's one (on CPU), sum, dot (norm) and
+    aminmax. Statistics accumulate in float32 (float64 for float64 tensors): they are for people to read,
+    the errors that judge a divergence are computed elementwise in float64.
     """
     t = t.detach()
     shape, dtype = tuple(t.shape), dtype_name(t)
@@ -353,8 +353,8 @@ def summarize_many(tensors: list[torch.Tensor]) -> list[TensorStats]:
 def hash_many(tensors: list[torch.Tensor]) -> list[str]:
     """``[tensor_hash(t) for t in tensors]``: the small 4-byte ones together, the rest one by one.
 
-    One pass of ``summarize_many``'s four (on CPU): what a trace compared with a reference computes first, because
-    a tensor with the reference's bits has the reference's statistics.
+    One pass of ``summarize_many``'s four (on CPU): what a trace compared with a reference computes first,
+    because a tensor with the reference's bits has the reference's statistics.
     """
     words: dict = {}
     groups: dict = {}

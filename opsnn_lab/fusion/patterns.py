@@ -261,7 +261,7 @@ def _only(find, *names):
 # measured (python -m opsnn_lab.bench ops): alone, a fused LayerNorm saves one statistic per row and
 # takes 1.1-1.5x eager's time; before a Linear it saves half the pair's bytes at eager's time
 _LN_NEEDS = ("FusedLayerNorm rebuilds xhat from its output in backward, which costs time and pays only where "
-             "the op reading that output (a Linear, the QKV projection) saves it too")
+             "the op reading that output (a Linear, a GELU, the QKV projection) saves it too")
 
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("conv_bn_relu", find_conv_bn_relu, build_conv_bn_relu, "FusedConvBNReLU",
