@@ -107,15 +107,16 @@ class Analysis:
                      params={k: v for k, v in m.params.items() if isinstance(v, (int, float, str, bool))})
         if m.ok and m.key not in self.rewritable:
             d.fused, d.reason = False, self._not_rewritable(m)
-        elif m.ok and self.not_worth(m):
-            d.fused, d.reason = False, self.not_worth(m)
-            d.saved_bytes, d.traffic_bytes = self.costs[m.key][:2]
         elif m.ok:
+            d.saved_bytes, d.traffic_bytes = self.costs[m.key][:2]  # a declined match shows what it would save
+            why = self.not_worth(m)
+            if why:
+                d.fused, d.reason = False, why
+                return d
             d.route = self.rewritable[m.key]
             route = self.routes.get(m.key)
             if route is not None:
                 d.carriers, d.first, d.ops = list(route.carriers), route.first, [act_kind(n) for n in m.nodes]
-            d.saved_bytes, d.traffic_bytes = self.costs[m.key][:2]
         return d
 
     def plan(self, patterns=None) -> FusionPlan:

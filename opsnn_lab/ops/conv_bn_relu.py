@@ -159,10 +159,9 @@ class ConvBNActFunction(torch.autograd.Function):
             out, mean, invstd, idx = bn_act_forward(y, bn_weight, bn_bias, running_mean, running_var,
                                                     training=True, momentum=cfg.momentum, eps=cfg.eps,
                                                     act=cfg.act, pool=cfg.pool)
-            if cfg.recompute:  # backward runs the same conv on the same input: the same bits
-                ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, None, mean, invstd, idx)
-            else:
-                ctx.save_for_backward(x, weight, None, bn_weight, bn_bias, y, mean, invstd, idx)
+            # recompute: backward runs the same conv on the same input (the same bits), so y is not kept
+            ctx.save_for_backward(x, weight, bias if cfg.recompute else None, bn_weight, bn_bias,
+                                  None if cfg.recompute else y, mean, invstd, idx)
             return _like_input(out, x)
         mean = running_mean.detach().clone()
         invstd = torch.rsqrt(running_var.float() + cfg.eps)
