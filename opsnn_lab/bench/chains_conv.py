@@ -5,9 +5,10 @@ Each activation gets two rows, the two convolutions of an inverted-residual bloc
 * ``conv_bn_<act>``: the 1x1 expansion (C -> 6C). Eager saves x, the conv output and the BN output; the fused
   op saves x and the conv output: (1 + 6) / (1 + 12) = 0.54 of the chain's bytes.
 * ``conv_bn_<act>_dw``: the 3x3 depthwise conv (groups = 6C). Here x is as large as the conv output (stride 1)
-  or 4x larger (stride 2). The fused op saves x only and recomputes the depthwise conv's output in backward
-  (one pass over x): 1 / (1 + 2) = 0.33 of eager's x, conv output and BN output at stride 1, 4 / (4 + 2) =
-  0.67 at stride 2, where x itself, which the conv's weight gradient needs, is the bound.
+  or 4x larger (stride 2). At stride 1 the fused op saves x only and recomputes the depthwise conv's output in
+  backward (one pass over x): 1 / (1 + 2) = 0.33 of eager's x, conv output and BN output. At stride 2 it saves
+  x and the conv output: (4 + 1) / (4 + 2) = 0.83; ``conv_bn_silu_dw[recompute]`` (``recompute=True``) gives
+  4 / 6 = 0.67 for a conv pass over x, the bound: x itself, which the conv's weight gradient needs.
 
 Widths from the bench's shape table: ``FULL`` (batch 8, stem 224) gives MobileNetV2's 56 x 56 stage
 (24 -> 144 channels); ``QUICK`` a 8 x 8 plane with 4 -> 24 channels. ReLU6 and Hardswish rows use
@@ -25,7 +26,8 @@ _ACTS = {"relu6": lambda: nn.ReLU6(inplace=True), "silu": lambda: nn.SiLU(inplac
          "hardswish": lambda: nn.Hardswish(inplace=True)}
 # (activation, depthwise stride): MobileNetV2 ReLU6 stride 1, EfficientNet SiLU stride 2, MobileNetV3 Hardswish 1
 _ROWS = (("relu6", 1), ("silu", 2), ("hardswish", 1))
-CONV_CHAINS = tuple(name for act, _ in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw"))
+CONV_CHAINS = (*(name for act, _ in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw")),
+               "conv_bn_silu_dw[recompute]")
 
 
 def _widths(s: dict) -> tuple[int, int, int]:
@@ -34,7 +36,7 @@ def _widths(s: dict) -> tuple[int, int, int]:
     return cin, 6 * cin, s["image"] // 4
 
 
-def _chain(s, device, dtype, act: str, depthwise: bool, stride: int):
+def _chain(s, device, dtype, act: str, depthwise: bool, stride: int, recompute: bool | None = None):
     from opsnn_lab import ops
     from opsnn_lab.bench.ops import Chain
 
@@ -47,15 +49,16 @@ def _chain(s, device, dtype, act: str, depthwise: bool, stride: int):
         x = torch.randn(s["batch"], cin, side, side, device=device, dtype=dtype, requires_grad=True)
     bn, module = nn.BatchNorm2d(cexp), _ACTS[act]()
     eager = nn.Sequential(conv, bn, module).to(device, dtype)
-    fused = ops.FusedConvBNAct.from_modules(conv, bn, module)
+    fused = ops.FusedConvBNAct.from_modules(conv, bn, module, recompute=recompute)
     what = f"depthwise 3x3 s{stride}, {cexp} ch" if depthwise else f"1x1 {cin} -> {cexp} ch"
-    name = f"conv_bn_{act}" + ("_dw" if depthwise else "")
+    name = f"conv_bn_{act}" + ("_dw" if depthwise else "") + ("[recompute]" if recompute else "")
     return Chain(name, eager, fused, (x,), note=f"{what}, {side}x{side}")
 
 
-def _builder(act: str, depthwise: bool, stride: int):
-    return lambda s, device, dtype: _chain(s, device, dtype, act, depthwise, stride)
+def _builder(act: str, depthwise: bool, stride: int, recompute: bool | None = None):
+    return lambda s, device, dtype: _chain(s, device, dtype, act, depthwise, stride, recompute)
 
 
 CONV_BUILDERS = {name: _builder(act, name.endswith("_dw"), stride)
                  for act, stride in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw")}
+CONV_BUILDERS["conv_bn_silu_dw[recompute]"] = _builder("silu", True, 2, recompute=True)

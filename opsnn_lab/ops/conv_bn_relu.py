@@ -1,8 +1,10 @@
 """Conv2d (grouped, depthwise) -> BatchNorm2d -> activation (-> MaxPool2d) as one autograd Function that saves
 only the conv input, the conv output and per-channel statistics (with a pool: uint8 within-window indices
-instead of int64). A depthwise conv's output is recomputed in backward instead of saved: it costs one pass
-over the input, and the bytes fall from 2/3 to 1/3 of eager's at stride 1. Activations: ReLU, ReLU6,
-LeakyReLU, SiLU, Hardswish, GELU (erf and tanh).
+instead of int64). A stride-1 depthwise conv's output is recomputed in backward instead of saved: it costs
+one pass over the input, and the bytes fall from 2/3 to 1/3 of eager's. At stride 2 the output is a quarter
+of the input, and recomputing it (a pass over 4x its size) would save 1/6 of the chain's bytes for ~20% of its
+time: it is saved unless ``recompute=True``. Activations: ReLU, ReLU6, LeakyReLU, SiLU, Hardswish, GELU (erf
+and tanh).
 
 Activation bytes on the ResNet stem (8x3x224x224, 3->64 k7 s2, BN, ReLU, MaxPool 3/2/1): eager saves x, the
 conv output, the ReLU output and int64 pool indices (69.0 MB); this op saves x, the conv output and one
@@ -41,8 +43,8 @@ class _Config:
     momentum: float  # effective factor of this step (F.batch_norm's ``momentum`` argument)
     pool: PoolSpec | None
     act: Act = RELU
-    # training: recompute the conv output in backward instead of saving it (a depthwise conv: k*k
-    # multiply-adds per output, one pass over its input, which backward keeps anyway)
+    # training: recompute the conv output in backward instead of saving it (by default a stride-1 depthwise
+    # conv: k*k multiply-adds per output, one pass over its input, which backward keeps anyway)
     recompute: bool = False
 
     def conv_args(self):
@@ -296,8 +298,11 @@ class FusedConvBNAct(nn.Module):
       In train mode ``bn.num_batches_tracked`` is incremented and the running stats are updated exactly
       as ``nn.BatchNorm2d`` does (``momentum=None``: cumulative average).
 
-    Saved for backward: the conv input, the conv output (training with a depthwise conv: recomputed from the
-    input instead), two fp32 values per channel, and with a pool one uint8 per pooled element; the BN
+    ``recompute``: None (default) recomputes the conv output in backward, in training, for a stride-1
+    depthwise conv and saves it otherwise; True / False always recompute / save it (the same bits either way).
+
+    Saved for backward: the conv input, the conv output (unless recomputed from the input), two fp32 values
+    per channel, and with a pool one uint8 per pooled element; the BN
     output and the activation's output are recomputed. Empty batch:
     behaves as eager (empty output, running stats unchanged, ``num_batches_tracked`` + 1, zero parameter
     gradients). One value per channel in training raises ValueError, as eager does.
@@ -307,9 +312,10 @@ class FusedConvBNAct(nn.Module):
     _relu_only = False
 
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module, maxpool: nn.MaxPool2d | None = None,
-                 *, register_modules: bool = True):
+                 *, register_modules: bool = True, recompute: bool | None = None):
         super().__init__()
         check_type("register_modules", register_modules, bool)
+        self.recompute = check_type("recompute", recompute, bool, allow_none=True)
         wrong = _wrong_type(conv, bn, act, maxpool, self._act_attr, self._relu_only)
         if wrong:
             raise TypeError(wrong)
@@ -326,9 +332,9 @@ class FusedConvBNAct(nn.Module):
 
     @classmethod
     def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module, maxpool: nn.MaxPool2d | None = None,
-                     *, register_modules: bool = True):
+                     *, register_modules: bool = True, recompute: bool | None = None):
         """Fuse existing modules, sharing their Parameter and buffer objects (see the class docstring)."""
-        return cls(conv, bn, act, maxpool, register_modules=register_modules)
+        return cls(conv, bn, act, maxpool, register_modules=register_modules, recompute=recompute)
 
     @classmethod
     def supports(cls, conv, bn, act, maxpool=None) -> tuple[bool, str]:
@@ -342,9 +348,12 @@ class FusedConvBNAct(nn.Module):
         if self.training:
             bn.num_batches_tracked.add_(1)
             factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
-        depthwise = conv.groups > 1 and conv.groups == conv.in_channels
-        return _Config(_pair(conv.stride), _conv_padding(conv), _pair(conv.dilation), conv.groups, bn.eps,
-                       self.training, factor, self.pool, self.act_spec, recompute=self.training and depthwise)
+        stride = _pair(conv.stride)
+        recompute = self.recompute
+        if recompute is None:
+            recompute = conv.groups > 1 and conv.groups == conv.in_channels and stride == (1, 1)
+        return _Config(stride, _conv_padding(conv), _pair(conv.dilation), conv.groups, bn.eps, self.training,
+                       factor, self.pool, self.act_spec, recompute=self.training and recompute)
 
     def _check_input(self, x) -> None:
         check_tensor("input", x, dtypes=_FLOATS, dim=4)
@@ -374,7 +383,8 @@ class FusedConvBNAct(nn.Module):
 
     def extra_repr(self) -> str:
         pool = "" if self.pool is None else f", pool={self.pool}"
-        return f"act={self.act_spec}, register_modules={self.register_modules}{pool}"
+        recompute = "" if self.recompute is None else f", recompute={self.recompute}"
+        return f"act={self.act_spec}, register_modules={self.register_modules}{pool}{recompute}"
 
 
 class FusedConvBNReLU(FusedConvBNAct):
@@ -385,14 +395,14 @@ class FusedConvBNReLU(FusedConvBNAct):
     _relu_only = True
 
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Module, maxpool: nn.MaxPool2d | None = None,
-                 *, register_modules: bool = True):
-        super().__init__(conv, bn, relu, maxpool, register_modules=register_modules)
+                 *, register_modules: bool = True, recompute: bool | None = None):
+        super().__init__(conv, bn, relu, maxpool, register_modules=register_modules, recompute=recompute)
 
     @classmethod
     def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Module, maxpool: nn.MaxPool2d | None = None,
-                     *, register_modules: bool = True) -> FusedConvBNReLU:
+                     *, register_modules: bool = True, recompute: bool | None = None) -> FusedConvBNReLU:
         """Fuse existing modules, sharing their Parameter and buffer objects (see :class:`FusedConvBNAct`)."""
-        return cls(conv, bn, relu, maxpool, register_modules=register_modules)
+        return cls(conv, bn, relu, maxpool, register_modules=register_modules, recompute=recompute)
 
     @classmethod
     def supports(cls, conv, bn, relu, maxpool=None) -> tuple[bool, str]:

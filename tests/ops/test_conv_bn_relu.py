@@ -5,7 +5,6 @@ arguments and the activation bytes it saves."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -352,36 +351,52 @@ def test_depthwise_matches_eager(cfg, act, train):
     compare(fwd_bwd(eager, eager_mods, x, steps=2), fwd_bwd(fused, mods, x, steps=2))
 
 
+@pytest.mark.parametrize("recompute", [None, True, False], ids=["auto", "recompute", "save"])
 @pytest.mark.parametrize("stride, pool", [(1, None), (2, None), (1, (3, 2, 1))])
-def test_depthwise_recomputes_its_conv_output_with_the_same_bits(stride, pool, monkeypatch):
-    # a depthwise conv's output is recomputed in backward instead of saved: the op keeps only the conv
-    # input (which the conv's weight gradient needs anyway) and per-channel statistics, a third of eager's
-    # bytes at stride 1; the recomputed output has the saved one's bits, so every gradient is bitwise the
-    # gradient of the op that saves it
+def test_depthwise_recomputes_its_conv_output_with_the_same_bits(stride, pool, recompute):
+    # by default a stride-1 depthwise conv's output is recomputed in backward instead of saved: the op keeps
+    # only the conv input (which the conv's weight gradient needs anyway) and per-channel statistics, a third
+    # of eager's bytes; at stride 2 it is saved. The recomputed output has the saved one's bits, so every
+    # gradient is bitwise the gradient of the op that saves it.
     c, hw = 12, 10
+    recomputes = stride == 1 if recompute is None else recompute
     mods = make_chain(c, c, 3, stride, 1, pool, groups=c, act="relu6", bias=True)
-    eager, _, fused = pair(mods)
+    eager = nn.Sequential(*copy.deepcopy(mods))
+    fused = FusedConvBNAct.from_modules(*mods[:3], mods[3] if pool else None, recompute=recompute)
     x = seeded(2, c, hw, hw, seed=5)
     shapes = [row["shape"] for row in saved_tensors_report(lambda: fused(x)).tensors]
     conv_out = (2, c, (hw - 1) // stride + 1, (hw - 1) // stride + 1)
-    assert conv_out not in shapes or (stride == 1 and shapes.count(conv_out) == 1), shapes  # x itself at s1
+    kept = shapes.count(conv_out) - (stride == 1)  # at stride 1, x itself has the conv output's shape
+    assert kept == (0 if recomputes else 1), shapes
     ratio = activation_bytes(lambda: fused(x)) / activation_bytes(lambda: eager(x))
     if pool is None:
         n_x, n_y = hw * hw, conv_out[2] * conv_out[3]
-        assert ratio == pytest.approx(n_x / (n_x + 2 * n_y), abs=0.02), ratio  # x, against eager's x, y, y'
+        kept_bytes = n_x + (0 if recomputes else n_y)
+        assert ratio == pytest.approx(kept_bytes / (n_x + 2 * n_y), abs=0.02), ratio  # eager: x, y, y'
     grads = []
-    for recompute in (True, False):
-        torch.manual_seed(0)
+    for flag in (True, False):
         m = make_chain(c, c, 3, stride, 1, pool, groups=c, act="relu6", bias=True)
-        op = pair(m)[2]
-        if not recompute:
-            monkeypatch.setattr(op, "_config", lambda real=op._config: dataclasses.replace(real(), recompute=False))
+        op = FusedConvBNAct.from_modules(*m[:3], m[3] if pool else None, recompute=flag)
         xi = x.clone().requires_grad_()
         op(xi).square().sum().backward()
         grads.append([xi.grad, *(p.grad for p in m[0].parameters()), *(p.grad for p in m[1].parameters())])
-        monkeypatch.undo()
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_a_full_conv_recomputes_on_request_with_the_same_bits():
+    grads = []
+    for flag in (True, False):
+        m = make_chain(4, 6, 3, 1, 1, None, act="silu")
+        op = FusedConvBNAct.from_modules(*m[:3], recompute=flag)
+        x = seeded(2, 4, 7, 9, seed=3).requires_grad_()
+        op(x).square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in m[0].parameters()), *(p.grad for p in m[1].parameters())])
+        assert ("recompute=True" in repr(op)) == flag
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="recompute must be bool"):
+        FusedConvBNAct.from_modules(*make_chain(4, 6, 3, 1, 1, None, act="silu")[:3], recompute="yes")
 
 
 @pytest.mark.parametrize("name", ["gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_accurate", "silu"])
