@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 from tqdm.auto import tqdm
 
+from opsnn_lab.bench.allocator import page_faults
 from opsnn_lab.bench.common import format_table, keeps_threads, machine_line, write_json
 from opsnn_lab.consistency.strict import strict
 from opsnn_lab.models import EncoderConfig, MaskedTokenTask
@@ -72,15 +73,6 @@ def _switch_cost(repeat: int = 50) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
-def _faults() -> int:
-    """Minor page faults of this process so far (0 where ``resource`` is missing, e.g. Windows)."""
-    try:
-        import resource
-    except ImportError:
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def _interleaved(fns: dict, repeat: dict, warmup: int = 2) -> dict:
     """Median wall and CPU (process) seconds and minor page faults per variant, measured round-robin.
 
@@ -99,11 +91,11 @@ def _interleaved(fns: dict, repeat: dict, warmup: int = 2) -> dict:
         for k, fn in fns.items():
             if i >= repeat[k]:
                 continue
-            f0, w0, c0 = _faults(), time.perf_counter(), time.process_time()
+            f0, w0, c0 = page_faults(), time.perf_counter(), time.process_time()
             fn()
             cpu[k].append(time.process_time() - c0)
             wall[k].append(time.perf_counter() - w0)
-            faults[k].append(_faults() - f0)
+            faults[k].append(page_faults() - f0)
     return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), statistics.median(faults[k])) for k in fns}
 
 

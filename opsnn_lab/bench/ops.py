@@ -6,6 +6,9 @@ saved for backward (``activation_bytes``), for rows that give their parameters t
 (``peak_bytes``, the parameters' ``.grad`` included), and first-call latency (torch.compile compiles there; the
 fused ops do not). BERT-base shapes by default (8 x 128 tokens, 768 -> 3072, 12 heads; stem 8 x 3 x 224 x
 224); ``--quick`` uses CI-sized shapes. Writes ``build/bench/ops.json``.
+
+The run keeps freed memory in the process (``--allocator steady``, :mod:`opsnn_lab.bench.allocator`) unless
+``--allocator system`` is given; each row reports the minor page faults per step of each variant.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from opsnn_lab.bench import chains_mlp
+from opsnn_lab.bench.allocator import page_faults, steady
 from opsnn_lab.bench.chains_conv import CONV_BUILDERS, CONV_CHAINS
 from opsnn_lab.bench.chains_norm import NORM_BUILDERS, NORM_CHAINS
 from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_threads, machine_line, sync, write_json
@@ -205,6 +209,14 @@ def _peak(step: Callable[[], None], chain: Chain) -> int:
     return peak_bytes(step)
 
 
+def _counting(step: Callable[[], None], faults: dict, key: str) -> Callable[[], None]:
+    def run():
+        f0 = page_faults()
+        step()
+        faults[key] += page_faults() - f0
+    return run
+
+
 def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device) -> dict:
     grads = [torch.randn_like(o) for o in _outputs(chain.eager(*chain.inputs))]
     steps = {"eager": _step(chain.eager, chain.inputs, grads), "fused": _step(chain.fused, chain.inputs, grads)}
@@ -213,7 +225,10 @@ def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device) -
         compiled = torch.compile(chain.eager)
         steps["compile"] = _step(compiled, chain.inputs, grads)
         row["compile_first_call_s"] = _first_call(steps["compile"], device)
-    times = interleaved_medians(steps, warmup=warmup, repeat=repeat, device=device)
+    faults = dict.fromkeys(steps, 0)
+    times = interleaved_medians({k: _counting(f, faults, k) for k, f in steps.items()}, warmup=warmup,
+                                repeat=repeat, device=device)
+    row.update({f"{k}_faults": round(v / (repeat + warmup)) for k, v in faults.items()})  # per step
     byt = {k: _bytes(f, chain.inputs) for k, f in
            [("eager", chain.eager), ("fused", chain.fused)] + ([("compile", compiled)] if compile_ else [])}
     for k, v in times.items():
@@ -240,6 +255,9 @@ def _args(argv):
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads for the run (1 gives steadier ratios on a shared, loaded CPU)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--allocator", choices=("steady", "system"), default="steady",
+                    help="steady (default): glibc keeps freed memory, so no variant pays for page faults the "
+                         "other's frees caused; system: malloc as configured (see opsnn_lab.bench.allocator)")
     ap.add_argument("--out", default=None, help="directory for ops.json (default build/bench)")
     return ap.parse_args(argv)
 
@@ -253,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    allocator = steady() if args.allocator == "steady" else "system"
     shapes = QUICK if args.quick else FULL
     repeat = _default(args.repeat, 5 if args.quick else 7)
     chains, skipped = build_chains(shapes, args.device, only=args.chains)
@@ -267,11 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(c, compile_=not args.no_compile, repeat=repeat, warmup=warmup, device=args.device)
             for c in tqdm(chains, desc="ops", unit="chain")]
     cols = ["chain", "time_fused_vs_eager", "time_compile_vs_eager", "bytes_fused_vs_eager",
-            "bytes_compile_vs_eager", "peak_fused_vs_eager", "eager_ms", "fused_first_call_s", "compile_first_call_s"]
+            "bytes_compile_vs_eager", "peak_fused_vs_eager", "eager_ms", "eager_faults", "fused_faults",
+            "fused_first_call_s", "compile_first_call_s"]
     print(machine_line())
+    print(f"allocator: {allocator}; *_faults: minor page faults per step")
     print(format_table(rows, [c for c in cols if any(c in r for r in rows)]))
     path = write_json("ops", {"quick": args.quick, "device": args.device, "threads": torch.get_num_threads(),
                               "shapes": shapes, "repeat": repeat, "warmup": warmup, "compile": not args.no_compile,
+                              "allocator": allocator,
                               "rows": rows, "skipped": skipped, "targets": TARGETS}, args.out)
     print(f"wrote {path}")
     return 0

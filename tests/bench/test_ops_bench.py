@@ -24,7 +24,11 @@ def test_quick_run_writes_every_chain_to_json(tmp_path, capsys):
     by = {r["chain"]: r for r in data["rows"]}
     # x + h against eager's x, h, dropout noise and dropout output: (1 + 4) / (1 + 3 * 4) with 4x expansion
     assert by["mlp"]["bytes_fused_vs_eager"] <= 0.45
-    assert "time_fused_vs_eager" in capsys.readouterr().out
+    faults = [r[f"{k}_faults"] for r in data["rows"] for k in ("eager", "fused")]
+    assert all(isinstance(f, int) and f >= 0 for f in faults)
+    assert data["allocator"].startswith(("steady", "system"))
+    out = capsys.readouterr().out
+    assert "time_fused_vs_eager" in out and f"allocator: {data['allocator']}" in out
 
 
 @pytest.mark.slow
