@@ -87,67 +87,10 @@ def _affine(y, weight, bias, mean, invstd, dtype):
     return torch.batch_norm(y, scale, shift, torch.zeros_like(scale), torch.ones_like(scale), False, 0.0, 0.0, False)
 
 
-# The one-pass variance E[y^2] - mean^2 loses about (1 + mean^2 / var) ulps: past a mean of 4 standard
-# deviations (~1e-6 relative) aten's kernel is used instead.
-_MAX_MEAN_SQ_OVER_VAR = 16.0
-
-
-def _one_pass_stats(y: torch.Tensor):
-    """Per-channel fp64 (mean, biased variance) of (N, C, H, W) ``y`` from two row reductions, or None.
-
-    aten's CPU batch-norm statistics run ~5x slower than a row sum plus a row norm (7 ms vs 1.4 ms for an
-    8x144x56x56 fp32 tensor on one core): the sums and sums of squares are taken along each (n, c) plane
-    (contiguous) or each pixel's channel row (channels-last), in fp32, and combined in fp64. Returns None
-    (the caller then uses aten's statistics) off the CPU, for fp64 input, a non-finite sum, or a channel whose
-    mean is large against its spread, where subtracting the two sums would cancel.
-    """
-    if y.device.type != "cpu" or y.dtype == torch.float64:
-        return None
-    c = y.shape[1]
-    count = y.numel() // c
-    if channels_last(y):
-        rows, dim = y.permute(0, 2, 3, 1).reshape(-1, c), 0
-    else:
-        rows, dim = y.reshape(y.shape[0], c, -1), -1
-    total = rows.sum(dim, dtype=torch.float32).double()
-    squares = torch.linalg.vector_norm(rows, dim=dim, dtype=torch.float32).double().square()
-    if dim == -1:  # (N, C) partials, combined over the batch in fp64
-        total, squares = total.sum(0), squares.sum(0)
-    mean = total / count
-    var = (squares / count - mean.square()).clamp_min(0)
-    if not bool(torch.isfinite(var).all()) or bool((mean.square() > _MAX_MEAN_SQ_OVER_VAR * var).any()):
-        return None
-    return mean, var
-
-
-def _train_stats(y, running_mean, running_var, momentum, eps):
-    """Batch (mean, invstd) as fp32 [C], the running statistics updated as ``F.batch_norm`` does; None when
-    :func:`_one_pass_stats` declines."""
-    stats = _one_pass_stats(y)
-    if stats is None:
-        return None
-    mean, var = stats
-    if running_mean is not None:
-        count = y.numel() // y.shape[1]
-        unbiased = var * (count / (count - 1)) if count > 1 else var
-        running_mean.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
-        running_var.copy_(running_var.double() * (1 - momentum) + unbiased * momentum)
-    return mean.float(), (var + eps).rsqrt().float()
-
-
 def bn_act_forward_torch(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act=RELU,
                          pool=None):
-    """Reference of :func:`bn_act_forward` (the CPU fast path: batch statistics from row reductions, aten's
-    per-channel affine, the eager activation and pool)."""
-    stats = _train_stats(y, running_mean, running_var, momentum, eps) if training else None
-    if stats is not None:
-        mean, invstd = stats
-        z = _affine(y, weight, bias, mean, invstd, y.dtype)
-        # saved in the dtype aten's batch-norm gives them (its backward asks for it): the parameters', else y's
-        params = weight if weight is not None else running_mean
-        dtype = y.dtype if params is None else params.dtype
-        mean, invstd = mean.to(dtype), invstd.to(dtype)
-    elif training:
+    """Reference of :func:`bn_act_forward` (the CPU fast path: aten batch-norm + eager activation + pool)."""
+    if training:
         z, mean, invstd = torch.ops.aten.native_batch_norm(y, weight, bias, running_mean, running_var,
                                                            True, momentum, eps)
     else:
