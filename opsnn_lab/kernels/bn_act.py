@@ -87,10 +87,73 @@ def _affine(y, weight, bias, mean, invstd, dtype):
     return torch.batch_norm(y, scale, shift, torch.zeros_like(scale), torch.ones_like(scale), False, 0.0, 0.0, False)
 
 
+# The one-pass variance E[y^2] - mean^2 loses about (1 + mean^2 / var) ulps: a channel whose mean lies over
+# 4 standard deviations out (past ~1e-6 relative) is taken again in two fp64 passes; past an eighth of the
+# channels, aten's kernel takes the whole tensor.
+_MAX_MEAN_SQ_OVER_VAR = 16.0
+_MAX_RETAKEN = 0.125
+
+
+def _one_pass_stats(y: torch.Tensor):
+    """Per-channel fp64 (mean, biased variance) of a contiguous (N, C, H, W) ``y`` from two row reductions.
+
+    aten's CPU batch-norm statistics of a contiguous tensor run ~5x slower than a row sum plus a row norm (7 ms
+    vs 1.4 ms for an 8x144x56x56 fp32 tensor on one core): the sums and sums of squares are taken along each
+    (n, c) plane in fp32 and combined over the batch in fp64, as accurate as aten's fp32 results (mean within
+    ~3e-8 of a standard deviation, variance ~2e-7 relative) while the mean stays within 4 standard
+    deviations. Channels past that are taken again, centered, in fp64. Returns None (the caller then uses
+    aten's statistics) off the CPU, for another layout (channels-last: aten is fast there, and the column
+    reductions are not), for fp64, non-finite values, or too many channels to take again.
+    """
+    if y.device.type != "cpu" or y.dtype == torch.float64 or not y.is_contiguous():
+        return None
+    n, c = y.shape[:2]
+    count = y.numel() // c
+    planes = y.view(n, c, -1)
+    total = planes.sum(-1, dtype=torch.float32).double().sum(0)
+    squares = torch.linalg.vector_norm(planes, dim=-1, dtype=torch.float32).double().square().sum(0)
+    mean = total / count
+    var = (squares / count - mean.square()).clamp_min(0)
+    cancelled = ~(mean.square() <= _MAX_MEAN_SQ_OVER_VAR * var)  # NaN compares False: caught here too
+    if bool(cancelled.any()):
+        retake = cancelled.nonzero().squeeze(1)
+        if not bool(torch.isfinite(squares).all()) or retake.numel() > _MAX_RETAKEN * c:
+            return None
+        part = planes.index_select(1, retake).double()
+        part_mean = part.mean((0, 2))
+        mean[retake] = part_mean
+        var[retake] = (part - part_mean.view(1, -1, 1)).square().mean((0, 2))
+    return mean, var
+
+
+def _train_stats(y, running_mean, running_var, momentum, eps):
+    """Batch (mean, invstd) as fp32 [C], the running statistics updated as ``F.batch_norm`` does; None when
+    :func:`_one_pass_stats` declines."""
+    stats = _one_pass_stats(y)
+    if stats is None:
+        return None
+    mean, var = stats
+    if running_mean is not None:
+        count = y.numel() // y.shape[1]
+        unbiased = var * (count / (count - 1)) if count > 1 else var
+        running_mean.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
+        running_var.copy_(running_var.double() * (1 - momentum) + unbiased * momentum)
+    return mean.float(), (var + eps).rsqrt().float()
+
+
 def bn_act_forward_torch(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act=RELU,
                          pool=None):
-    """Reference of :func:`bn_act_forward` (the CPU fast path: aten batch-norm + eager activation + pool)."""
-    if training:
+    """Reference of :func:`bn_act_forward` (the CPU fast path: batch statistics from row reductions, aten's
+    per-channel affine, the eager activation and pool)."""
+    stats = _train_stats(y, running_mean, running_var, momentum, eps) if training else None
+    if stats is not None:
+        mean, invstd = stats
+        z = _affine(y, weight, bias, mean, invstd, y.dtype)
+        # saved in the dtype aten's batch-norm gives them (its backward asks for it): the parameters', else y's
+        params = weight if weight is not None else running_mean
+        dtype = y.dtype if params is None else params.dtype
+        mean, invstd = mean.to(dtype), invstd.to(dtype)
+    elif training:
         z, mean, invstd = torch.ops.aten.native_batch_norm(y, weight, bias, running_mean, running_var,
                                                            True, momentum, eps)
     else:
