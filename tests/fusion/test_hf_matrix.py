@@ -5,6 +5,7 @@ ones the architecture has. Activation bytes fused/eager are recorded (``record_p
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -15,6 +16,7 @@ import opsnn_lab as ol
 from opsnn_lab.bench import activation_bytes
 from opsnn_lab.demos import zoo
 from opsnn_lab.fusion.runtime import flatten_tensors
+from opsnn_lab.testing import assert_within_eager_error
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -67,6 +69,26 @@ def _quiet():
         yield
 
 
+def _close(eager, fused) -> bool:
+    """fp32: rtol 1e-4; atol 1e-5 of the tensor's scale (sums over a batch reassociate)."""
+    atol = 1e-5 * max(1.0, eager.abs().max().item())
+    return torch.allclose(fused, eager, rtol=1e-4, atol=atol)
+
+
+def _nearer_the_truth_than_twice_eager(model, inputs, mode, pairs):
+    """Where fused and eager differ past that, each is judged against an fp64 run: a network with ill-conditioned
+    layers (BatchNorm over 2 values per channel, deep in a tiny MobileNetV2) turns 1e-7 differences upstream
+    into 1e-4 at its output, and eager's own error against fp64 is as large there."""
+    model = model.double().train(mode == "train")
+    cast = lambda v: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+    inputs = tuple(map(cast, inputs)) if isinstance(inputs, tuple) else {k: cast(v) for k, v in inputs.items()}
+    torch.manual_seed(0)
+    outs, grads = _step(model, inputs)
+    truth = {f"output {i}": t for i, t in enumerate(outs)} | grads
+    for key, eager, fused in pairs:
+        assert_within_eager_error(fused, eager, truth[key], factor=2.0, name=key)
+
+
 @pytest.mark.parametrize("name", list(CANDIDATES))
 def test_matrix(name, record_property):
     model, inputs = zoo.build(name, dropout=0.0)
@@ -84,20 +106,26 @@ def test_matrix(name, record_property):
     for mode in ("train", "eval"):
         model.train(mode == "train")
         fused.train(mode == "train")
+        if mode == "eval":
+            # the training step updated each model's running statistics from its own batch statistics: equal
+            # to fp32 rounding; eval then starts both from eager's, so it compares the eval computation alone
+            buffers = dict(model.named_buffers())
+            for key, buf in fused.named_buffers():
+                torch.testing.assert_close(buf, buffers[key], msg=key)
+            fused.load_state_dict(model.state_dict())
+        before = copy.deepcopy(model)  # the fp64 reference starts from the same parameters and buffers
         torch.manual_seed(0)
         outs_a, grads_a = _step(model, inputs)
         torch.manual_seed(0)
         outs_b, grads_b = _step(fused, inputs)
         assert len(outs_a) == len(outs_b)
-        for a, b in zip(outs_a, outs_b):
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
         assert grads_a.keys() == grads_b.keys()
         for key, g in grads_a.items():
             assert (g is None) == (grads_b[key] is None), key
-            if g is not None:
-                # fp32: rtol 1e-4; atol relative to the tensor's scale (sums over a batch reassociate)
-                atol = 1e-5 * max(1.0, g.abs().max().item())
-                torch.testing.assert_close(grads_b[key], g, rtol=1e-4, atol=atol, msg=key)
+        pairs = [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(outs_a, outs_b))]
+        pairs += [(key, g, grads_b[key]) for key, g in grads_a.items() if g is not None]
+        if not all(_close(a, b) for _, a, b in pairs):
+            _nearer_the_truth_than_twice_eager(before, inputs, mode, pairs)
     model.train()
     fused.train()
     eager = activation_bytes(lambda: _call(model, inputs), exclude=tuple(model.parameters()))
