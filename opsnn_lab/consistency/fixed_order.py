@@ -321,6 +321,8 @@ def fixed_sum(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None) -
         x = x.to(dtype)
     elif not (x.is_floating_point() or x.is_complex()):
         x = x.to(torch.int64)  # integer and bool sums promote to int64, as ATen does
+    if x.dim() == 0:  # a scalar is its own sum (a 0-d tensor has no dims to permute)
+        return x.clone()
     red = _reduce_dims(x, dim)
     keep = [d for d in range(x.dim()) if d not in red]
     out_shape = [x.shape[d] for d in keep]

@@ -297,6 +297,17 @@ def test_fixed_sum_and_mean(shape, dim, keepdim):
     assert fo.fixed_sum(torch.ones(3, dtype=torch.bool)).item() == 3
 
 
+@pytest.mark.parametrize("value", [2.5, True, 7], ids=["float", "bool", "int"])
+def test_sums_of_a_scalar_tensor_under_strict(value):
+    # a 0-d tensor has no dims to permute: its sum is itself, promoted as ATen promotes it
+    x = torch.tensor(value)
+    with strict():
+        got = [x.sum(), x.sum(dtype=torch.float64)] + ([x.mean()] if x.is_floating_point() else [])
+    ref = [x.sum(), x.sum(dtype=torch.float64)] + ([x.mean()] if x.is_floating_point() else [])
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
 def test_column_sums_are_thread_invariant():
     for shape in ((4096, 8), (4096, 2), (512, 1024)):
         x = seeded(*shape, seed=6)
