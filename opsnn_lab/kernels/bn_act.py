@@ -107,8 +107,6 @@ def _one_pass_stats(y: torch.Tensor):
     """
     if y.device.type != "cpu" or y.dtype == torch.float64 or not y.is_contiguous():
         return None
-    if torch.are_deterministic_algorithms_enabled():  # strict(): aten's, whose bits no thread count moves
-        return None
     n, c = y.shape[:2]
     count = y.numel() // c
     planes = y.view(n, c, -1)
@@ -155,12 +153,6 @@ def bn_act_forward_torch(y, weight, bias, running_mean, running_var, *, training
         params = weight if weight is not None else running_mean
         dtype = y.dtype if params is None else params.dtype
         mean, invstd = mean.to(dtype), invstd.to(dtype)
-    elif training and channels_last(y) and torch.are_deterministic_algorithms_enabled():
-        # aten's channels-last statistics split the rows over threads, so their bits follow the thread count;
-        # strict() takes them from a contiguous copy (one reduction per channel), then applies the affine
-        _, mean, invstd = torch.ops.aten.native_batch_norm(y.contiguous(), weight, bias, running_mean, running_var,
-                                                           True, momentum, eps)
-        z = _affine(y, weight, bias, mean, invstd, y.dtype)
     elif training:
         z, mean, invstd = torch.ops.aten.native_batch_norm(y, weight, bias, running_mean, running_var,
                                                            True, momentum, eps)
