@@ -46,6 +46,9 @@ class _Config:
     # training: recompute the conv output in backward instead of saving it (by default a stride-1 depthwise
     # conv: k*k multiply-adds per output, one pass over its input, which backward keeps anyway)
     recompute: bool = False
+    # CPU with a pool: run channels-last inside (see _internal); off under deterministic algorithms (strict()),
+    # where aten's channels-last batch-norm and conv weight-gradient reductions split rows over threads
+    channels_last: bool = False
 
     def conv_args(self):
         return list(self.stride), list(self.padding), list(self.dilation)
@@ -123,7 +126,7 @@ def _internal(t: torch.Tensor, cfg: _Config) -> torch.Tensor:
     (3/2 pool on the stem's 8x64x112x112: 3 ms vs 180 ms) and batch-norm forward ~3x, which pays for the
     layout copies. Without a pool the copies of a full-size output and gradient would cost more than the
     batch-norm gains, so the input's own layout is kept."""
-    if cfg.pool is None or t.device.type != "cpu":
+    if not cfg.channels_last or t.device.type != "cpu":
         return t
     return t.contiguous(memory_format=torch.channels_last)
 
@@ -352,8 +355,10 @@ class FusedConvBNAct(nn.Module):
         recompute = self.recompute
         if recompute is None:
             recompute = conv.groups > 1 and conv.groups == conv.in_channels and stride == (1, 1)
+        channels_last = self.pool is not None and not torch.are_deterministic_algorithms_enabled()
         return _Config(stride, _conv_padding(conv), _pair(conv.dilation), conv.groups, bn.eps, self.training,
-                       factor, self.pool, self.act_spec, recompute=self.training and recompute)
+                       factor, self.pool, self.act_spec, recompute=self.training and recompute,
+                       channels_last=channels_last)
 
     def _check_input(self, x) -> None:
         check_tensor("input", x, dtypes=_FLOATS, dim=4)

@@ -476,3 +476,29 @@ def test_forced_probe_mismatch_falls_back_to_the_one_thread_reference_and_keeps_
     assert {e["key"][0] for e in report} == {"mm", "bmm"}
     assert all(e["path"] == "reference" for e in report)
     torch.testing.assert_close(ref_out, _run(model, _IDS[:17], _UPSTREAM[:17])[0], atol=FP32[0], rtol=FP32[1])
+
+
+def test_the_fused_stem_keeps_its_bits_at_any_thread_count_under_strict():
+    # the pooled Conv -> BN -> ReLU -> MaxPool op runs channels-last inside on CPU, where aten's batch-norm
+    # statistics split rows over threads; under strict() it keeps the input's layout, as eager does
+    from torch import nn
+
+    from opsnn_lab.ops import FusedConvBNReLU
+
+    torch.manual_seed(0)
+    mods = [nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
+    op = FusedConvBNReLU.from_modules(*mods)
+    assert op._config().channels_last
+    x = seeded(4, 3, 32, 32, seed=3)
+    runs = []
+    for n in (1, 2):
+        with strict(), threads(n):
+            assert not op._config().channels_last
+            xi = x.clone().requires_grad_()
+            out = op(xi)
+            out.backward(seeded(*out.shape, seed=4))
+        runs.append([out.detach(), xi.grad] + [p.grad.clone() for p in (*mods[0].parameters(), *mods[1].parameters())])
+        for p in (*mods[0].parameters(), *mods[1].parameters()):
+            p.grad = None
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
