@@ -22,11 +22,12 @@ path does not give the reference's bits (MKL restricted to AVX2, at 2 threads).
 
 A sample's outputs and input gradients then have the same bits whatever the batch size and its
 position in the batch, and all outputs and gradients the same bits whatever ``torch.set_num_threads``
-says -- except where a convolution runs: its kernels are not replaced, and oneDNN splits the weight-gradient
-reduction of some convolutions (a 1x1 stride-2 one, for instance) over threads. opsnn_lab's fused
-Conv -> BN -> ReLU (-> MaxPool) keeps the input's layout under strict mode for that reason (its channels-last
-path would add aten's row-split batch-norm reductions). Every setting is restored when the last user leaves. Outputs stay within the fp32 tolerance of
-the default mode (the reductions are reordered, not approximated).
+says -- except where a convolution runs: its kernels are not replaced, and oneDNN splits the
+weight-gradient reduction of some convolutions (a 1x1 stride-2 one, for instance) over threads.
+opsnn_lab's fused Conv -> BN -> ReLU (-> MaxPool) keeps the input's layout under strict mode (its
+channels-last path would add aten's row-split batch-norm reductions). Every setting is restored when the
+last user leaves. Outputs stay within the fp32 tolerance of the default mode (the reductions are
+reordered, not approximated).
 
 Cost (``python -m opsnn_lab.bench consistency --no-trace``: 4-layer encoder, hidden 256, 8 x 64
 tokens, 2 threads, on a 2-core CPU shared with other jobs): 1.06-1.08x the default step, wall and CPU

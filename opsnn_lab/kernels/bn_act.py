@@ -114,12 +114,14 @@ def _one_pass_stats(y: torch.Tensor):
     planes = y.view(n, c, -1)
     total = planes.sum(-1, dtype=torch.float32).double().sum(0)
     squares = torch.linalg.vector_norm(planes, dim=-1, dtype=torch.float32).double().square().sum(0)
+    if not bool(torch.isfinite(squares).all()):  # inf or NaN in y, or squares past fp32's range
+        return None
     mean = total / count
     var = (squares / count - mean.square()).clamp_min(0)
-    cancelled = ~(mean.square() <= _MAX_MEAN_SQ_OVER_VAR * var)  # NaN compares False: caught here too
+    cancelled = ~(mean.square() <= _MAX_MEAN_SQ_OVER_VAR * var)
     if bool(cancelled.any()):
         retake = cancelled.nonzero().squeeze(1)
-        if not bool(torch.isfinite(squares).all()) or retake.numel() > _MAX_RETAKEN * c:
+        if retake.numel() > _MAX_RETAKEN * c:
             return None
         part = planes.index_select(1, retake).double()
         part_mean = part.mean((0, 2))
