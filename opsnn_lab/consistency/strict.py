@@ -14,6 +14,9 @@ While strict mode is on:
   present) by the fixed-reduction-order versions in :mod:`opsnn_lab.consistency.fixed_order`,
   through a ``torch.library`` registration that is destroyed when strict mode ends, which puts the
   native kernels back.
+* on CPU, the convolution backward, whose oneDNN kernels split some weight-gradient reductions over
+  threads: it runs on one intra-op thread (:mod:`opsnn_lab.consistency.fixed_conv`; a double backward
+  through a 1-d or 2-d convolution takes a differentiable fixed-order composite instead).
 
 Which GEMM paths give those bits is not assumed from one CPU: each GEMM shape is probed once per
 process on the running machine (:mod:`opsnn_lab.consistency.gemm_probe`; ``strict_probe_report()``
@@ -22,12 +25,10 @@ path does not give the reference's bits (MKL restricted to AVX2, at 2 threads).
 
 A sample's outputs and input gradients then have the same bits whatever the batch size and its
 position in the batch, and all outputs and gradients the same bits whatever ``torch.set_num_threads``
-says -- except where a convolution runs: its kernels are not replaced, and oneDNN splits the
-weight-gradient reduction of some convolutions (a 1x1 stride-2 one, for instance) over threads.
-opsnn_lab's fused Conv -> BN -> ReLU (-> MaxPool) keeps the input's layout under strict mode (its
-channels-last path would add aten's row-split batch-norm reductions). Every setting is restored when the
-last user leaves. Outputs stay within the fp32 tolerance of the default mode (the reductions are
-reordered, not approximated).
+says. opsnn_lab's fused Conv -> BN -> ReLU (-> MaxPool) keeps
+the input's layout under strict mode (its channels-last path would add aten's row-split batch-norm
+reductions). Every setting is restored when the last user leaves. Outputs stay within the fp32
+tolerance of the default mode (the reductions are reordered, not approximated).
 
 Cost (``python -m opsnn_lab.bench consistency --no-trace``: 4-layer encoder, hidden 256, 8 x 64
 tokens, 2 threads, on a 2-core CPU shared with other jobs): 1.06-1.08x the default step, wall and CPU
@@ -57,6 +58,7 @@ import warnings
 import torch
 
 from opsnn_lab._checks import check_type
+from opsnn_lab.consistency import fixed_conv
 from opsnn_lab.consistency import fixed_order as fo
 from opsnn_lab.consistency.gemm_probe import strict_probe_report
 
@@ -180,6 +182,8 @@ class _StrictState:
             for key in _dispatch_keys():
                 for op, fn in OVERRIDDEN_OPS.items():
                     lib.impl(op, fn, key)
+            # at the autograd key, so what it does not cover redispatches to aten's kernel
+            lib.impl("convolution_backward", fixed_conv.convolution_backward, "AutogradCPU", with_keyset=True)
         self.library = lib
 
     def _deactivate(self) -> None:

@@ -1,0 +1,131 @@
+"""strict()'s convolution backward: at 2 threads the bits aten gives at one, every gradient, on strided, padded,
+dilated, grouped, depthwise, 1-d, 3-d, transposed, channels-last and empty inputs; a double backward takes
+the fixed-order composite, within tolerance of aten's, and refuses what that composite does not cover."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+
+from opsnn_lab.consistency import fixed_conv
+from opsnn_lab.consistency.strict import strict
+from opsnn_lab.testing import seeded
+
+
+@contextmanager
+def threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# (in, out, kernel, stride, padding, dilation, groups, bias, input shape after batch and channels)
+CASES = {
+    "1x1_s2": (16, 32, 1, 2, 0, 1, 1, False, (8, 9)),
+    "3x3_p1": (8, 12, 3, 1, 1, 1, 1, True, (7, 6)),
+    "depthwise_s2": (12, 12, 3, 2, 1, 1, 12, False, (9, 11)),
+    "grouped_dilated": (8, 12, 3, 1, 2, 2, 2, True, (11, 10)),
+    "5x5_s2_odd": (3, 5, 5, 2, 2, 1, 1, True, (13, 15)),
+    "conv1d": (6, 8, 5, 2, 2, 1, 1, True, (13,)),
+    "conv1d_grouped": (6, 9, 3, 1, 1, 1, 3, False, (10,)),
+}
+
+
+def _conv(case):
+    cin, cout, k, s, p, d, g, bias, plane = CASES[case]
+    cls = nn.Conv1d if len(plane) == 1 else nn.Conv2d
+    torch.manual_seed(0)
+    return cls(cin, cout, k, s, p, d, g, bias=bias), (cin, *plane)
+
+
+def _grads(conv, x, *, strict_on, n_threads=1):
+    xi = x.clone().requires_grad_()
+    conv.zero_grad(set_to_none=True)
+    with threads(n_threads), (strict() if strict_on else _nothing()):
+        y = conv(xi)
+        y.backward(seeded(*y.shape, seed=7))
+    return [xi.grad] + [p.grad for p in conv.parameters()]
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def _close(actual, expected):
+    """fp32, reassociated sums: rtol 1e-5 and atol 1e-5 of the tensor's scale."""
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_keep_their_bits_at_any_thread_count_and_match_aten(case, layout):
+    conv, shape = _conv(case)
+    x = seeded(4, *shape, seed=3)
+    if layout == "channels_last":
+        if x.dim() != 4:
+            pytest.skip("channels-last is a 4-d layout")
+        x = x.contiguous(memory_format=torch.channels_last)
+    one = _grads(conv, x, strict_on=True, n_threads=1)
+    two = _grads(conv, x, strict_on=True, n_threads=2)
+    ref = _grads(conv, x, strict_on=False, n_threads=1)  # aten's own bits at one thread
+    for a, b, r in zip(one, two, ref):
+        assert torch.equal(a, b) and torch.equal(a, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_other_dtypes_keep_atens_one_thread_bits(dtype):
+    conv, shape = _conv("3x3_p1")
+    conv, x = conv.to(dtype), seeded(2, *shape, seed=3).to(dtype)
+    two = _grads(conv, x, strict_on=True, n_threads=2)
+    for a, r in zip(two, _grads(conv, x, strict_on=False, n_threads=1)):
+        assert a.dtype == dtype and torch.equal(a, r)
+
+
+def test_an_empty_batch_gives_zero_parameter_gradients():
+    conv, shape = _conv("3x3_p1")
+    x = seeded(0, *shape, seed=3)
+    got, ref = _grads(conv, x, strict_on=True), _grads(conv, x, strict_on=False)
+    for a, r in zip(got, ref):
+        assert a.shape == r.shape and torch.equal(a, r)
+    assert not got[1].any()
+
+
+@pytest.mark.parametrize("kind", ["transposed", "conv3d"])
+def test_transposed_and_3d_convolutions_too_but_not_their_double_backward(kind):
+    torch.manual_seed(0)
+    if kind == "transposed":
+        conv, x = nn.ConvTranspose2d(4, 6, 3, 2, 1), seeded(2, 4, 5, 6, seed=1)
+    else:
+        conv, x = nn.Conv3d(3, 4, 3, 1, 1), seeded(2, 3, 4, 5, 6, seed=1)
+    assert not fixed_conv.covers(x, transposed=kind == "transposed")
+    two = _grads(conv, x, strict_on=True, n_threads=2)
+    for a, r in zip(two, _grads(conv, x, strict_on=False, n_threads=1)):
+        assert torch.equal(a, r)
+    xi = x.clone().requires_grad_()
+    with strict(), pytest.raises(NotImplementedError, match="double backward through a transposed or 3-d"):
+        (gx,) = torch.autograd.grad(conv(xi).square().sum(), xi, create_graph=True)
+
+
+@pytest.mark.parametrize("case", ["1x1_s2", "depthwise_s2", "grouped_dilated", "conv1d_grouped"])
+def test_double_backward_takes_the_fixed_order_composite(case):
+    conv, shape = _conv(case)
+    conv = conv.double()
+    x = seeded(2, *shape, seed=1).double()
+    results = []
+    for on, n in ((True, 1), (True, 2), (False, 1)):
+        xi = x.clone().requires_grad_()
+        with threads(n), strict() if on else _nothing():
+            gx, gw = torch.autograd.grad(conv(xi).square().sum(), (xi, conv.weight), create_graph=True)
+            ggx = torch.autograd.grad((gx.square().sum() + gw.square().sum()), xi)[0]
+        results.append((gx.detach(), gw.detach(), ggx))
+    for a, b, r in zip(*results):
+        assert torch.equal(a, b)
+        _close(a, r)
