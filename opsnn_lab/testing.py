@@ -6,6 +6,7 @@
 * ``assert_within_eager_error`` -- the low-precision criterion: the fused result's error
   against an fp64 reference is at most ``factor`` x eager PyTorch's error in the same dtype.
 * ``run_fwd_bwd`` -- forward + backward with a fixed upstream gradient, returns output and grads.
+* ``threads(n)`` -- run a block with ``n`` intra-op threads (the count is restored after it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 import importlib.util
 import os
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -27,6 +29,7 @@ __all__ = [
     "run_fwd_bwd",
     "non_contiguous",
     "triton_interpreter_ready",
+    "threads",
 ]
 
 # (atol, rtol) per dtype. fp32: 1e-5 relative is what the fused ops promise against eager.
@@ -118,3 +121,14 @@ def triton_interpreter_ready() -> bool:
         importlib.reload(tl.standard)
         importlib.reload(tl)
     return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+@contextmanager
+def threads(n: int):
+    """Run the block with ``n`` intra-op threads (``torch.set_num_threads``), then restore the count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -12,18 +12,7 @@ from torch import nn
 
 from opsnn_lab.consistency import fixed_conv
 from opsnn_lab.consistency.strict import strict
-from opsnn_lab.testing import seeded
-
-
-@contextmanager
-def threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
+from opsnn_lab.testing import seeded, threads
 
 # (in, out, kernel, stride, padding, dilation, groups, bias, input shape after batch and channels)
 CASES = {

@@ -1,6 +1,6 @@
 import os
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -10,21 +10,11 @@ from opsnn_lab.consistency import fixed_order as fo
 from opsnn_lab.consistency import gemm_probe as gp
 from opsnn_lab.consistency.strict import is_strict, strict
 from opsnn_lab.models import Encoder, EncoderConfig
-from opsnn_lab.testing import TOLERANCES, seeded
+from opsnn_lab.testing import TOLERANCES, seeded, threads
 
 FP32 = TOLERANCES[torch.float32]
 BATCH_SIZES = (1, 3, 8, 17, 64)
 SEQ = 8
-
-
-@contextmanager
-def threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)
