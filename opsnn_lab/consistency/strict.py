@@ -25,10 +25,10 @@ path does not give the reference's bits (MKL restricted to AVX2, at 2 threads).
 
 A sample's outputs and input gradients then have the same bits whatever the batch size and its
 position in the batch, and all outputs and gradients the same bits whatever ``torch.set_num_threads``
-says. opsnn_lab's fused Conv -> BN -> ReLU (-> MaxPool) keeps
-the input's layout under strict mode (its channels-last path would add aten's row-split batch-norm
-reductions). Every setting is restored when the last user leaves. Outputs stay within the fp32
-tolerance of the default mode (the reductions are reordered, not approximated).
+says. opsnn_lab's fused Conv -> BN -> ReLU (-> MaxPool) keeps the input's layout under strict mode (its
+channels-last path would add aten's row-split batch-norm reductions). Every setting is restored when the
+last user leaves. Outputs stay within the fp32 tolerance of the default mode (the reductions are
+reordered, not approximated).
 
 Cost (``python -m opsnn_lab.bench consistency --no-trace``: 4-layer encoder, hidden 256, 8 x 64
 tokens, 2 threads, on a 2-core CPU shared with other jobs): 1.06-1.08x the default step, wall and CPU
@@ -182,7 +182,7 @@ class _StrictState:
             for key in _dispatch_keys():
                 for op, fn in OVERRIDDEN_OPS.items():
                     lib.impl(op, fn, key)
-            # at the autograd key, so what it does not cover redispatches to aten's kernel
+            # at the autograd key: it redispatches below autograd to aten's kernel, on one intra-op thread
             lib.impl("convolution_backward", fixed_conv.convolution_backward, "AutogradCPU", with_keyset=True)
         self.library = lib
 
