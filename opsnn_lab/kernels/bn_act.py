@@ -118,7 +118,7 @@ def _one_pass_stats(y: torch.Tensor):
         return None
     mean = total / count
     var = (squares / count - mean.square()).clamp_min(0)
-    cancelled = ~(mean.square() <= _MAX_MEAN_SQ_OVER_VAR * var)
+    cancelled = mean.square() > _MAX_MEAN_SQ_OVER_VAR * var  # finite here: the check above saw to that
     if bool(cancelled.any()):
         retake = cancelled.nonzero().squeeze(1)
         if retake.numel() > _MAX_RETAKEN * c:

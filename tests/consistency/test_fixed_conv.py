@@ -4,7 +4,7 @@ the fixed-order composite, within tolerance of aten's, and refuses what that com
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -36,15 +36,10 @@ def _conv(case):
 def _grads(conv, x, *, strict_on, n_threads=1):
     xi = x.clone().requires_grad_()
     conv.zero_grad(set_to_none=True)
-    with threads(n_threads), (strict() if strict_on else _nothing()):
+    with threads(n_threads), (strict() if strict_on else nullcontext()):
         y = conv(xi)
         y.backward(seeded(*y.shape, seed=7))
     return [xi.grad] + [p.grad for p in conv.parameters()]
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def _close(actual, expected):
@@ -111,7 +106,7 @@ def test_double_backward_takes_the_fixed_order_composite(case):
     results = []
     for on, n in ((True, 1), (True, 2), (False, 1)):
         xi = x.clone().requires_grad_()
-        with threads(n), strict() if on else _nothing():
+        with threads(n), strict() if on else nullcontext():
             gx, gw = torch.autograd.grad(conv(xi).square().sum(), (xi, conv.weight), create_graph=True)
             ggx = torch.autograd.grad((gx.square().sum() + gw.square().sum()), xi)[0]
         results.append((gx.detach(), gw.detach(), ggx))
