@@ -13,9 +13,13 @@ Rows (names follow the fusion pattern names; ``+linear`` rows measure the norm w
   Llama trains. Eager saves ``x`` (an fp32 copy in bf16), ``x * rstd``, ``rstd`` and the Linear's input.
 * ``layer_norm`` / ``add_layer_norm`` / ``rms_norm`` / ``add_rms_norm`` / ``add_rms_norm[bf16]`` /
   ``rms_norm[nn.RMSNorm]``: the norm alone, for the time and for the record: with no consumer there is
-  nothing to share, and ``y`` is as large as ``x`` (``layer_norm`` ~1.0; RMSNorm ``(H + 1) / (2 H + 1)``,
-  0.5002, against HF's, which keeps ``x * rstd`` as well; ``nn.RMSNorm`` on CPU saves the input and its
-  normalised copy).
+  nothing to share, and ``y`` is as large as ``x``. The LayerNorm rows build the op as a norm whose output
+  nothing keeps should be built, ``save_output=False``: it saves what ``nn.LayerNorm`` saves (ratio 1.0)
+  and runs aten's kernels; RMSNorm ``(H + 1) / (2 H + 1)``, 0.5002, against HF's, which keeps ``x * rstd``
+  as well (``nn.RMSNorm`` on CPU saves the input and its normalised copy).
+* ``layer_norm[save_output]``: the LayerNorm alone saving its output anyway (the default, right before a
+  Linear): bytes ``(H + 1) / (H + 2)``, and the time recovering ``xhat`` from ``y`` costs where nothing pays
+  for it.
 * ``linear_cross_entropy`` / ``linear_cross_entropy[bf16]``: the vocabulary head + ``F.cross_entropy`` at
   vocabulary 32000, 2048 tokens, hidden 512 (``QUICK``: 64 tokens, vocabulary 1000, hidden 32). Eager upcasts the
   logits to fp32 before the loss, as Hugging Face's loss does. Two memory figures, because the fused op computes
@@ -103,7 +107,9 @@ def _norm_chain(s, device, dtype, name):
     add = name.startswith("add_")
     fused_cls = {(False, False): ops.FusedLayerNorm, (False, True): ops.FusedAddLayerNorm,
                  (True, False): ops.FusedRMSNorm, (True, True): ops.FusedAddRMSNorm}[("rms" in name, add)]
-    fused = fused_cls.from_modules(norm)
+    # alone, a LayerNorm's output is kept by nothing: saving it gains no bytes and its recovery costs time
+    keep_y = "+linear" in name or "rms" in name or name.endswith("[save_output]")
+    fused = fused_cls.from_modules(norm, save_output=keep_y)
     shape = (s["batch"], s["tokens"], width)
     inputs = tuple(torch.randn(*shape, device=device, dtype=dtype, requires_grad=True) for _ in range(1 + add))
     eager = _AddNorm(norm) if add else norm
@@ -140,8 +146,8 @@ def _builder(build, name):
 
 
 _NORMS = ("layer_norm+linear", "add_layer_norm+linear", "rms_norm+linear", "add_rms_norm+linear",
-          "add_rms_norm+linear[bf16]", "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "add_rms_norm[bf16]",
-          "rms_norm[nn.RMSNorm]")
+          "add_rms_norm+linear[bf16]", "layer_norm", "add_layer_norm", "layer_norm[save_output]", "rms_norm",
+          "add_rms_norm", "add_rms_norm[bf16]", "rms_norm[nn.RMSNorm]")
 _LCE = ("linear_cross_entropy", "linear_cross_entropy[bf16]")
 NORM_CHAINS = _NORMS + _LCE
 NORM_BUILDERS = {**{n: _builder(_norm_chain, n) for n in _NORMS}, **{n: _builder(_lce_chain, n) for n in _LCE}}

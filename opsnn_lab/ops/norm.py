@@ -16,8 +16,11 @@ QKV projection, the MLP's first Linear, Llama's q/k/v and gate/up projections) s
 norm's input is no longer stored at all. Recovery is exact up to ``y``'s rounding divided by the weight, so it
 is used only where ``kernels.norm.output_recoverable`` says the parameters allow it (no zero or near-zero
 effective weight, ``|bias| <= 4 |weight|``), decided at run time, once per parameter version; otherwise the
-op saves its input as before (set ``module.save_output = False`` to always do so). Autograd refuses an
-in-place change of a saved ``y`` (as it refuses one of the saved sum), never giving wrong gradients.
+op saves its input as before. ``save_output=False`` (or ``module.save_output = False``) always saves the
+input: the choice for a norm whose output nothing else keeps, where saving ``y`` gains no bytes and
+LayerNorm's recovery costs time (on the torch path ~20% of its step; the rewrite fuses a LayerNorm only
+where the next op keeps its output). Autograd refuses an in-place change of a saved ``y`` (as it refuses one
+of the saved sum), never giving wrong gradients.
 
 The fused ops compute the statistics and the output in fp32 and round once to the input dtype (HF's
 Llama rounds before the weight multiply; the fused result is the more accurate of the two).
@@ -145,9 +148,10 @@ class _FusedNorm(nn.Module):
     _add = False
 
     def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None = None, eps: float = 1e-5,
-                 normalized_shape: tuple[int, ...] | None = None, weight_offset: float = 0.0):
+                 normalized_shape: tuple[int, ...] | None = None, weight_offset: float = 0.0, save_output: bool = True):
         super().__init__()
         check_type("weight", weight, nn.Parameter, allow_none=True)
+        check_type("save_output", save_output, bool)
         check_type("bias", bias, nn.Parameter, allow_none=True)
         check_type("eps", eps, (int, float))
         if eps < 0 or isinstance(eps, bool):
@@ -164,7 +168,9 @@ class _FusedNorm(nn.Module):
         self.register_parameter("bias", bias)
         self.eps = float(eps)
         self.weight_offset = float(check_type("weight_offset", weight_offset, (int, float)))
-        self.save_output = True  # False: always save the input (e.g. when the output is modified in place)
+        # False: always save the input: where nothing else keeps the output (saving it gains no bytes there, and
+        # LayerNorm's recovery costs ~20% of its step on CPU) or where the output is modified in place
+        self.save_output = save_output
         self._recoverable_key, self._recoverable = None, False
 
     def _saves_output(self, dtype) -> bool:
@@ -237,11 +243,12 @@ class _LayerNormFactory:
         return _layer_norm_support(norm)
 
     @classmethod
-    def from_modules(cls, norm: nn.LayerNorm):
+    def from_modules(cls, norm: nn.LayerNorm, save_output: bool = True):
         ok, reason = cls.supports(norm)
         if not ok:
             raise ValueError(f"norm: {reason}")
-        return cls(norm.weight, norm.bias, norm.eps, tuple(norm.normalized_shape)).train(norm.training)
+        return cls(norm.weight, norm.bias, norm.eps, tuple(norm.normalized_shape),
+                   save_output=save_output).train(norm.training)
 
 
 class _RMSNormFactory:
@@ -251,7 +258,7 @@ class _RMSNormFactory:
         return _rms_norm_support(norm)
 
     @classmethod
-    def from_modules(cls, norm: nn.Module):
+    def from_modules(cls, norm: nn.Module, save_output: bool = True):
         offset, reason = rms_norm_form(norm)
         if offset is None:
             raise ValueError(f"norm: {reason}")
@@ -260,8 +267,10 @@ class _RMSNormFactory:
             if eps is None:  # nn.RMSNorm's default: the input dtype's machine epsilon
                 dtype = norm.weight.dtype if norm.weight is not None else torch.get_default_dtype()
                 eps = torch.finfo(dtype).eps
-            return cls(norm.weight, None, eps, tuple(norm.normalized_shape)).train(norm.training)
-        return cls(norm.weight, None, eps, weight_offset=offset).train(norm.training)
+            fused = cls(norm.weight, None, eps, tuple(norm.normalized_shape), save_output=save_output)
+        else:
+            fused = cls(norm.weight, None, eps, weight_offset=offset, save_output=save_output)
+        return fused.train(norm.training)
 
 
 class FusedLayerNorm(_LayerNormFactory, _NormForward):

@@ -171,6 +171,30 @@ def test_fallback_follows_the_parameters_after_an_update():
     assert _storage_key(x) in keys and _storage_key(y) not in keys
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("add", [False, True])
+def test_save_output_false_saves_the_input_and_matches_eager(kind, add):
+    """The choice for a norm whose output nothing keeps: the input (or the sum) is saved, never ``y``; a
+    LayerNorm then runs aten's own forward and backward, so fp32 gives eager's bits."""
+    norm = _module(kind)
+    fused = _fused_cls(kind, add).from_modules(norm, save_output=False)
+    assert fused.save_output is False
+    inputs = _inputs((3, 5, H), torch.float32, add)
+    keys, out = _saved_storages(lambda: fused(*inputs))
+    y, s = (out[0], out[1]) if add else (out, inputs[0])
+    assert _storage_key(s) in keys and _storage_key(y) not in keys
+    params = list(norm.parameters())
+    got_out, got_grads = _run(fused, inputs, params)
+    want_out, want_grads = _run(_eager_fn(norm, add), inputs, params)
+    for i, (got, want) in enumerate(zip(got_out + got_grads, want_out + want_grads)):
+        if kind == "layer_norm":
+            assert torch.equal(got, want), f"#{i}"
+        else:
+            assert_close_dtype(got, want)
+    with pytest.raises(TypeError, match="save_output"):
+        _fused_cls(kind, add).from_modules(norm, save_output="no")
+
+
 def test_output_modified_in_place_is_refused_not_wrong():
     fused = ops.FusedLayerNorm.from_modules(_module("layer_norm"))
     x = _inputs((4, H), torch.float32, False)[0]
