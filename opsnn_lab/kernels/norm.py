@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 __all__ = ["norm_fwd", "norm_bwd", "norm_fwd_reference", "norm_bwd_reference", "norm_bwd_from_output",
-           "norm_bwd_from_output_reference", "output_recoverable", "RECOVER_MAX_BIAS"]
+           "norm_bwd_from_output_reference", "output_recoverable", "uses_triton", "RECOVER_MAX_BIAS"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _ROWS = 16  # rows per backward program: each weight-gradient partial covers 16 rows
@@ -330,7 +330,8 @@ def _bwd_triton(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, gra
     return grad_s, grad_w, grad_b
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether ``norm_fwd`` / ``norm_bwd`` run the Triton kernels for ``t`` (else the torch path)."""
     return backend_for(t) == "triton" and t.shape[-1] <= _MAX_BLOCK
 
 
@@ -352,7 +353,7 @@ def norm_fwd(x, weight=None, bias=None, residual=None, eps=1e-5, rms=False, weig
     ``check=False`` skips argument validation (for callers that validated already: it is per-call overhead).
     """
     if not check:
-        if _use_triton(x):
+        if uses_triton(x):
             return _fwd_triton(x.contiguous(), weight, bias, None if residual is None else residual.contiguous(),
                                eps, rms, weight_offset)
         return norm_fwd_reference(x, weight, bias, residual, eps, rms, weight_offset)
@@ -364,7 +365,7 @@ def norm_fwd(x, weight=None, bias=None, residual=None, eps=1e-5, rms=False, weig
         residual = residual.contiguous()
     weight, bias = _check_param("weight", weight, x), _check_param("bias", bias, x)
     x = x.contiguous()
-    if _use_triton(x):
+    if uses_triton(x):
         return _fwd_triton(x, weight, bias, residual, eps, rms, weight_offset)
     return norm_fwd_reference(x, weight, bias, residual, eps, rms, weight_offset)
 
@@ -381,7 +382,7 @@ def norm_bwd(grad_y, s, mean, rstd, weight=None, rms=False, weight_offset=0.0, h
         _check_bwd(grad_y, s)
     if grad_sum is not None:
         grad_sum = grad_sum.contiguous()
-    if _use_triton(s):
+    if uses_triton(s):
         return _bwd_triton(grad_y.contiguous(), s.contiguous(), mean, rstd, weight, rms, weight_offset, has_bias,
                            grad_sum, want_weight)
     return norm_bwd_reference(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, grad_sum, want_weight,
@@ -399,7 +400,7 @@ def norm_bwd_from_output(grad_y, y, rstd, weight=None, bias=None, rms=False, wei
     _check_bwd(grad_y, y)
     if grad_sum is not None:
         grad_sum = grad_sum.contiguous()
-    if _use_triton(y):
+    if uses_triton(y):
         return _bwd_triton(grad_y.contiguous(), y.contiguous(), None, rstd, weight, rms, weight_offset,
                            want_bias and bias is not None, grad_sum, want_weight, from_y=True, bias=bias)
     return norm_bwd_from_output_reference(grad_y, y, rstd, weight, bias, rms, weight_offset, want_weight,

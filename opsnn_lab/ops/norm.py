@@ -42,15 +42,17 @@ import inspect
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opsnn_lab._checks import check_tensor, check_type, same_device
-from opsnn_lab.kernels.norm import norm_bwd, norm_bwd_from_output, norm_fwd, output_recoverable
+from opsnn_lab.kernels.norm import norm_bwd, norm_bwd_from_output, norm_fwd, output_recoverable, uses_triton
 
 __all__ = ["AddNormFunction", "FusedLayerNorm", "FusedRMSNorm", "FusedAddLayerNorm", "FusedAddRMSNorm",
            "rms_norm_form"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_ATEN_EXACT = (torch.float32, torch.float64)  # bf16/fp16: the fused op keeps fp32 statistics and gradient sums
 
 
 class AddNormFunction(torch.autograd.Function):
@@ -200,6 +202,12 @@ class _FusedNorm(nn.Module):
 
     def _apply_norm(self, x, residual):
         keep_y = self._saves_output(x.dtype)
+        if not keep_y and not self._rms and not self.weight_offset and x.dtype in _ATEN_EXACT and not uses_triton(x):
+            # saving its input, an fp32/fp64 LayerNorm on the torch path is aten's: run it through aten's own
+            # autograd node (the same kernels and bits, without a Python backward: ~0.1 ms a call)
+            s = x if residual is None else x + residual
+            y = F.layer_norm(s, self.normalized_shape, self.weight, self.bias, self.eps)
+            return y if residual is None else (y, s)
         if len(self.normalized_shape) == 1:
             return AddNormFunction.apply(x, residual, self.weight, self.bias, self.eps, self._rms, self.weight_offset,
                                          keep_y)
