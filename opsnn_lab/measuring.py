@@ -14,6 +14,7 @@ this module; it imports nothing from opsnn_lab.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -156,17 +157,31 @@ def median_time(fn: Callable[[], object], *, warmup: int = 2, repeat: int = 7,
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], *, warmup: int = 2, repeat: int = 7,
-                        device=None) -> dict[str, float]:
-    """Median times of several variants, measured round-robin so load drift hits all alike."""
+                        device=None, min_round_s: float = 0.0) -> dict[str, float]:
+    """Median times per call of several variants, measured round-robin so load drift hits all alike.
+
+    ``min_round_s > 0``: one timed call of each variant after the warm-up sets how many calls a round makes
+    (the same for every variant, enough for the fastest one to run ``min_round_s``), so a 1 ms op is timed
+    over rounds long enough for the clock and the scheduler, not one call at a time."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     sync(device)
+    calls = 1
+    if min_round_s > 0:
+        once = []
+        for fn in fns.values():
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            once.append(time.perf_counter() - t0)
+        calls = max(1, math.ceil(min_round_s / max(min(once), 1e-9)))
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeat):
         for k, fn in fns.items():
             t0 = time.perf_counter()
-            fn()
+            for _ in range(calls):
+                fn()
             sync(device)
-            times[k].append(time.perf_counter() - t0)
+            times[k].append((time.perf_counter() - t0) / calls)
     return {k: statistics.median(v) for k, v in times.items()}

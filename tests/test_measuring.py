@@ -80,6 +80,25 @@ def test_interleaved_medians_runs_round_robin_and_takes_medians(monkeypatch):
     assert calls == ["a", "b"] + ["a", "b"] * 4  # warm-up, then round-robin
 
 
+def test_interleaved_medians_repeats_short_steps_for_a_minimum_round(monkeypatch):
+    import opsnn_lab.measuring as measuring
+
+    now, calls = [0.0], []
+    # warm-up 9, then one timed call each (2 and 4: the fastest sets 3 calls a round for min_round_s 5)
+    durations = {"a": iter([9, 2] + [1, 1, 4] + [3, 3, 3]), "b": iter([9, 4] + [2, 2, 2] + [5, 6, 7])}
+
+    def fn(name):
+        def run():
+            calls.append(name)
+            now[0] += next(durations[name])
+        return run
+
+    monkeypatch.setattr(measuring.time, "perf_counter", lambda: now[0])
+    out = interleaved_medians({"a": fn("a"), "b": fn("b")}, warmup=1, repeat=2, min_round_s=5)
+    assert out == {"a": 2.5, "b": 4.0}  # per call: medians of (6 / 3, 9 / 3) and (6 / 3, 18 / 3)
+    assert calls == ["a", "b", "a", "b"] + ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
+
+
 def test_median_time_excludes_warmup(monkeypatch):
     import opsnn_lab.measuring as measuring
 

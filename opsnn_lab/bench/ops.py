@@ -8,7 +8,9 @@ fused ops do not). BERT-base shapes by default (8 x 128 tokens, 768 -> 3072, 12 
 224); ``--quick`` uses CI-sized shapes. Writes ``build/bench/ops.json``.
 
 The run keeps freed memory in the process (``--allocator steady``, :mod:`opsnn_lab.bench.allocator`) unless
-``--allocator system`` is given; each row reports the minor page faults per step of each variant.
+``--allocator system`` is given; each row reports the minor page faults per step of each variant. A timed round
+repeats a step until the fastest variant has run ``--min-round-ms`` (20 ms), so the norms' 1-10 ms rows are
+timed over as many calls as the 50-500 ms rows take time.
 """
 
 from __future__ import annotations
@@ -209,15 +211,16 @@ def _peak(step: Callable[[], None], chain: Chain) -> int:
     return peak_bytes(step)
 
 
-def _counting(step: Callable[[], None], faults: dict, key: str) -> Callable[[], None]:
+def _counting(step: Callable[[], None], faults: dict, calls: dict, key: str) -> Callable[[], None]:
     def run():
         f0 = page_faults()
         step()
         faults[key] += page_faults() - f0
+        calls[key] += 1
     return run
 
 
-def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device) -> dict:
+def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device, min_round_s: float = 0.0) -> dict:
     grads = [torch.randn_like(o) for o in _outputs(chain.eager(*chain.inputs))]
     steps = {"eager": _step(chain.eager, chain.inputs, grads), "fused": _step(chain.fused, chain.inputs, grads)}
     row = {"chain": chain.name, "fused_first_call_s": _first_call(steps["fused"], device)}
@@ -225,10 +228,10 @@ def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device) -
         compiled = torch.compile(chain.eager)
         steps["compile"] = _step(compiled, chain.inputs, grads)
         row["compile_first_call_s"] = _first_call(steps["compile"], device)
-    faults = dict.fromkeys(steps, 0)
-    times = interleaved_medians({k: _counting(f, faults, k) for k, f in steps.items()}, warmup=warmup,
-                                repeat=repeat, device=device)
-    row.update({f"{k}_faults": round(v / (repeat + warmup)) for k, v in faults.items()})  # per step
+    faults, calls = dict.fromkeys(steps, 0), dict.fromkeys(steps, 0)
+    times = interleaved_medians({k: _counting(f, faults, calls, k) for k, f in steps.items()}, warmup=warmup,
+                                repeat=repeat, device=device, min_round_s=min_round_s)
+    row.update({f"{k}_faults": round(v / max(calls[k], 1)) for k, v in faults.items()})  # per step
     byt = {k: _bytes(f, chain.inputs) for k, f in
            [("eager", chain.eager), ("fused", chain.fused)] + ([("compile", compiled)] if compile_ else [])}
     for k, v in times.items():
@@ -258,6 +261,9 @@ def _args(argv):
     ap.add_argument("--allocator", choices=("steady", "system"), default="steady",
                     help="steady (default): glibc keeps freed memory, so no variant pays for page faults the "
                          "other's frees caused; system: malloc as configured (see opsnn_lab.bench.allocator)")
+    ap.add_argument("--min-round-ms", type=float, default=20.0,
+                    help="a timed round repeats a step until the fastest variant has run this long (default 20; "
+                         "0: one step per round), so the ratio of a 1 ms chain is not one call's jitter")
     ap.add_argument("--out", default=None, help="directory for ops.json (default build/bench)")
     return ap.parse_args(argv)
 
@@ -283,17 +289,18 @@ def main(argv: list[str] | None = None) -> int:
         def tqdm(x, **_):
             return x
     warmup = _default(args.warmup, 1 if args.quick else 2)
-    rows = [measure(c, compile_=not args.no_compile, repeat=repeat, warmup=warmup, device=args.device)
-            for c in tqdm(chains, desc="ops", unit="chain")]
+    min_round_s = max(args.min_round_ms, 0.0) / 1e3
+    rows = [measure(c, compile_=not args.no_compile, repeat=repeat, warmup=warmup, device=args.device,
+                    min_round_s=min_round_s) for c in tqdm(chains, desc="ops", unit="chain")]
     cols = ["chain", "time_fused_vs_eager", "time_compile_vs_eager", "bytes_fused_vs_eager",
             "bytes_compile_vs_eager", "peak_fused_vs_eager", "eager_ms", "eager_faults", "fused_faults",
             "fused_first_call_s", "compile_first_call_s"]
     print(machine_line())
-    print(f"allocator: {allocator}; *_faults: minor page faults per step")
+    print(f"allocator: {allocator}; *_faults: minor page faults per step; rounds of >= {args.min_round_ms:g} ms")
     print(format_table(rows, [c for c in cols if any(c in r for r in rows)]))
     path = write_json("ops", {"quick": args.quick, "device": args.device, "threads": torch.get_num_threads(),
                               "shapes": shapes, "repeat": repeat, "warmup": warmup, "compile": not args.no_compile,
-                              "allocator": allocator,
+                              "allocator": allocator, "min_round_ms": args.min_round_ms,
                               "rows": rows, "skipped": skipped, "targets": TARGETS}, args.out)
     print(f"wrote {path}")
     return 0
