@@ -61,40 +61,34 @@ def test_the_documented_import_paths_are_the_same_functions():
     assert common.interleaved_medians is interleaved_medians and common.median_time is median_time
 
 
-def test_interleaved_medians_runs_round_robin_and_takes_medians(monkeypatch):
-    # a fake clock that advances by what each call says: the medians are exact and the order is observable
+def _scripted(monkeypatch, durations):
+    """Variants whose calls advance a fake clock by scripted durations: the medians are exact and the order
+    is observable. Returns ``(variants, the names called in order)``."""
     import opsnn_lab.measuring as measuring
 
-    now, calls = [0.0], []
-    durations = {"a": iter([9, 9, 1, 5, 3]), "b": iter([9, 2, 8, 4, 6])}  # first value: the warm-up call
+    now, calls, left = [0.0], [], {k: iter(v) for k, v in durations.items()}
 
     def fn(name):
         def run():
             calls.append(name)
-            now[0] += next(durations[name])
+            now[0] += next(left[name])
         return run
 
     monkeypatch.setattr(measuring.time, "perf_counter", lambda: now[0])
-    out = interleaved_medians({"a": fn("a"), "b": fn("b")}, warmup=1, repeat=4)
+    return {k: fn(k) for k in durations}, calls
+
+
+def test_interleaved_medians_runs_round_robin_and_takes_medians(monkeypatch):
+    fns, calls = _scripted(monkeypatch, {"a": [9, 9, 1, 5, 3], "b": [9, 2, 8, 4, 6]})  # first: the warm-up call
+    out = interleaved_medians(fns, warmup=1, repeat=4)
     assert out == {"a": 4.0, "b": 5.0}  # medians of (9, 1, 5, 3) and (2, 8, 4, 6)
     assert calls == ["a", "b"] + ["a", "b"] * 4  # warm-up, then round-robin
 
 
 def test_interleaved_medians_repeats_short_steps_for_a_minimum_round(monkeypatch):
-    import opsnn_lab.measuring as measuring
-
-    now, calls = [0.0], []
     # warm-up 9, then one timed call each (2 and 4: the fastest sets 3 calls a round for min_round_s 5)
-    durations = {"a": iter([9, 2] + [1, 1, 4] + [3, 3, 3]), "b": iter([9, 4] + [2, 2, 2] + [5, 6, 7])}
-
-    def fn(name):
-        def run():
-            calls.append(name)
-            now[0] += next(durations[name])
-        return run
-
-    monkeypatch.setattr(measuring.time, "perf_counter", lambda: now[0])
-    out = interleaved_medians({"a": fn("a"), "b": fn("b")}, warmup=1, repeat=2, min_round_s=5)
+    fns, calls = _scripted(monkeypatch, {"a": [9, 2] + [1, 1, 4] + [3, 3, 3], "b": [9, 4] + [2, 2, 2] + [5, 6, 7]})
+    out = interleaved_medians(fns, warmup=1, repeat=2, min_round_s=5)
     assert out == {"a": 2.5, "b": 4.0}  # per call: medians of (6 / 3, 9 / 3) and (6 / 3, 18 / 3)
     assert calls == ["a", "b", "a", "b"] + ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
 
