@@ -15,9 +15,10 @@ import importlib
 import importlib.util
 import os
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 
 import torch
+
+from opsnn_lab.consistency.gemm_probe import threads  # re-exported: the thread-count context strict mode uses
 
 __all__ = [
     "TOLERANCES",
@@ -122,13 +123,3 @@ def triton_interpreter_ready() -> bool:
         importlib.reload(tl)
     return type(tl.sum).__name__ == "InterpretedFunction"
 
-
-@contextmanager
-def threads(n: int):
-    """Run the block with ``n`` intra-op threads (``torch.set_num_threads``), then restore the count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

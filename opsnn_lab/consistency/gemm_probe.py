@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-__all__ = ["strict_probe_report", "clear_probes", "one_thread", "choose"]
+__all__ = ["strict_probe_report", "clear_probes", "one_thread", "threads", "choose"]
 
 FORCE_MISMATCH = False  # tests: every comparison fails, so each probe falls back to the reference path
 _MAX_ENTRIES = 4096  # distinct GEMM shapes remembered; beyond that the oldest are probed again
@@ -37,17 +37,22 @@ _GEN_SEED = 20261202
 
 
 @contextlib.contextmanager
-def one_thread():
-    """Run the block with one intra-op thread (process-wide while it runs), then restore the count."""
-    n = torch.get_num_threads()
-    if n == 1:
+def threads(n: int):
+    """Run the block with ``n`` intra-op threads (process-wide while it runs), then restore the count."""
+    before = torch.get_num_threads()
+    if before == n:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(n)
+        torch.set_num_threads(before)
+
+
+def one_thread():
+    """``threads(1)``: the block on one intra-op thread."""
+    return threads(1)
 
 
 def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
