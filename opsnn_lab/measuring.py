@@ -141,19 +141,22 @@ def sync(device: torch.device | str | None = None) -> None:
         torch.cuda.synchronize()
 
 
+def _per_call(fn: Callable[[], object], calls: int, device) -> float:
+    """Wall time of ``calls`` back-to-back calls of ``fn()`` (synchronised), per call, in seconds."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / calls
+
+
 def median_time(fn: Callable[[], object], *, warmup: int = 2, repeat: int = 7,
                 device: torch.device | str | None = None) -> float:
     """Median wall time of ``fn()`` in seconds after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     sync(device)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_per_call(fn, 1, device) for _ in range(repeat))
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], *, warmup: int = 2, repeat: int = 7,
@@ -169,19 +172,10 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], *, warmup: int = 2
     sync(device)
     calls = 1
     if min_round_s > 0:
-        once = []
-        for fn in fns.values():
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            once.append(time.perf_counter() - t0)
-        calls = max(1, math.ceil(min_round_s / max(min(once), 1e-9)))
+        fastest = min(_per_call(fn, 1, device) for fn in fns.values())
+        calls = max(1, math.ceil(min_round_s / max(fastest, 1e-9)))
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeat):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            sync(device)
-            times[k].append((time.perf_counter() - t0) / calls)
+            times[k].append(_per_call(fn, calls, device))
     return {k: statistics.median(v) for k, v in times.items()}
