@@ -11,6 +11,11 @@ The run keeps freed memory in the process (``--allocator steady``, :mod:`opsnn_l
 ``--allocator system`` is given; each row reports the minor page faults per step of each variant. A timed round
 repeats a step until the fastest variant has run ``--min-round-ms`` (20 ms), so the norms' 1-10 ms rows are
 timed over as many calls as the 50-500 ms rows take time.
+
+Rows in a reduced precision (``[bf16]``) are left out of a run that names no ``--chains`` on a CPU whose GEMMs
+emulate that dtype (AVX2 only: ~25x fp32, so one row with torch.compile runs for over 25 minutes, and its
+timings say nothing about the CPUs people train in bf16 on); the run prints why and records it under
+``"skipped"``. Naming a row in ``--chains`` times it anyway.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from opsnn_lab.bench.allocator import page_faults, steady
 from opsnn_lab.bench.chains_conv import CONV_BUILDERS, CONV_CHAINS
 from opsnn_lab.bench.chains_norm import NORM_BUILDERS, NORM_CHAINS
 from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_threads, machine_line, sync, write_json
+from opsnn_lab.bench.machine import emulated_note
 from opsnn_lab.measuring import activation_bytes, peak_bytes
 
-__all__ = ["main", "build_chains", "measure", "FusedEncoderLayer", "CHAINS", "FULL", "QUICK"]
+__all__ = ["main", "build_chains", "measure", "emulated_rows", "FusedEncoderLayer", "CHAINS", "ROW_DTYPES", "FULL",
+           "QUICK"]
 
 FULL = dict(batch=8, tokens=128, hidden=768, inter=3072, heads=12, image=224, channels=64, p=0.1)
 QUICK = dict(batch=2, tokens=16, hidden=64, inter=256, heads=4, image=32, channels=8, p=0.1)
@@ -168,6 +175,18 @@ CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attentio
           *NORM_CHAINS, *chains_mlp.CHAINS)  # the order build_chains() produces them in
 
 
+# rows built in a reduced precision, whatever --dtype the rest of the run uses
+ROW_DTYPES = {name: torch.bfloat16 for name in CHAINS if name.endswith("[bf16]")}
+
+
+def emulated_rows(device) -> dict[str, str]:
+    """``{row: why}`` for the rows whose dtype this CPU's GEMMs emulate; empty on a GPU or a CPU running them."""
+    if torch.device(device).type != "cpu":
+        return {}
+    notes = {name: emulated_note(dtype) for name, dtype in ROW_DTYPES.items()}
+    return {name: note for name, note in notes.items() if note}
+
+
 def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str] | None = None):
     """``(chains, skipped)``: the benchmark cases for ``shapes`` (``FULL`` or ``QUICK``), optionally ``only`` some."""
     wanted = list(only or CHAINS)
@@ -252,7 +271,8 @@ def _args(argv):
     ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench ops", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized shapes")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    ap.add_argument("--chains", nargs="*", choices=CHAINS, help="only these chains")
+    ap.add_argument("--chains", nargs="*", choices=CHAINS,
+                    help="only these chains (default: every row, less [bf16] rows on a CPU that emulates bf16)")
     ap.add_argument("--repeat", type=int, default=None, help="timed rounds per variant (default 7, quick 5)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed rounds per variant (default 2, quick 1)")
     ap.add_argument("--threads", type=int, default=None,
@@ -280,7 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     allocator = steady() if args.allocator == "steady" else "system"
     shapes = QUICK if args.quick else FULL
     repeat = _default(args.repeat, 5 if args.quick else 7)
-    chains, skipped = build_chains(shapes, args.device, only=args.chains)
+    only, skipped = args.chains, []
+    if not only:  # rows the user named run whatever their cost
+        emulated = emulated_rows(args.device)
+        only = [c for c in CHAINS if c not in emulated]
+        skipped = [f"{name} skipped: {why}; name it in --chains to time it anyway" for name, why in emulated.items()]
+    chains, unavailable = build_chains(shapes, args.device, only=only)
+    skipped += unavailable
     for why in skipped:
         print(why)
     try:

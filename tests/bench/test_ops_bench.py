@@ -8,7 +8,8 @@ from opsnn_lab.models import EncoderConfig, EncoderLayer
 from opsnn_lab.testing import assert_close_dtype, seeded
 
 
-def test_quick_run_writes_every_chain_to_json(tmp_path, capsys):
+def test_quick_run_writes_every_chain_to_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ops, "emulated_note", lambda dtype: None)  # every row, whatever this CPU emulates
     code = ops.main(["--quick", "--no-compile", "--warmup", "0", "--repeat", "1", "--out", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "ops.json").read_text())
@@ -36,6 +37,26 @@ def test_quick_run_with_torch_compile(tmp_path):
     assert ops.main(["--quick", "--chains", "qkv", "--warmup", "0", "--repeat", "1", "--out", str(tmp_path)]) == 0
     row = json.loads((tmp_path / "ops.json").read_text())["rows"][0]
     assert row["compile_first_call_s"] > 0 and row["time_compile_vs_eager"] > 0
+
+
+def test_rows_in_an_emulated_dtype_run_only_when_named(tmp_path, capsys, monkeypatch):
+    note = "bf16 emulated on this CPU: no AVX512-BF16/AMX"
+    monkeypatch.setattr(ops, "emulated_note", lambda dtype: note if dtype == torch.bfloat16 else None)
+    assert ops.emulated_rows("cpu") == {"add_rms_norm+linear[bf16]": note, "add_rms_norm[bf16]": note,
+                                        "linear_cross_entropy[bf16]": note}
+    assert ops.emulated_rows("meta") == {}  # not a CPU: nothing is emulated there
+    # a run over two rows, one of them bf16
+    monkeypatch.setattr(ops, "CHAINS", ("rms_norm", "add_rms_norm[bf16]"))
+    monkeypatch.setattr(ops, "ROW_DTYPES", {"add_rms_norm[bf16]": torch.bfloat16})
+    args = ["--quick", "--no-compile", "--warmup", "0", "--repeat", "1", "--out", str(tmp_path)]
+    assert ops.main(args) == 0
+    data = json.loads((tmp_path / "ops.json").read_text())
+    assert [r["chain"] for r in data["rows"]] == ["rms_norm"]
+    why = f"add_rms_norm[bf16] skipped: {note}; name it in --chains to time it anyway"
+    assert data["skipped"] == [why] and why in capsys.readouterr().out
+    assert ops.main([*args, "--chains", "add_rms_norm[bf16]"]) == 0
+    data = json.loads((tmp_path / "ops.json").read_text())
+    assert [r["chain"] for r in data["rows"]] == ["add_rms_norm[bf16]"] and data["skipped"] == []
 
 
 def test_bad_chain_name_is_rejected():
