@@ -8,9 +8,10 @@ fused ops do not). BERT-base shapes by default (8 x 128 tokens, 768 -> 3072, 12 
 224); ``--quick`` uses CI-sized shapes. Writes ``build/bench/ops.json``.
 
 The run keeps freed memory in the process (``--allocator steady``, :mod:`opsnn_lab.bench.allocator`) unless
-``--allocator system`` is given; each row reports the minor page faults per step of each variant. A timed round
-repeats a step until the fastest variant has run ``--min-round-ms`` (20 ms), so the norms' 1-10 ms rows are
-timed over as many calls as the 50-500 ms rows take time.
+``--allocator system`` is given; each row reports the minor page faults per timed step of each variant (the
+warm-up, which pages the heap in, is not counted). A timed round repeats a step until the fastest variant has
+run ``--min-round-ms`` (20 ms), so the norms' 1-10 ms rows are timed over as many calls as the 50-500 ms rows
+take time.
 
 Rows in a reduced precision (``[bf16]``) are left out of a run that names no ``--chains`` on a CPU whose GEMMs
 emulate that dtype (AVX2 only: ~25x fp32, so one row with torch.compile runs for over 25 minutes, and its
@@ -247,8 +248,11 @@ def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device, m
         compiled = torch.compile(chain.eager)
         steps["compile"] = _step(compiled, chain.inputs, grads)
         row["compile_first_call_s"] = _first_call(steps["compile"], device)
+    for f in steps.values():  # warm-up outside the fault count: its first-touch faults are not the steps'
+        for _ in range(warmup):
+            f()
     faults, calls = dict.fromkeys(steps, 0), dict.fromkeys(steps, 0)
-    times = interleaved_medians({k: _counting(f, faults, calls, k) for k, f in steps.items()}, warmup=warmup,
+    times = interleaved_medians({k: _counting(f, faults, calls, k) for k, f in steps.items()}, warmup=0,
                                 repeat=repeat, device=device, min_round_s=min_round_s)
     row.update({f"{k}_faults": round(v / max(calls[k], 1)) for k, v in faults.items()})  # per step
     byt = {k: _bytes(f, chain.inputs) for k, f in
@@ -322,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             "bytes_compile_vs_eager", "peak_fused_vs_eager", "eager_ms", "eager_faults", "fused_faults",
             "fused_first_call_s", "compile_first_call_s"]
     print(machine_line())
-    print(f"allocator: {allocator}; *_faults: minor page faults per step; rounds of >= {args.min_round_ms:g} ms")
+    print(f"allocator: {allocator}; *_faults: minor page faults per timed step; "
+          f"rounds of >= {args.min_round_ms:g} ms")
     print(format_table(rows, [c for c in cols if any(c in r for r in rows)]))
     path = write_json("ops", {"quick": args.quick, "device": args.device, "threads": torch.get_num_threads(),
                               "shapes": shapes, "repeat": repeat, "warmup": warmup, "compile": not args.no_compile,

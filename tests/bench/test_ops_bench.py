@@ -59,6 +59,23 @@ def test_rows_in_an_emulated_dtype_run_only_when_named(tmp_path, capsys, monkeyp
     assert [r["chain"] for r in data["rows"]] == ["add_rms_norm[bf16]"] and data["skipped"] == []
 
 
+def test_page_faults_count_the_timed_steps_not_the_warm_up(monkeypatch):
+    touched = {"faults": 0, "calls": 0}
+
+    def faults_on_second_call(x):  # call 1 makes the upstream gradients; call 2 faults 900 pages
+        touched["calls"] += 1
+        touched["faults"] += 900 if touched["calls"] == 2 else 0
+        return x * 2
+
+    monkeypatch.setattr(ops, "page_faults", lambda: touched["faults"])
+    chain = ops.Chain("double", faults_on_second_call, lambda x: x * 2, (torch.ones(3, requires_grad=True),))
+    row = ops.measure(chain, compile_=False, repeat=3, warmup=1, device="cpu")  # call 2 is the warm-up
+    assert row["eager_faults"] == 0 and row["fused_faults"] == 0
+    touched["calls"] = 0
+    row = ops.measure(chain, compile_=False, repeat=3, warmup=0, device="cpu")  # call 2 is timed: 900 / 3
+    assert row["eager_faults"] == 300 and row["fused_faults"] == 0
+
+
 def test_bad_chain_name_is_rejected():
     with pytest.raises(ValueError, match="only"):
         ops.build_chains(ops.QUICK, only=["nope"])
