@@ -76,6 +76,19 @@ def test_page_faults_count_the_timed_steps_not_the_warm_up(monkeypatch):
     assert row["eager_faults"] == 300 and row["fused_faults"] == 0
 
 
+def test_headroom_is_made_resident_after_the_warm_up(monkeypatch):
+    events = []
+    monkeypatch.setattr(ops, "prefault", lambda n: events.append(("prefault", n)))
+    chain = ops.Chain("double", lambda x: events.append("eager") or x * 2, lambda x: x * 2,
+                      (torch.ones(3, requires_grad=True),))
+    ops.measure(chain, compile_=False, repeat=2, warmup=1, device="cpu", headroom=7 << 20)
+    # the upstream gradients, the warm-up, the headroom, two timed rounds, then activation bytes
+    assert events[:5] == ["eager", "eager", ("prefault", 7 << 20), "eager", "eager"]
+    events.clear()
+    ops.measure(chain, compile_=False, repeat=1, warmup=1, device="cpu")
+    assert not any(isinstance(e, tuple) for e in events)  # headroom=0: nothing touched
+
+
 def test_bad_chain_name_is_rejected():
     with pytest.raises(ValueError, match="only"):
         ops.build_chains(ops.QUICK, only=["nope"])
