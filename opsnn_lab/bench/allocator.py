@@ -55,8 +55,10 @@ def steady() -> str:
 def prefault(nbytes: int) -> int:
     """Touch ``nbytes`` of free heap and free it again, so that much headroom is resident; returns the bytes
     touched (0 without glibc). Meant after :func:`steady`, under which the freed blocks stay in the heap."""
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     libc, _ = _libc()
     if libc is None:
         return 0

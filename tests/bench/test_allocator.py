@@ -61,5 +61,6 @@ def test_steady_heap_keeps_large_blocks_and_prefault_makes_headroom_resident():
 def test_prefault_rejects_a_bad_size():
     with pytest.raises(ValueError, match="nbytes"):
         allocator.prefault(-1)
-    with pytest.raises(ValueError, match="nbytes"):
+    with pytest.raises(TypeError, match="nbytes"):
         allocator.prefault(1.5)
+    assert allocator.prefault(0) == 0
