@@ -7,12 +7,12 @@ saved for backward (``activation_bytes``), for rows that give their parameters t
 fused ops do not). BERT-base shapes by default (8 x 128 tokens, 768 -> 3072, 12 heads; stem 8 x 3 x 224 x
 224); ``--quick`` uses CI-sized shapes. Writes ``build/bench/ops.json``.
 
-The run keeps freed memory in the process and makes 512 MB of free heap resident before each row's timed
-rounds (``--allocator steady``, :mod:`opsnn_lab.bench.allocator`) unless ``--allocator system`` is given; each
-row reports the minor page faults per timed step of each variant (the warm-up, which pages the heap in, is not
-counted). A timed round repeats a step until the fastest variant has
-run ``--min-round-ms`` (20 ms), so the norms' 1-10 ms rows are timed over as many calls as the 50-500 ms rows
-take time.
+The run keeps freed memory in the process and makes 512 MB of free heap resident (32 MB with ``--quick``)
+before each row's timed rounds (``--allocator steady``, :mod:`opsnn_lab.bench.allocator`) unless ``--allocator
+system`` is given; each row reports the minor page faults per timed step of each variant (the warm-up, which
+pages the heap in, is not counted). A timed round repeats a step until the fastest variant has run
+``--min-round-ms`` (20 ms), so the norms' 1-10 ms rows are timed over as many calls as the 50-500 ms rows take
+time.
 
 Rows in a reduced precision (``[bf16]``) are left out of a run that names no ``--chains`` on a CPU whose GEMMs
 emulate that dtype (AVX2 only: ~25x fp32, so one row with torch.compile runs for over 25 minutes, and its
@@ -178,7 +178,7 @@ CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attentio
 
 
 # free heap made resident before each row's timed rounds (steady allocator): twice the largest eager buffer of
-# the full-size rows, the head's 256 MB logits
+# the full-size rows, the head's 256 MB logits (a sixteenth with --quick)
 HEADROOM = 512 << 20
 # rows built in a reduced precision, whatever --dtype the rest of the run uses
 ROW_DTYPES = {name: torch.bfloat16 for name in CHAINS if name.endswith("[bf16]")}
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             return x
     warmup = _default(args.warmup, 1 if args.quick else 2)
     min_round_s = max(args.min_round_ms, 0.0) / 1e3
-    headroom = HEADROOM if allocator.startswith("steady") else 0
+    headroom = (HEADROOM // 16 if args.quick else HEADROOM) if allocator.startswith("steady") else 0
     rows = [measure(c, compile_=not args.no_compile, repeat=repeat, warmup=warmup, device=args.device,
                     min_round_s=min_round_s, headroom=headroom) for c in tqdm(chains, desc="ops", unit="chain")]
     cols = ["chain", "time_fused_vs_eager", "time_compile_vs_eager", "bytes_fused_vs_eager",
