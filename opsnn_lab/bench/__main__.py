@@ -8,7 +8,8 @@ import sys
 
 import opsnn_lab.bench as _bench
 
-_NOT_BENCHMARKS = {"common", "machine", "memory"}
+# modules the benchmarks share (no ``main``): measuring helpers and the row builders of ``ops``
+_NOT_BENCHMARKS = {"allocator", "chains_conv", "chains_mlp", "chains_norm", "common", "machine", "memory"}
 
 
 def available() -> list[str]:
