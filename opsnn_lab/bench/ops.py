@@ -180,7 +180,7 @@ CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attentio
 # free heap made resident before each row's timed rounds (steady allocator): twice the largest eager buffer of
 # the full-size rows, the head's 256 MB logits (a sixteenth with --quick)
 HEADROOM = 512 << 20
-# rows built in a reduced precision, whatever --dtype the rest of the run uses
+# rows built in a reduced precision (every other row runs in fp32)
 ROW_DTYPES = {name: torch.bfloat16 for name in CHAINS if name.endswith("[bf16]")}
 
 
@@ -263,7 +263,7 @@ def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device, m
     faults, calls = dict.fromkeys(steps, 0), dict.fromkeys(steps, 0)
     times = interleaved_medians({k: _counting(f, faults, calls, k) for k, f in steps.items()}, warmup=0,
                                 repeat=repeat, device=device, min_round_s=min_round_s)
-    row.update({f"{k}_faults": round(v / max(calls[k], 1)) for k, v in faults.items()})  # per step
+    row.update({f"{k}_faults": round(v / max(calls[k], 1)) for k, v in faults.items()})  # per timed step
     byt = {k: _bytes(f, chain.inputs) for k, f in
            [("eager", chain.eager), ("fused", chain.fused)] + ([("compile", compiled)] if compile_ else [])}
     for k, v in times.items():
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, [c for c in cols if any(c in r for r in rows)]))
     path = write_json("ops", {"quick": args.quick, "device": args.device, "threads": torch.get_num_threads(),
                               "shapes": shapes, "repeat": repeat, "warmup": warmup, "compile": not args.no_compile,
-                              "allocator": allocator, "min_round_ms": args.min_round_ms,
+                              "allocator": allocator, "headroom_bytes": headroom, "min_round_ms": args.min_round_ms,
                               "rows": rows, "skipped": skipped, "targets": TARGETS}, args.out)
     print(f"wrote {path}")
     return 0

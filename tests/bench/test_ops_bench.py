@@ -32,7 +32,8 @@ def test_quick_run_writes_every_chain_to_json(tmp_path, capsys, monkeypatch):
     assert by["mlp"]["bytes_fused_vs_eager"] <= 0.45
     faults = [r[f"{k}_faults"] for r in data["rows"] for k in ("eager", "fused")]
     assert all(isinstance(f, int) and f >= 0 for f in faults)
-    assert data["allocator"] == "steady (glibc: stand-in)" and touched == [ops.HEADROOM // 16] * len(names)
+    assert data["allocator"] == "steady (glibc: stand-in)" and data["headroom_bytes"] == ops.HEADROOM // 16
+    assert touched == [ops.HEADROOM // 16] * len(names)
     out = capsys.readouterr().out
     assert "time_fused_vs_eager" in out and f"allocator: {data['allocator']}" in out
 
