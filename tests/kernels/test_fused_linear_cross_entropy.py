@@ -53,3 +53,19 @@ def test_triton_interpreter_matches_eager(monkeypatch, c, v, smoothing):
         pytest.skip("needs triton with TRITON_INTERPRET=1")
     monkeypatch.setenv("OPSNN_BACKEND", "triton")
     _check(K.cross_entropy_chunk, c, v, smoothing, ignore_rows=(1,) if c < 6 else (1, 5), tol=2e-5)
+
+
+def test_reference_loss_where_the_target_probability_underflows():
+    # target logits 200 and 120 below the row's largest: softmax gives the target 0 (or a denormal) in fp32,
+    # so the loss must come from the log-sum-exp, not from the gradient's probabilities
+    logits, target = _case(4, 37, ignore_rows=(3,))
+    logits[0, target[0]] = logits[0].max() - 200.0
+    logits[1, target[1]] = logits[1].max() - 120.0
+    row_scale = torch.tensor([1.0, 0.5, 2.0, 0.0])
+    want_loss, want_lse, want_grad = _eager(logits, target, 0.0, row_scale)
+    work = logits.clone()
+    loss, lse = K.cross_entropy_chunk_reference(work, target, -100, 0.0, row_scale)
+    assert want_loss[0] > 199 and want_loss[1] > 119
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(work, want_grad, atol=1e-6, rtol=1e-5)
