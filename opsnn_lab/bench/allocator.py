@@ -11,12 +11,14 @@ and softmax are mmap blocks, faulted ~270,000 pages a step (a minor fault costs 
 ``steady()`` keeps freed memory in the process, as a training process under jemalloc or tcmalloc keeps its
 pages: every block comes from the heap (no mmap blocks) and the heap is never trimmed (a 1 GiB trim threshold
 gave the top back after every step whose frees exceeded it: the head + cross-entropy's did).
-``prefault(nbytes)`` then touches that much free heap, so the heap's top is resident: glibc's free lists
+``prefault(nbytes)`` then touches one free block that large, so the heap's top is resident: glibc's free lists
 fragment differently under each variant, and without headroom a step now and then grows the heap by a whole
 tensor and pays its faults (one 14 MB buffer every ~10 interleaved steps of a depthwise-conv row, ~10 ms
-of a 40 ms step). Every variant of a run shares both, and the bench JSON records which allocator ran
-(``"allocator"``).
-"""
+of a 40 ms step). The block is one piece because the free memory is scattered: after two eager steps of the
+head + cross-entropy (peak 750 MB) the heap held 1.7 GB free in 23 blocks, none of which fit its 262 MB
+buffers; 16 MB pieces were served from those blocks and the next step faulted 192,000 pages anyway. Every
+variant of a run shares both, and the bench JSON records which allocator ran (``"allocator"``) and each row's
+headroom."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ __all__ = ["steady", "prefault", "page_faults"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
 _NEVER = -1  # M_TRIM_THRESHOLD -1: the heap's top is never given back
-_BLOCK = 16 << 20  # prefault's unit: any size works once mmap blocks are off
+_BLOCK = 16 << 20  # prefault's unit where one block of the whole size cannot be had
 
 
 def _libc():
@@ -62,6 +64,18 @@ def prefault(nbytes: int) -> int:
     libc, _ = _libc()
     if libc is None:
         return 0
+    if nbytes == 0:
+        return 0
+    # One block: the heap's free blocks are scattered between live ones, and a request they cannot hold
+    # grows the top. Small pieces would be served from those blocks (resident already) and leave the top
+    # as it was; one block of nbytes makes a contiguous top that large. Pieces only where that fails.
+    ptr = libc.malloc(nbytes)
+    if ptr:
+        try:
+            ctypes.memset(ptr, 0, nbytes)
+        finally:
+            libc.free(ptr)
+        return nbytes
     blocks = []
     try:
         for _ in range(-(-nbytes // _BLOCK)):

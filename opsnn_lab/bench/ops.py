@@ -177,8 +177,9 @@ CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attentio
           *NORM_CHAINS, *chains_mlp.CHAINS)  # the order build_chains() produces them in
 
 
-# free heap made resident before each row's timed rounds (steady allocator): twice the largest eager buffer of
-# the full-size rows, the head's 256 MB logits (a sixteenth with --quick)
+# free heap made resident before each row's timed rounds (steady allocator), at least: twice the largest eager
+# buffer of the full-size rows, the head's 256 MB logits (a sixteenth with --quick); a row whose step peaks
+# higher gets twice its peak (the head + cross-entropy's eager step: 750 MB)
 HEADROOM = 512 << 20
 # rows built in a reduced precision (every other row runs in fp32)
 ROW_DTYPES = {name: torch.bfloat16 for name in CHAINS if name.endswith("[bf16]")}
@@ -247,7 +248,9 @@ def _counting(step: Callable[[], None], faults: dict, calls: dict, key: str) -> 
 def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device, min_round_s: float = 0.0,
             headroom: int = 0) -> dict:
     """One row. ``headroom``: bytes of free heap :func:`~opsnn_lab.bench.allocator.prefault` makes resident
-    after the warm-up, so no timed step pays for the heap growing (``--allocator steady``)."""
+    after the warm-up, so no timed step pays for the heap growing (``--allocator steady``); at least twice the
+    peak of the row's eager and fused steps (the heap's free blocks are scattered: one contiguous top of 1.07x
+    the peak still let the head + cross-entropy's eager step fault 64,000 pages every other step, 2x none)."""
     grads = [torch.randn_like(o) for o in _outputs(chain.eager(*chain.inputs))]
     steps = {"eager": _step(chain.eager, chain.inputs, grads), "fused": _step(chain.fused, chain.inputs, grads)}
     row = {"chain": chain.name, "fused_first_call_s": _first_call(steps["fused"], device)}
@@ -258,8 +261,10 @@ def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device, m
     for f in steps.values():  # warm-up outside the fault count: its first-touch faults are not the steps'
         for _ in range(warmup):
             f()
+    peak = {k: _peak(steps[k], chain) for k in ("eager", "fused")} if headroom or chain.params else {}
     if headroom:
-        prefault(headroom)
+        row["headroom_bytes"] = max(headroom, 2 * max(peak.values()))
+        prefault(row["headroom_bytes"])
     faults, calls = dict.fromkeys(steps, 0), dict.fromkeys(steps, 0)
     times = interleaved_medians({k: _counting(f, faults, calls, k) for k, f in steps.items()}, warmup=0,
                                 repeat=repeat, device=device, min_round_s=min_round_s)
@@ -274,7 +279,6 @@ def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device, m
             row[f"time_{k}_vs_eager"] = times[k] / times["eager"]
             row[f"bytes_{k}_vs_eager"] = byt[k] / byt["eager"] if byt[k] is not None and byt["eager"] else None
     if chain.params:
-        peak = {k: _peak(steps[k], chain) for k in ("eager", "fused")}
         row.update(eager_peak_bytes=peak["eager"], fused_peak_bytes=peak["fused"],
                    peak_fused_vs_eager=peak["fused"] / peak["eager"])
     return row

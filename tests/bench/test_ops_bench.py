@@ -33,7 +33,8 @@ def test_quick_run_writes_every_chain_to_json(tmp_path, capsys, monkeypatch):
     faults = [r[f"{k}_faults"] for r in data["rows"] for k in ("eager", "fused")]
     assert all(isinstance(f, int) and f >= 0 for f in faults)
     assert data["allocator"] == "steady (glibc: stand-in)" and data["headroom_bytes"] == ops.HEADROOM // 16
-    assert touched == [ops.HEADROOM // 16] * len(names)
+    # every quick row peaks under half the floor
+    assert touched == [ops.HEADROOM // 16] * len(names) == [r["headroom_bytes"] for r in data["rows"]]
     out = capsys.readouterr().out
     assert "time_fused_vs_eager" in out and f"allocator: {data['allocator']}" in out
 
@@ -90,11 +91,23 @@ def test_headroom_is_made_resident_after_the_warm_up(monkeypatch):
     chain = ops.Chain("double", lambda x: events.append("eager") or x * 2, lambda x: x * 2,
                       (torch.ones(3, requires_grad=True),))
     ops.measure(chain, compile_=False, repeat=2, warmup=1, device="cpu", headroom=7 << 20)
-    # the upstream gradients, the warm-up, the headroom, two timed rounds, then activation bytes
-    assert events[:5] == ["eager", "eager", ("prefault", 7 << 20), "eager", "eager"]
+    # the upstream gradients, the warm-up, the step's peak, the headroom, two timed rounds, then activation bytes
+    assert events[:6] == ["eager", "eager", "eager", ("prefault", 7 << 20), "eager", "eager"]
     events.clear()
     ops.measure(chain, compile_=False, repeat=1, warmup=1, device="cpu")
     assert not any(isinstance(e, tuple) for e in events)  # headroom=0: nothing touched
+
+
+def test_a_row_that_peaks_past_the_headroom_gets_twice_its_peak(monkeypatch):
+    touched = []
+    monkeypatch.setattr(ops, "prefault", touched.append)
+    big = 1 << 20  # 4 MB of fp32 alive in the eager step, the fused one keeps less
+    chain = ops.Chain("wide", lambda x: (x * torch.ones(big)).sum() * x, lambda x: x * 2,
+                      (torch.ones(1, requires_grad=True),))
+    row = ops.measure(chain, compile_=False, repeat=1, warmup=0, device="cpu", headroom=1 << 20)
+    assert 2 * 4 * big <= row["headroom_bytes"] <= 2 * 3 * 4 * big and touched == [row["headroom_bytes"]]
+    row = ops.measure(chain, compile_=False, repeat=1, warmup=0, device="cpu", headroom=64 << 20)
+    assert row["headroom_bytes"] == 64 << 20  # the floor, where the step peaks lower
 
 
 def test_bad_chain_name_is_rejected():
