@@ -12,6 +12,7 @@ _EXPORTS = {
     "FusedLinearActDropout": "linear_gelu_dropout",
     "FusedLinearActDropoutLinear": "linear_gelu_dropout",
     "FusedGatedMLP": "gated_mlp",
+    "FusedPackedGatedMLP": "gated_mlp",
     "FusedConvBNReLU": "conv_bn_relu",
     "FusedConvBNAct": "conv_bn_relu",
     "FusedQKV": "qkv",

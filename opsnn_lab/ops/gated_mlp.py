@@ -1,7 +1,8 @@
 """Gated MLP ``down(dropout(act(gate(x)) * up(x)))`` (SwiGLU, GeGLU) as one autograd op with gate and up in ONE GEMM.
 
 Covers Llama / Mistral / Qwen ``gate_proj`` / ``up_proj`` / ``down_proj`` (SiLU) and T5's gated-gelu
-``wi_0`` / ``wi_1`` / ``wo`` (tanh GELU, dropout before ``wo``), Gemma (tanh GELU).
+``wi_0`` / ``wi_1`` / ``wo`` (tanh GELU, dropout before ``wo``), Gemma (tanh GELU); and, through
+``FusedGatedMLP.from_packed``, Phi-3's one ``gate_up_proj`` Linear whose output is split by ``chunk(2, -1)``.
 
 What is saved for backward, per token, hidden H, intermediate I (the elementwise kernels: ``kernels.gated_mlp``):
 
@@ -29,22 +30,32 @@ from opsnn_lab.ops import _mlp_parts as parts
 from opsnn_lab.ops.dropout import CounterRNG, Dropout
 from opsnn_lab.ops.qkv import _adjacent, _joined, _joined_bias
 
-__all__ = ["FusedGatedMLP", "GatedMLPFunction"]
+__all__ = ["FusedGatedMLP", "FusedPackedGatedMLP", "GatedMLPFunction"]
 
 _MAX_NUMEL = 1 << 32
 
 
+def _gate_up(w_gate, w_up):
+    """``[W_gate | W_up]``; ``w_up`` None: ``w_gate`` is that packed (2I, H) weight already (one Linear)."""
+    return w_gate if w_up is None else _joined([w_gate, w_up])
+
+
 def _packed_gemm(x2, w_gate, w_up, b_gate, b_up):
     """``x2 @ [W_gate | W_up].T (+ [b_gate | b_up])``: (M, 2I)."""
-    b = _joined_bias([b_gate, b_up], [w_gate.shape[0], w_up.shape[0]], w_gate)
-    w = _joined([w_gate, w_up])
+    if w_up is None:
+        b = b_gate
+    else:
+        b = _joined_bias([b_gate, b_up], [w_gate.shape[0], w_up.shape[0]], w_gate)
+    w = _gate_up(w_gate, w_up)
     return torch.addmm(b, x2, w.t()) if b is not None else x2 @ w.t()
 
 
 class GatedMLPFunction(torch.autograd.Function):
     """``dropout(act(x @ Wg.T + bg) * (x @ Wu.T + bu)) @ Wd.T + bd``; saves x and the packed [gate | up] only.
 
-    ``apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down, act, p, seed, offset, recompute)``.
+    ``apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down, act, p, seed, offset, recompute)``; ``w_up`` and
+    ``b_up`` None: ``w_gate`` / ``b_gate`` are one Linear's packed ``[gate | up]`` weight and bias, and their
+    gradients come back packed the same way.
     """
 
     @staticmethod
@@ -66,13 +77,14 @@ class GatedMLPFunction(torch.autograd.Function):
         if gu is None:
             gu = _packed_gemm(x2, w_gate, w_up, b_gate, b_up)
         grad_gu, out = gated_act_bwd(gy @ w_down, gu, act, p, seed, offset, want_out=need[3])
-        inter = w_gate.shape[0]
-        grad_x = (grad_gu @ _joined([w_gate, w_up])).view(*ctx.lead, x2.shape[1]) if need[0] else None
+        packed = w_up is None
+        halves = (lambda t: (t, None)) if packed else (lambda t: t.split(w_gate.shape[0]))
+        grad_x = (grad_gu @ _gate_up(w_gate, w_up)).view(*ctx.lead, x2.shape[1]) if need[0] else None
         grad_wg = grad_wu = grad_bg = grad_bu = None
         if need[1] or need[2]:
-            grad_wg, grad_wu = (grad_gu.t() @ x2).split(inter)  # one GEMM, halves of one buffer
+            grad_wg, grad_wu = halves(grad_gu.t() @ x2)  # one GEMM, halves of one buffer
         if (need[4] and ctx.has_bias[0]) or (need[5] and ctx.has_bias[1]):
-            grad_bg, grad_bu = grad_gu.sum(0).split(inter)
+            grad_bg, grad_bu = halves(grad_gu.sum(0))
         grad_wd = gy.t() @ out if need[3] else None
         grad_bd = gy.sum(0) if need[6] else None
         return (grad_x, grad_wg if need[1] else None, grad_wu if need[2] else None, grad_wd,
@@ -103,6 +115,38 @@ def _parse(gate, up, down, act, dropout) -> tuple[str, float]:
             raise TypeError(f"{name} has dtype {lin.weight.dtype} but gate has {gate.weight.dtype}")
         if lin.weight.device != gate.weight.device:
             raise ValueError(f"{name} is on {lin.weight.device} but gate is on {gate.weight.device}")
+    return act_name, p
+
+
+def _check_input(x, first: nn.Linear, inter: int) -> None:
+    check_tensor("x", x, min_dim=1)
+    if x.shape[-1] != first.in_features:
+        raise ValueError(f"x must have {first.in_features} features in its last dim, got shape {tuple(x.shape)}")
+    if x.dtype != first.weight.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but the weights are {first.weight.dtype}; cast one of them")
+    same_device(weight=first.weight, x=x)
+    if x.numel() // max(x.shape[-1], 1) * inter > _MAX_NUMEL:
+        raise ValueError("x gives more than 2**32 activations; split the batch")
+
+
+def _parse_packed(gate_up, down, act, dropout) -> tuple[str, float]:
+    """``(act_name, p)`` for one Linear computing ``[gate | up]``, or raises TypeError/ValueError."""
+    for name, lin in (("gate_up", gate_up), ("down", down)):
+        if not isinstance(lin, nn.Linear):
+            raise TypeError(f"{name} must be nn.Linear, got {type(lin).__name__}")
+    act_name, why = parts.activation_name(act)
+    if act_name is None:
+        raise TypeError(f"act: {why}")
+    p, why = parts.dropout_p(dropout)
+    if p is None:
+        raise TypeError(why)
+    if gate_up.out_features % 2 or down.in_features * 2 != gate_up.out_features:
+        raise ValueError(f"gate_up must have twice down's in_features ({down.in_features}) as out_features, "
+                         f"got {gate_up.out_features}")
+    if down.weight.dtype != gate_up.weight.dtype:
+        raise TypeError(f"down has dtype {down.weight.dtype} but gate_up has {gate_up.weight.dtype}")
+    if down.weight.device != gate_up.weight.device:
+        raise ValueError(f"down is on {down.weight.device} but gate_up is on {gate_up.weight.device}")
     return act_name, p
 
 
@@ -173,6 +217,28 @@ class FusedGatedMLP(CounterRNG, nn.Module):
                      names=names)
         return module.train(gate.training)
 
+    @classmethod
+    def from_packed(cls, gate_up: nn.Linear, down: nn.Linear, act: nn.Module, dropout: nn.Module | None = None,
+                    *, seed: int | None = None, recompute: bool = False, register: bool = True,
+                    names: tuple[str, str] = ("gate_up_proj", "down_proj")) -> FusedPackedGatedMLP:
+        """The gated MLP of a model that packs gate and up into one Linear, ``gate, up = gate_up(x).chunk(2, -1)``
+        (Phi-3's ``gate_up_proj``): the fused op reads that weight as it is, the gate being its first half."""
+        act_name, p = _parse_packed(gate_up, down, act, dropout)
+        if seed is None and isinstance(dropout, Dropout):
+            seed = dropout.rng_seed
+        module = FusedPackedGatedMLP(gate_up, down, act_name, p, seed=seed, recompute=recompute, register=register,
+                                     names=names)
+        return module.train(gate_up.training)
+
+    @classmethod
+    def supports_packed(cls, gate_up, down, act, dropout=None) -> tuple[bool, str]:
+        """``(True, "")`` if ``from_packed(gate_up, down, act, dropout)`` would build, else ``(False, reason)``."""
+        try:
+            _parse_packed(gate_up, down, act, dropout)
+        except (TypeError, ValueError) as exc:
+            return False, str(exc)
+        return True, ""
+
     @property
     def linears(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
         """``(gate, up, down)``."""
@@ -200,22 +266,72 @@ class FusedGatedMLP(CounterRNG, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.linears
-        check_tensor("x", x, min_dim=1)
-        if x.shape[-1] != gate.in_features:
-            raise ValueError(f"x must have {gate.in_features} features in its last dim, got shape {tuple(x.shape)}")
-        if x.dtype != gate.weight.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the weights are {gate.weight.dtype}; cast one of them")
-        same_device(weight=gate.weight, x=x)
-        if x.numel() // max(x.shape[-1], 1) * gate.out_features > _MAX_NUMEL:
-            raise ValueError("x gives more than 2**32 activations; split the batch")
-        p, seed, offset = 0.0, 0, 0
-        if self.training:  # eval neither draws nor advances the stream
-            seed, offset = self.next_draw()
-            p = self.p
+        _check_input(x, gate, gate.out_features)
+        p, seed, offset = self._draw()
         return GatedMLPFunction.apply(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias,
                                       self.act, p, seed, offset, self.recompute)
+
+    def _draw(self) -> tuple[float, int, int]:
+        if not self.training:  # eval neither draws nor advances the stream
+            return 0.0, 0, 0
+        seed, offset = self.next_draw()
+        return self.p, seed, offset
 
     def extra_repr(self) -> str:
         gate, _, down = self.linears
         return (f"in_features={gate.in_features}, hidden={gate.out_features}, out_features={down.out_features}, "
                 f"act={self.act!r}, p={self.p}, recompute={self.recompute}")
+
+
+class FusedPackedGatedMLP(FusedGatedMLP):
+    """:class:`FusedGatedMLP` where one Linear computes ``[gate | up]`` (``FusedGatedMLP.from_packed``).
+
+    Saves what the two-Linear form saves (x and the packed pre-activations). The weight needs no packing: the
+    GEMM reads ``gate_up.weight`` and its gradient comes back in that layout. ``register=True`` registers the
+    two Linears under ``names`` (default ``("gate_up_proj", "down_proj")``).
+    """
+
+    def __init__(self, gate_up: nn.Linear, down: nn.Linear, act: str = "silu", p: float = 0.0, *,
+                 seed: int | None = None, recompute: bool = False, register: bool = True,
+                 names: tuple[str, str] = ("gate_up_proj", "down_proj")):
+        nn.Module.__init__(self)
+        _parse_packed(gate_up, down, nn.SiLU(), None)
+        self.act = check_choice("act", act, parts.ACTS)
+        self.p = float(check_range("p", p, 0.0, 1.0))
+        self.recompute = bool(check_type("recompute", recompute, bool))
+        check_type("names", names, tuple)
+        if len(names) != 2 or len(set(names)) != 2 or not all(isinstance(n, str) and n.isidentifier() for n in names):
+            raise ValueError(f"names must be two distinct identifiers (gate_up, down), got {names!r}")
+        self.names = names
+        if check_type("register", register, bool):
+            for name, lin in zip(names, (gate_up, down)):
+                self.add_module(name, lin)
+        else:
+            object.__setattr__(self, "_refs", (gate_up, down))
+        self._init_rng(seed)
+
+    @property
+    def linears(self) -> tuple[nn.Linear, nn.Linear]:
+        """``(gate_up, down)``."""
+        if "_refs" in self.__dict__:
+            return self.__dict__["_refs"]
+        return tuple(self._modules[n] for n in self.names)
+
+    @property
+    def packed(self) -> bool:
+        return True
+
+    def repack(self) -> None:
+        """Nothing to do: gate and up are one weight already."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.linears
+        _check_input(x, gate_up, gate_up.out_features // 2)
+        p, seed, offset = self._draw()
+        return GatedMLPFunction.apply(x, gate_up.weight, None, down.weight, gate_up.bias, None, down.bias,
+                                      self.act, p, seed, offset, self.recompute)
+
+    def extra_repr(self) -> str:
+        gate_up, down = self.linears
+        return (f"in_features={gate_up.in_features}, hidden={down.in_features}, out_features={down.out_features}, "
+                f"act={self.act!r}, p={self.p}, recompute={self.recompute}, packed=[gate | up]")

@@ -249,3 +249,91 @@ def test_gpu_matches_eager_error_bound(act, dtype):
     assert_within_eager_error(out, eager, ref)
     for i, (g, e, r) in enumerate(zip(grads, eager_grads, ref_grads)):
         assert_within_eager_error(g, e, r, name=f"grad {i}")
+
+
+# --------------------------------------------------------------------------- one Linear computing [gate | up]
+class _PackedMLP(nn.Module):
+    """Phi-3's MLP: ``gate, up = gate_up_proj(x).chunk(2, -1); down_proj(up * act(gate))``."""
+
+    def __init__(self, h=16, inter=24, bias=False, act="silu", dtype=torch.float32):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(h, 2 * inter, bias=bias).to(dtype)
+        self.down_proj = nn.Linear(inter, h, bias=bias).to(dtype)
+        self.act = _ACT_MODULES[act]()
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.act(gate))
+
+
+def _packed(mlp, **kw):
+    return FusedGatedMLP.from_packed(mlp.gate_up_proj, mlp.down_proj, mlp.act, **kw)
+
+
+@pytest.mark.parametrize("act", list(_ACT_MODULES))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_packed_gate_up_matches_eager(act, bias, recompute):
+    torch.manual_seed(0)
+    mlp = _PackedMLP(h=19, inter=13, bias=bias, act=act, dtype=torch.float64)
+    fused = _packed(mlp, recompute=recompute)
+    assert fused.packed and isinstance(fused, gm_ops.FusedPackedGatedMLP)
+    params = [p for p in mlp.parameters()]
+    x = non_contiguous(seeded(3, 5, 19, seed=1, dtype=torch.float64)).requires_grad_(True)
+    out, grads = run_fwd_bwd(fused, [x], params)
+    ref, ref_grads = run_fwd_bwd(mlp, [x], params)
+    assert_close_dtype(out, ref)
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert g.shape == r.shape
+        assert_close_dtype(g, r, msg=f"grad {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_packed_low_precision_within_twice_eager_error(dtype):
+    torch.manual_seed(0)
+    mlp64 = _PackedMLP(h=32, inter=48, bias=True, act="gelu_tanh", dtype=torch.float64)
+    mlp = _PackedMLP(h=32, inter=48, bias=True, act="gelu_tanh").to(dtype)
+    mlp.load_state_dict({k: v.to(dtype) for k, v in mlp64.state_dict().items()})
+    x64 = seeded(4, 9, 32, seed=2, dtype=torch.float64, requires_grad=True)
+    x = x64.detach().to(dtype).requires_grad_(True)
+    ref, ref_grads = run_fwd_bwd(mlp64, [x64], list(mlp64.parameters()))
+    eager, eager_grads = run_fwd_bwd(mlp, [x], list(mlp.parameters()))
+    out, grads = run_fwd_bwd(_packed(mlp), [x], list(mlp.parameters()))
+    assert_within_eager_error(out, eager, ref)
+    for i, (g, e, r) in enumerate(zip(grads, eager_grads, ref_grads)):
+        assert_within_eager_error(g, e, r, name=f"grad {i}")
+
+
+def test_packed_dropout_draws_the_two_linear_forms_mask():
+    torch.manual_seed(0)
+    mlp = _PackedMLP(bias=True)
+    inter = mlp.down_proj.in_features
+    gate = nn.Linear(16, inter)
+    up = nn.Linear(16, inter)
+    with torch.no_grad():
+        gate.weight.copy_(mlp.gate_up_proj.weight[:inter]), up.weight.copy_(mlp.gate_up_proj.weight[inter:])
+        gate.bias.copy_(mlp.gate_up_proj.bias[:inter]), up.bias.copy_(mlp.gate_up_proj.bias[inter:])
+    two = FusedGatedMLP.from_modules(gate, up, mlp.down_proj, nn.SiLU(), nn.Dropout(0.3), seed=5, pack=False)
+    packed = FusedGatedMLP.from_packed(mlp.gate_up_proj, mlp.down_proj, nn.SiLU(), nn.Dropout(0.3), seed=5)
+    x = seeded(7, 16, seed=3)
+    torch.testing.assert_close(packed(x), two(x))
+    assert packed.rng_step == two.rng_step == 1
+
+
+def test_packed_keeps_the_state_dict_and_rejects_bad_modules():
+    mlp = _PackedMLP()
+    fused = _packed(mlp)
+    assert list(fused.state_dict()) == ["gate_up_proj.weight", "down_proj.weight"]
+    assert "packed=[gate | up]" in repr(fused)
+    odd = nn.Linear(16, 47)
+    assert FusedGatedMLP.supports_packed(odd, mlp.down_proj, nn.SiLU()) == (
+        False, "gate_up must have twice down's in_features (24) as out_features, got 47")
+    with pytest.raises(TypeError, match="gate_up"):
+        FusedGatedMLP.from_packed(nn.Conv1d(16, 48, 1), mlp.down_proj, nn.SiLU())
+    with pytest.raises(TypeError, match="down has dtype"):
+        FusedGatedMLP.from_packed(mlp.gate_up_proj, nn.Linear(24, 16).double(), nn.SiLU())
+    with pytest.raises(ValueError, match="names"):
+        FusedGatedMLP.from_packed(mlp.gate_up_proj, mlp.down_proj, nn.SiLU(), names=("a", "a"))
+    with pytest.raises(ValueError, match="16 features"):
+        fused(torch.zeros(2, 15))
+    assert fused(torch.zeros(0, 16)).shape == (0, 16)
