@@ -71,6 +71,12 @@ def _hf(name, size, dropout, batch, seq):
                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
         cfg = _dropouts(cfg, ("attention_dropout",), dropout)
         return T.LlamaForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
+    if name == "phi3":  # one gate_up_proj Linear split by chunk, one qkv_proj: the packed forms
+        cfg = T.Phi3Config(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64, max_position_embeddings=40,
+                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cfg = _dropouts(cfg, ("attention_dropout", "resid_pdrop", "embd_pdrop"), dropout)
+        return T.Phi3ForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
     if name == "t5":  # gated-GELU feed-forward (T5 v1.1 / Flan-T5), RMS norms named T5LayerNorm
         cfg = T.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                          feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
@@ -105,8 +111,8 @@ def _embedded(name, size, dropout, batch, seq):
     return ResNet(ResNetConfig()), (_images(batch)["pixel_values"],)
 
 
-MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "t5": _hf, "resnet": _hf, "efficientnet": _hf,
-          "mobilenet_v2": _hf, "convnext": _hf, "encoder": _embedded, "cnn": _embedded}
+MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "phi3": _hf, "t5": _hf, "resnet": _hf,
+          "efficientnet": _hf, "mobilenet_v2": _hf, "convnext": _hf, "encoder": _embedded, "cnn": _embedded}
 
 # What each architecture has, per pattern: {pattern: (fused, rejected)} with the ops as they are today
 # (2 layers / 2 stages). The matrix test checks plan.summary() against this; the README lists the reasons.

@@ -33,5 +33,6 @@ def test_fusion_bench_hf_matrix(tmp_path, capsys):
         assert r["fused"] + r["rejected"] == r["candidates"] and 0 < r["activation fused/eager"] <= 1
     assert rows["llama"]["summary"]["gated_mlp_silu"] == {"fused": 2, "rejected": 0}
     assert rows["t5"]["summary"]["gated_mlp_gelu_tanh"] == {"fused": 4, "rejected": 0}
+    assert rows["phi3"]["summary"]["gated_mlp_silu"] == {"fused": 2, "rejected": 0}  # one packed gate_up Linear
     out = capsys.readouterr().out
     assert "activation fused/eager" in out and "EfficientNet activation bytes fused/eager" in out

@@ -30,6 +30,8 @@ CANDIDATES = {
              "add_layer_norm": 4, "layer_norm": 5, "linear_cross_entropy": 1},
     "llama": {"gated_mlp_silu": 2, "linear_silu": 2, "qkv": 2,  # GQA: k/v narrower than q
               "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
+    "phi3": {"gated_mlp_silu": 2,  # gate_up_proj: one Linear split by chunk; qkv_proj is one GEMM already
+             "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
     "t5": {"gated_mlp_gelu_tanh": 4, "linear_gelu_tanh": 4, "qkv": 6,  # cross-attention k/v read the encoder
            "add_rms_norm": 10, "rms_norm": 12, "linear_cross_entropy": 1},
     "resnet": {"conv_bn_relu_maxpool": 1, "conv_bn_relu": 5},

@@ -115,6 +115,52 @@ def test_gated_mlp_refusals_name_the_computation():
     assert not d.fused and "`<model>` also computes sum, gt, mul around the chain" in d.reason
 
 
+class PackedGLU(nn.Module):  # Phi-3's layout: one Linear computes [gate | up], split by chunk
+    def __init__(self, up_first=False, bias=False):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = nn.Linear(12, 40, bias=bias), nn.Linear(20, 12, bias=bias)
+        self.act, self.up_first = nn.SiLU(), up_first
+
+    def forward(self, x):
+        a, b = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = (b, a) if self.up_first else (a, b)
+        return self.down_proj(up * self.act(gate))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_gate_up_projection_fuses_and_keeps_its_weight(bias):
+    torch.manual_seed(0)
+    model = PackedGLU(bias=bias)
+    x = seeded(3, 5, 12)
+    fused, plan = ol.fusion.fuse(model, x)
+    (d,) = [d for d in plan.decisions if d.pattern.startswith("gated")]
+    assert d.pattern == "gated_mlp_silu" and d.fused and d.route == "module:whole", d.reason
+    assert d.saved_bytes > 0 and d.saved_bytes == _measured_saving(model, fused, x)
+    assert list(fused.state_dict()) == list(model.state_dict())
+    _same(model, fused, x)
+
+
+class PackedInline(PackedGLU):  # the chain plus an op in one traceable forward: the fx route, getitem per half
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+@pytest.mark.parametrize("make", [PackedGLU, PackedInline])
+def test_packed_gate_up_with_the_gate_second_is_refused_with_the_reason(make):
+    (d,) = [d for d in ol.fusion.analyze(make(up_first=True), seeded(2, 12)).decisions
+            if d.pattern.startswith("gated")]
+    assert not d.fused and "the activated half is the second of `gate_up_proj`'s output" in d.reason
+
+
+def test_packed_gate_up_inline_in_traceable_code_fuses_through_fx():
+    torch.manual_seed(0)
+    model, x = PackedInline(bias=True), seeded(3, 5, 12)
+    fused, plan = ol.fusion.fuse(model, x)
+    (d,) = [d for d in plan.decisions if d.pattern.startswith("gated")]
+    assert d.fused and d.route == "fx:<model>", d.reason
+    _same(model, fused, x)
+
+
 # --------------------------------------------------------------------------- norms written in Python
 class Normalizer(nn.Module):  # an RMSNorm under another name, eps recorded in the code
     def __init__(self, n, offset=False):
