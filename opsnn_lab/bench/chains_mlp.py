@@ -5,6 +5,8 @@ Rows (names follow the fusion pattern names):
 * ``gated_mlp_silu``: Llama's MLP, ``down(silu(gate(x)) * up(x))``, Llama-7B widths scaled to the CPU
   (hidden 1024, intermediate 2816; the 7B model has 4096 / 11008, the same 2.69 ratio), no bias.
 * ``gated_mlp_gelu``: T5 v1.1's gated-gelu (``gelu_new`` = tanh GELU, dropout before ``wo``), same widths.
+* ``gated_mlp_silu[packed]``: Phi-3's MLP, one ``gate_up_proj`` Linear split by ``chunk(2, -1)``
+  (``FusedGatedMLP.from_packed``), the same widths.
 * ``linear_gelu_tanh_linear[gpt2]``: GPT-2's MLP, Conv1D -> ``NewGELUActivation`` -> Conv1D, BERT-base widths.
 * ``linear_quick_gelu_linear``: CLIP's MLP (QuickGELU written as in Hugging Face), BERT-base widths.
 * ``linear_silu_dropout_linear``: nn.Linear -> SiLU -> Dropout -> nn.Linear, BERT-base widths.
@@ -23,8 +25,8 @@ from torch import nn
 
 __all__ = ["CHAINS", "build_chains", "LLAMA_FULL"]
 
-CHAINS = ("gated_mlp_silu", "gated_mlp_gelu", "linear_gelu_tanh_linear[gpt2]", "linear_quick_gelu_linear",
-          "linear_silu_dropout_linear")
+CHAINS = ("gated_mlp_silu", "gated_mlp_gelu", "gated_mlp_silu[packed]", "linear_gelu_tanh_linear[gpt2]",
+          "linear_quick_gelu_linear", "linear_silu_dropout_linear")
 LLAMA_FULL = dict(hidden=1024, inter=2816)  # Llama-7B's 4096 / 11008 scaled by 1/4
 TARGETS = {"bytes_fused_vs_eager[gated_mlp_*]": 0.67, "bytes_fused_vs_compile[gated_mlp_*]": 1.0}
 
@@ -69,6 +71,20 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
 
 
+class PackedGatedMLP(nn.Module):
+    """Phi-3's ``Phi3MLP``: one ``gate_up_proj`` Linear computes ``[gate | up]``."""
+
+    def __init__(self, hidden: int, inter: int, act: nn.Module):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.activation_fn = act
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
 def _gated_dims(s: dict) -> tuple[int, int]:
     # full run: Llama-7B-like widths; quick run: the CI-sized widths it was given
     return (LLAMA_FULL["hidden"], LLAMA_FULL["inter"]) if s["hidden"] >= 768 else (s["hidden"], s["inter"])
@@ -79,9 +95,13 @@ def _gated(name, s, device, dtype, act, p):
     from opsnn_lab.bench.ops import Chain
 
     hidden, inter = _gated_dims(s)
-    eager = GatedMLP(hidden, inter, act, p).to(device, dtype)
-    fused = ops.FusedGatedMLP.from_modules(eager.gate_proj, eager.up_proj, eager.down_proj, eager.act_fn,
-                                           eager.dropout, register=False)
+    if name.endswith("[packed]"):
+        eager = PackedGatedMLP(hidden, inter, act).to(device, dtype)
+        fused = ops.FusedGatedMLP.from_packed(eager.gate_up_proj, eager.down_proj, act, register=False)
+    else:
+        eager = GatedMLP(hidden, inter, act, p).to(device, dtype)
+        fused = ops.FusedGatedMLP.from_modules(eager.gate_proj, eager.up_proj, eager.down_proj, eager.act_fn,
+                                               eager.dropout, register=False)
     x = torch.randn(s["batch"], s["tokens"], hidden, device=device, dtype=dtype, requires_grad=True)
     return Chain(name, eager, fused, (x,), note=f"hidden {hidden}, intermediate {inter}")
 
@@ -104,6 +124,7 @@ def build_chains(shapes: dict, device, dtype, wanted) -> list:
     builders = {
         "gated_mlp_silu": lambda: _gated("gated_mlp_silu", shapes, device, dtype, nn.SiLU(), 0.0),
         "gated_mlp_gelu": lambda: _gated("gated_mlp_gelu", shapes, device, dtype, NewGELUActivation(), p),
+        "gated_mlp_silu[packed]": lambda: _gated("gated_mlp_silu[packed]", shapes, device, dtype, nn.SiLU(), 0.0),
         "linear_gelu_tanh_linear[gpt2]": lambda: _two_layer(
             "linear_gelu_tanh_linear[gpt2]", shapes, device, dtype, Conv1D(i, h), NewGELUActivation(), 0.0,
             Conv1D(h, i)),

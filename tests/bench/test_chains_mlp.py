@@ -16,7 +16,8 @@ def test_full_gated_rows_use_llama_like_widths():
     assert chains_mlp._gated_dims(ops.QUICK) == (ops.QUICK["hidden"], ops.QUICK["inter"])
 
 
-@pytest.mark.parametrize("name", ["gated_mlp_silu", "linear_gelu_tanh_linear[gpt2]", "linear_quick_gelu_linear"])
+@pytest.mark.parametrize("name", ["gated_mlp_silu", "gated_mlp_silu[packed]", "linear_gelu_tanh_linear[gpt2]",
+                                  "linear_quick_gelu_linear"])
 def test_fused_side_computes_the_eager_side(name):
     (chain,) = chains_mlp.build_chains(ops.QUICK, "cpu", torch.float32, [name])  # p = 0 rows: no masks to align
     x = chain.inputs[0]
@@ -26,7 +27,7 @@ def test_fused_side_computes_the_eager_side(name):
     assert_close_dtype(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x, g)[0])
 
 
-@pytest.mark.parametrize("name", ["gated_mlp_silu", "gated_mlp_gelu"])
+@pytest.mark.parametrize("name", ["gated_mlp_silu", "gated_mlp_gelu", "gated_mlp_silu[packed]"])
 def test_gated_rows_meet_the_bytes_target(name):
     (chain,) = chains_mlp.build_chains(ops.QUICK, "cpu", torch.float32, [name])
     fused = activation_bytes(lambda: chain.fused(*chain.inputs))
