@@ -70,7 +70,7 @@ class AttentionDropoutFunction(torch.autograd.Function):
         out = torch.bmm(probs, v3).mul_(_keep_scale(p))
         ctx.save_for_backward(q, k, v, mask)
         ctx.cfg = (scale, p, seed, offset)
-        return out.view(*batch, *out.shape[1:])
+        return out  # (batch, T, d): viewed outside the Function, so the caller may modify it in place
 
     @staticmethod
     def backward(ctx, grad):
@@ -169,7 +169,8 @@ class FusedAttention(CounterRNG, nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         if math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])) * q.shape[-2] * k.shape[-2] > rng.MAX_NUMEL:
             raise ValueError("the attention matrix has more than 2**32 elements; split the batch")
-        return AttentionDropoutFunction.apply(q, k, v, mask, scale, p, seed, offset)
+        out = AttentionDropoutFunction.apply(q, k, v, mask, scale, p, seed, offset)
+        return out.view(*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]), *out.shape[1:])
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}"

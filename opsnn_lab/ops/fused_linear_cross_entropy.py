@@ -136,7 +136,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             loss, grad_h, grad_w, grad_b = _grad_pass(h2, weight, bias, t, row_scale, cfg, need)
             ctx.save_for_backward(grad_h, grad_w, grad_b)
         if reduction == "none":
-            return loss.view(target.shape)
+            return loss  # (N,): viewed as target outside the Function, so it may be modified in place
         total = loss.sum()
         return total / n_valid if reduction == "mean" else total  # 0 / 0 = NaN when all ignored, as torch
 
@@ -197,8 +197,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     recomputes.
     """
     _check_args(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, chunk_size, recompute)
-    return LinearCrossEntropyFunction.apply(hidden, weight, bias, target.long(), ignore_index, reduction,
+    loss = LinearCrossEntropyFunction.apply(hidden, weight, bias, target.long(), ignore_index, reduction,
                                             float(label_smoothing), chunk_size, recompute)
+    return loss.view(target.shape) if reduction == "none" else loss
 
 
 class FusedLinearCrossEntropy(nn.Module):

@@ -66,7 +66,7 @@ class GatedMLPFunction(torch.autograd.Function):
         ctx.cfg, ctx.lead = (act, p, seed, offset), x.shape[:-1]
         ctx.has_bias = (b_gate is not None, b_up is not None)
         ctx.save_for_backward(x2, w_gate, w_up, w_down, b_gate, b_up, None if recompute else gu)
-        return y.view(*ctx.lead, y.shape[-1])
+        return y  # (M, out): viewed outside the Function, so the caller may modify it in place
 
     @staticmethod
     def backward(ctx, grad):
@@ -268,8 +268,9 @@ class FusedGatedMLP(CounterRNG, nn.Module):
         gate, up, down = self.linears
         _check_input(x, gate, gate.out_features)
         p, seed, offset = self._draw()
-        return GatedMLPFunction.apply(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias,
-                                      self.act, p, seed, offset, self.recompute)
+        y = GatedMLPFunction.apply(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias,
+                                   self.act, p, seed, offset, self.recompute)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def _draw(self) -> tuple[float, int, int]:
         if not self.training:  # eval neither draws nor advances the stream
@@ -328,8 +329,9 @@ class FusedPackedGatedMLP(FusedGatedMLP):
         gate_up, down = self.linears
         _check_input(x, gate_up, gate_up.out_features // 2)
         p, seed, offset = self._draw()
-        return GatedMLPFunction.apply(x, gate_up.weight, None, down.weight, gate_up.bias, None, down.bias,
-                                      self.act, p, seed, offset, self.recompute)
+        y = GatedMLPFunction.apply(x, gate_up.weight, None, down.weight, gate_up.bias, None, down.bias,
+                                   self.act, p, seed, offset, self.recompute)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
         gate_up, down = self.linears

@@ -64,6 +64,13 @@ def _forward_h(ctx, x, weight, bias, cfg):
     return out, h, x2
 
 
+def _unflatten(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A Function's (M, out) result viewed as ``x``'s leading dims: the view is taken outside the Function, so the
+    caller may modify the output in place (``out += residual``) as it may an nn.Linear's; a view a custom
+    Function returns of a tensor it made cannot be."""
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def _saved_h(ctx, x2, h, weight, bias):
     return _recompute_h(x2, weight, bias, ctx.cfg[5], ctx.backend) if h is None else h
 
@@ -84,7 +91,7 @@ class LinearActDropoutFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, p, seed, offset, act, recompute, transposed):
         out, h, x2 = _forward_h(ctx, x, weight, bias, (p, seed, offset, act, recompute, transposed))
         ctx.save_for_backward(x2, weight, bias, None if recompute else h)
-        return out.view(*ctx.lead, out.shape[-1])
+        return out  # (M, out) as computed; the module views it (see _unflatten)
 
     @staticmethod
     def backward(ctx, grad):
@@ -111,7 +118,7 @@ class LinearActDropoutLinearFunction(torch.autograd.Function):
         y = parts.linear2d(d, weight2, bias2, transposed2)
         ctx.transposed2 = transposed2
         ctx.save_for_backward(x2, weight, bias, weight2, bias2, None if recompute else h)
-        return y.view(*ctx.lead, y.shape[-1])
+        return y  # (M, out); the module views it (see _unflatten)
 
     @staticmethod
     def backward(ctx, grad):
@@ -239,7 +246,7 @@ class FusedLinearActDropout(_FusedActBase):
         _check_input(x, self.weight, self.in_features)
         if not self.training:
             return self._first(x)
-        return LinearActDropoutFunction.apply(x, self.weight, self.bias, *self._draw())
+        return _unflatten(LinearActDropoutFunction.apply(x, self.weight, self.bias, *self._draw()), x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -331,8 +338,8 @@ class FusedLinearActDropoutLinear(_FusedActBase):
             h = self._first(x)
             y = parts.linear2d(h.reshape(-1, h.shape[-1]), self.weight2, self.bias2, self.transposed2)
             return y.view(*x.shape[:-1], self.out_features)
-        return LinearActDropoutLinearFunction.apply(x, self.weight, self.bias, self.weight2, self.bias2,
-                                                    *self._draw(), self.transposed2)
+        return _unflatten(LinearActDropoutLinearFunction.apply(x, self.weight, self.bias, self.weight2, self.bias2,
+                                                               *self._draw(), self.transposed2), x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, hidden={self.hidden_features}, out_features={self.out_features}, "

@@ -66,10 +66,11 @@ class AddNormFunction(torch.autograd.Function):
         r2 = None if residual is None else residual.reshape(-1, n)
         y, s, mean, rstd = norm_fwd(x.reshape(-1, n), weight, bias, r2, eps, rms, weight_offset, check=False)
         ctx.cfg, ctx.shape = (rms, weight_offset, bias is not None, residual is not None, save_output), x.shape
-        y = y.view(x.shape)
         ctx.save_for_backward(y if save_output else s, None if save_output else mean, rstd, weight, bias)
         ctx.set_materialize_grads(False)
-        return y if residual is None else (y, s.view(x.shape))
+        # (M, n) as computed: the caller views them as x, outside the Function, so they may be modified in place
+        # (a view a custom Function returns of a tensor it made may not); a saved y then fails loudly in backward
+        return y if residual is None else (y, s)
 
     @staticmethod
     def backward(ctx, grad_y, grad_sum=None):
@@ -209,8 +210,9 @@ class _FusedNorm(nn.Module):
             y = F.layer_norm(s, self.normalized_shape, self.weight, self.bias, self.eps)
             return y if residual is None else (y, s)
         if len(self.normalized_shape) == 1:
-            return AddNormFunction.apply(x, residual, self.weight, self.bias, self.eps, self._rms, self.weight_offset,
-                                         keep_y)
+            out = AddNormFunction.apply(x, residual, self.weight, self.bias, self.eps, self._rms, self.weight_offset,
+                                        keep_y)
+            return out.view(x.shape) if residual is None else (out[0].view(x.shape), out[1].view(x.shape))
         lead = x.shape[:x.dim() - len(self.normalized_shape)]
         flat = x.reshape(*lead, self.features)
         res = None if residual is None else residual.reshape(*lead, self.features)

@@ -51,6 +51,14 @@ def _joined_bias(biases, outs, like):
     return _joined([like.new_zeros(o) if b is None else b for b, o in zip(biases, outs)])
 
 
+def qkv_split(y: torch.Tensor, x: torch.Tensor, outs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``QKVFunction``'s (M, q + k + v) result as q, k, v with ``x``'s leading dims: one ``narrow`` view each
+    (not ``split``: autograd refuses in-place writes to the outputs of a multi-view op, and ``q *= scale`` on a
+    Linear's output is common)."""
+    starts = [sum(outs[:i]) for i in range(len(outs))]
+    return tuple(y.narrow(1, a, o).view(*x.shape[:-1], o) for a, o in zip(starts, outs))
+
+
 class QKVFunction(torch.autograd.Function):
     """``(x @ Wq.T + bq, x @ Wk.T + bk, x @ Wv.T + bv)`` from one GEMM; the outputs are column slices of it."""
 
@@ -63,14 +71,12 @@ class QKVFunction(torch.autograd.Function):
         y = torch.addmm(b, x2, w.t()) if b is not None else x2 @ w.t()
         ctx.save_for_backward(x2, wq, wk, wv)
         ctx.outs, ctx.lead, ctx.has_bias = outs, x.shape[:-1], (bq is not None, bk is not None, bv is not None)
-        return tuple(part.view(*ctx.lead, o) for part, o in zip(y.split(outs, dim=1), outs))
+        return y  # (M, q + k + v): split and viewed outside the Function (see qkv_split), so each part may be
+        # modified in place; autograd gathers the parts' gradients into one (M, q + k + v) gradient
 
     @staticmethod
-    def backward(ctx, gq, gk, gv):
+    def backward(ctx, gy):
         x2, wq, wk, wv = ctx.saved_tensors
-        grads = [torch.zeros(*ctx.lead, o, dtype=x2.dtype, device=x2.device) if g is None else g
-                 for g, o in zip((gq, gk, gv), ctx.outs)]
-        gy = torch.cat([g.reshape(-1, o) for g, o in zip(grads, ctx.outs)], dim=1)
         need_x, need_wq, need_wk, need_wv, need_bq, need_bk, need_bv = ctx.needs_input_grad
         grad_x = (gy @ _joined([wq, wk, wv])).view(*ctx.lead, x2.shape[1]) if need_x else None
         grad_w = [None] * 3
@@ -150,7 +156,8 @@ class FusedQKV(nn.Module):
         if x.dtype != q.weight.dtype:
             raise TypeError(f"x has dtype {x.dtype} but the weights are {q.weight.dtype}")
         same_device(weight=q.weight, x=x)
-        return QKVFunction.apply(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
+        return qkv_split(QKVFunction.apply(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias), x,
+                         (q.out_features, k.out_features, v.out_features))
 
     def extra_repr(self) -> str:
         q, k, v = self.linears

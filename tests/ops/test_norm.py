@@ -277,7 +277,12 @@ def test_add_variant_without_the_sum_gradient_and_in_place_guard():
     x.grad = r.grad = None
     norm(x + r).sum().backward()
     assert_close_dtype(x_grad, x.grad)
-    y, s = fused(x, r)
+    x.grad = r.grad = None
+    y, s = fused(x, r)  # saves y (the default): the sum may be written in place, y's gradients stay eager's
+    s.add_(1.0)
+    y.sum().backward()
+    assert_close_dtype(x.grad, x_grad)
+    y, s = ops.FusedAddRMSNorm.from_modules(norm, save_output=False)(x, r)
     with pytest.raises(RuntimeError, match="inplace"):  # the saved sum: refused, never wrong gradients
         s.add_(1.0)
         y.sum().backward()
