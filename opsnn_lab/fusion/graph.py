@@ -8,13 +8,15 @@ wrapper module around ``F.gelu`` alike: every node carries a canonical ``op`` na
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 __all__ = ["Node", "Graph", "Ref", "canonical_function", "canonical_module", "is_leaf_module", "arg",
-           "is_transposed_linear", "ACTIVATIONS"]
+           "is_transposed_linear", "probe_linears", "ACTIVATIONS"]
 
 # Module classes -> canonical op names; functions are named by their __name__ (see canonical_function).
 _MODULE_OPS = {
@@ -77,13 +79,52 @@ def canonical_module(module: nn.Module) -> str:
     return type(module).__name__.lower()
 
 
+# nn.Linear subclasses whose own forward computes F.linear (Falcon's ``FalconLinear``: ``x @ W.T + b``), as
+# probe_linears() found them before a trace: each runs as one Linear; any other subclass forward is looked into.
+_LINEAR_LIKE: weakref.WeakSet = weakref.WeakSet()
+_PROBE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _own_forward(module: nn.Module) -> type | None:
+    return next((c for c in type(module).__mro__ if "forward" in vars(c)), None)
+
+
+def _computes_linear(module: nn.Linear) -> bool:
+    """Whether ``module(x)`` equals ``F.linear(x, weight, bias)`` (to the dtype's rounding) on a probe input."""
+    w, b = module.weight, module.bias
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype not in _PROBE_RTOL or w.device.type == "meta":
+        return False
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    devices = [w.device] if w.device.type == "cuda" else []
+    try:  # forward, not __call__: the user's hooks do not see the probe, nor does their RNG stream move
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            y, ref = module.forward(x), F.linear(x, w, b)
+    except Exception:  # a forward that cannot take a plain (5, in) tensor is not a Linear
+        return False
+    if not isinstance(y, torch.Tensor) or y.shape != ref.shape or y.dtype != ref.dtype:
+        return False
+    tol = _PROBE_RTOL[w.dtype]
+    return bool(torch.allclose(y, ref, rtol=tol, atol=tol * max(ref.abs().max().item(), 1.0)))
+
+
+def probe_linears(model: nn.Module) -> None:
+    """Mark the model's nn.Linear subclasses whose own forward computes F.linear (run before a trace: the probe
+    calls the module, which a tracer must not see)."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and _own_forward(m) is not nn.Linear and m not in _LINEAR_LIKE \
+                and _computes_linear(m):
+            _LINEAR_LIKE.add(m)
+
+
 def is_leaf_module(module: nn.Module) -> bool:
     """fx's rule, plus opsnn_lab's own ops: built-in modules run as a unit; user modules are looked into."""
     mod = type(module).__module__
     if _hf_op(module) is not None:  # one op, whatever Python its forward is written in
         return True
-    forward_from = next((c for c in type(module).__mro__ if "forward" in vars(c)), None)
+    forward_from = _own_forward(module)
     if forward_from is not None and forward_from in _MODULE_OPS:  # a subclass keeping e.g. Conv2d's forward
+        return True
+    if module in _LINEAR_LIKE:  # an nn.Linear subclass whose own forward computes F.linear
         return True
     builtin = mod.startswith("torch.nn") or mod.startswith("torch.ao.nn") or mod.startswith("opsnn_lab.ops")
     return builtin and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))

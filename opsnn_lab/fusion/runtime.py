@@ -16,7 +16,15 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module, is_leaf_module
+from opsnn_lab.fusion.graph import (
+    Graph,
+    Node,
+    Ref,
+    canonical_function,
+    canonical_module,
+    is_leaf_module,
+    probe_linears,
+)
 
 __all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors"]
 
@@ -222,6 +230,7 @@ class _Recorder(TorchFunctionMode):
 def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> RuntimeTrace:
     """Run ``model(*args, **kwargs)`` once and return its dataflow graph (the model runs as is)."""
     kwargs = kwargs or {}
+    probe_linears(model)  # before any hook: the probe runs modules, which the record must not see
     rec = _Recorder(model)
     rec.add_inputs(args, kwargs)
     pre = [m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True) for m in model.modules()]
