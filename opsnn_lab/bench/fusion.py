@@ -5,8 +5,9 @@ wall time of ``ol.fusion.analyze`` on CPU (target: under 10 s for BERT-base), th
 plan says fusion saves, and the saving ``activation_bytes`` measures before/after ``apply`` (parameters
 excluded). Train mode, fp32. Prints a table; writes build/bench/fusion.json.
 
-``--models hf``: the model matrix instead (Hugging Face BERT, RoBERTa, GPT-2, Llama, T5, ResNet, EfficientNet,
-MobileNetV2, ConvNeXt from tiny configs, plus the embedded encoder and CNN; dropout at the models' defaults):
+``--models hf``: the model matrix instead (Hugging Face BERT, RoBERTa, GPT-2, Llama, Phi-3, Falcon,
+Bloom, T5, ResNet, EfficientNet, MobileNetV2, ConvNeXt from tiny configs, plus the embedded encoder and CNN;
+dropout at the models' defaults):
 candidates, fused, rejected with the top reasons, activation bytes fused/eager measured, analysis seconds;
 analysis + apply of HF BERT-base (12 layers, 8x128) against the 10 s target; and a Llama-style decoder
 (``LlamaForCausalLM`` from a config, Llama-7B proportions scaled to the CPU, 4x512 tokens, vocabulary 32000)

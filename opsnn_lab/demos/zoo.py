@@ -77,6 +77,15 @@ def _hf(name, size, dropout, batch, seq):
                            bos_token_id=0, eos_token_id=0, pad_token_id=0)
         cfg = _dropouts(cfg, ("attention_dropout", "resid_pdrop", "embd_pdrop"), dropout)
         return T.Phi3ForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
+    if name == "falcon":  # FalconLinear: an nn.Linear subclass whose own forward is `x @ W.T + b`
+        cfg = T.FalconConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             new_decoder_architecture=False, bos_token_id=0, eos_token_id=0)
+        cfg = _dropouts(cfg, ("attention_dropout", "hidden_dropout"), dropout)
+        return T.FalconForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
+    if name == "bloom":  # BloomGelu: tanh-GELU written out, with its own autograd Function in training
+        cfg = T.BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+        cfg = _dropouts(cfg, ("attention_dropout", "hidden_dropout"), dropout)
+        return T.BloomForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
     if name == "t5":  # gated-GELU feed-forward (T5 v1.1 / Flan-T5), RMS norms named T5LayerNorm
         cfg = T.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                          feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
@@ -111,7 +120,8 @@ def _embedded(name, size, dropout, batch, seq):
     return ResNet(ResNetConfig()), (_images(batch)["pixel_values"],)
 
 
-MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "phi3": _hf, "t5": _hf, "resnet": _hf,
+MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "phi3": _hf, "falcon": _hf,
+          "bloom": _hf, "t5": _hf, "resnet": _hf,
           "efficientnet": _hf, "mobilenet_v2": _hf, "convnext": _hf, "encoder": _embedded, "cnn": _embedded}
 
 # What each architecture has, per pattern: {pattern: (fused, rejected)} with the ops as they are today

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["Node", "Graph", "Ref", "canonical_function", "canonical_module", "is_leaf_module", "arg",
-           "is_transposed_linear", "probe_linears", "ACTIVATIONS"]
+           "is_transposed_linear", "probe_modules", "ACTIVATIONS"]
 
 # Module classes -> canonical op names; functions are named by their __name__ (see canonical_function).
 _MODULE_OPS = {
@@ -71,6 +71,8 @@ def canonical_module(module: nn.Module) -> str:
     hf = _hf_op(module)
     if hf is not None:
         return hf
+    if module in _ACTIVATION_LIKE:
+        return _ACTIVATION_LIKE[module]
     for cls in type(module).__mro__:
         if cls in _MODULE_OPS:
             return _MODULE_OPS[cls]
@@ -107,13 +109,35 @@ def _computes_linear(module: nn.Linear) -> bool:
     return bool(torch.allclose(y, ref, rtol=tol, atol=tol * max(ref.abs().max().item(), 1.0)))
 
 
-def probe_linears(model: nn.Module) -> None:
-    """Mark the model's nn.Linear subclasses whose own forward computes F.linear (run before a trace: the probe
-    calls the module, which a tracer must not see)."""
+# Parameter-free modules of unknown class whose forward computes one pointwise activation (Bloom's BloomGelu,
+# a hand-written NewGELU or Swish), named by behaviour as probe_modules() found them: each runs as that op.
+_ACTIVATION_LIKE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _bare(module: nn.Module) -> bool:
+    """No parameters, buffers or children: all it can compute is a function of its input."""
+    return not (module._parameters or module._buffers or module._modules)
+
+
+def _unknown(module: nn.Module) -> bool:
+    builtin = type(module).__module__.startswith(("torch.", "opsnn_lab."))
+    return not builtin and _hf_op(module) is None and canonical_module(module) not in ACTIVATIONS
+
+
+def probe_modules(model: nn.Module) -> None:
+    """Mark what the model's own classes compute, by calling them once on a probe (before a trace: a tracer
+    must not see the probe): nn.Linear subclasses whose forward computes F.linear, and parameter-free modules
+    that compute exactly one activation the fused ops take (see ``opsnn_lab.ops._mlp_parts``)."""
+    from opsnn_lab.ops._mlp_parts import activation_name  # ops sits beside fusion; import on use
+
     for m in model.modules():
         if isinstance(m, nn.Linear) and _own_forward(m) is not nn.Linear and m not in _LINEAR_LIKE \
                 and _computes_linear(m):
             _LINEAR_LIKE.add(m)
+        elif _bare(m) and _unknown(m) and m not in _ACTIVATION_LIKE:
+            name, _ = activation_name(m)
+            if name is not None:
+                _ACTIVATION_LIKE[m] = name
 
 
 def is_leaf_module(module: nn.Module) -> bool:
@@ -124,7 +148,7 @@ def is_leaf_module(module: nn.Module) -> bool:
     forward_from = _own_forward(module)
     if forward_from is not None and forward_from in _MODULE_OPS:  # a subclass keeping e.g. Conv2d's forward
         return True
-    if module in _LINEAR_LIKE:  # an nn.Linear subclass whose own forward computes F.linear
+    if module in _LINEAR_LIKE or module in _ACTIVATION_LIKE:  # probed: computes F.linear / one activation
         return True
     builtin = mod.startswith("torch.nn") or mod.startswith("torch.ao.nn") or mod.startswith("opsnn_lab.ops")
     return builtin and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))

@@ -23,7 +23,7 @@ from opsnn_lab.fusion.graph import (
     canonical_function,
     canonical_module,
     is_leaf_module,
-    probe_linears,
+    probe_modules,
 )
 
 __all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors"]
@@ -230,7 +230,7 @@ class _Recorder(TorchFunctionMode):
 def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> RuntimeTrace:
     """Run ``model(*args, **kwargs)`` once and return its dataflow graph (the model runs as is)."""
     kwargs = kwargs or {}
-    probe_linears(model)  # before any hook: the probe runs modules, which the record must not see
+    probe_modules(model)  # before any hook: the probe runs modules, which the record must not see
     rec = _Recorder(model)
     rec.add_inputs(args, kwargs)
     pre = [m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True) for m in model.modules()]

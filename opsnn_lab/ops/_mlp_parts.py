@@ -39,9 +39,9 @@ def _probe_outputs(module):
     # the curved part densely, and far-out points where clipped variants (HF gelu_10, relu6) differ
     far = torch.tensor([-100.0, -30.0, -12.0, 12.0, 30.0, 100.0], dtype=torch.float64)
     x = torch.cat([torch.linspace(-6.0, 6.0, 121, dtype=torch.float64), far])
-    try:
-        with torch.no_grad():
-            y = module(x.clone())
+    try:  # forward, not __call__: the user's hooks do not see the probe, nor does their RNG stream move
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            y = module.forward(x.clone())
     except Exception:  # a module that cannot run on a float64 vector is not a pointwise activation
         return None, x
     return (y if isinstance(y, torch.Tensor) and y.shape == x.shape else None), x

@@ -34,5 +34,7 @@ def test_fusion_bench_hf_matrix(tmp_path, capsys):
     assert rows["llama"]["summary"]["gated_mlp_silu"] == {"fused": 2, "rejected": 0}
     assert rows["t5"]["summary"]["gated_mlp_gelu_tanh"] == {"fused": 4, "rejected": 0}
     assert rows["phi3"]["summary"]["gated_mlp_silu"] == {"fused": 2, "rejected": 0}  # one packed gate_up Linear
+    assert rows["falcon"]["summary"]["linear_gelu_linear"] == {"fused": 2, "rejected": 0}  # FalconLinear
+    assert rows["bloom"]["summary"]["linear_gelu_tanh_linear"] == {"fused": 2, "rejected": 0}  # BloomGelu
     out = capsys.readouterr().out
     assert "activation fused/eager" in out and "EfficientNet activation bytes fused/eager" in out

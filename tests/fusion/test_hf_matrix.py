@@ -32,6 +32,10 @@ CANDIDATES = {
               "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
     "phi3": {"gated_mlp_silu": 2,  # gate_up_proj: one Linear split by chunk; qkv_proj is one GEMM already
              "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
+    "falcon": {"linear_gelu_linear": 2,  # dense_h_to_4h / dense_4h_to_h are FalconLinear (x @ W.T + b)
+               "add_layer_norm": 2, "layer_norm": 3, "linear_cross_entropy": 1},
+    "bloom": {"linear_gelu_tanh_linear": 2,  # BloomGelu: tanh-GELU written out, named by its probe
+              "add_layer_norm": 4, "layer_norm": 6, "linear_cross_entropy": 1},
     "t5": {"gated_mlp_gelu_tanh": 4, "linear_gelu_tanh": 4, "qkv": 6,  # cross-attention k/v read the encoder
            "add_rms_norm": 10, "rms_norm": 12, "linear_cross_entropy": 1},
     "resnet": {"conv_bn_relu_maxpool": 1, "conv_bn_relu": 5},

@@ -257,7 +257,7 @@ def test_token_mixer_decisions():
     assert d[("block.attn.q_proj", "block.attn.k_proj", "block.attn.v_proj")].fused
     att = d[("block.attn",)]
     assert att.fused and att.pattern == "attention" and att.params["scale"] == pytest.approx(8**-0.5)
-    mlp = d[("block.mlp.fc1", "block.mlp.drop", "block.mlp.fc2")]  # F.gelu inside a wrapper module
+    mlp = d[("block.mlp.fc1", "block.mlp.act", "block.mlp.drop", "block.mlp.fc2")]  # a wrapper computing gelu
     assert mlp.fused and mlp.pattern == "linear_gelu_dropout_linear" and mlp.route == "module:chain"
     assert d[("block.tanh_fc", "block.tanh_act", "block.tanh_out")].fused  # the op computes tanh-GELU too
     silu = d[("silu_mlp.fc1", "silu_mlp.drop", "silu_mlp.fc2")]  # F.silu through a lookup table

@@ -1,17 +1,24 @@
-"""nn.Linear subclasses with their own forward: one that computes F.linear (Falcon's ``FalconLinear``,
-``x @ W.T + b``) runs as one Linear in the record and fuses; one that computes anything else is looked into
-as before, and its Linear-shaped parameters never reach a fused op."""
+"""Model classes named by what they compute, probed before the trace.
+
+* nn.Linear subclasses with their own forward: one that computes F.linear (Falcon's ``FalconLinear``,
+  ``x @ W.T + b``) runs as one Linear and fuses; any other is looked into, and its parameters never reach a
+  fused op as a Linear's.
+* Parameter-free modules of unknown class that compute one activation the fused ops take (a hand-written
+  gelu_new, Bloom's BloomGelu with its own backward) run as that activation; any other is looked into.
+"""
 
 from __future__ import annotations
 
 import copy
+import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import opsnn_lab as ol
-from opsnn_lab.fusion.graph import is_leaf_module, probe_linears
+from opsnn_lab.fusion.graph import canonical_module, is_leaf_module, probe_modules
 from opsnn_lab.testing import seeded
 
 
@@ -59,11 +66,11 @@ def test_a_subclass_computing_linear_fuses_with_eagers_numbers():
 def test_a_subclass_computing_something_else_is_looked_into():
     torch.manual_seed(0)
     model = MLP(ScaledLinear)
-    probe_linears(model)
+    probe_modules(model)
     assert not is_leaf_module(model.up)
     plan = ol.fusion.analyze(model, seeded(3, 5, 12))
     assert all(not d.fused for d in plan.decisions)  # F.linear inside it may fuse, never the subclass as a Linear
-    probe_linears(mlp := MLP(MatmulLinear))
+    probe_modules(mlp := MLP(MatmulLinear))
     assert is_leaf_module(mlp.up) and is_leaf_module(mlp.down)
 
 
@@ -73,6 +80,66 @@ def test_the_probe_fires_no_user_hook_and_leaves_the_rng_stream_alone():
     torch.manual_seed(3)
     want = torch.rand(4)
     torch.manual_seed(3)
-    probe_linears(model)
+    probe_modules(model)
     assert not calls and torch.equal(torch.rand(4), want)
     assert is_leaf_module(model.up)
+
+
+class HandGELU(nn.Module):  # GPT-2's gelu_new written out, as in many training scripts
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class _SwishFn(torch.autograd.Function):  # an activation with its own backward, as Bloom's BloomGelu in training
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * s * (1 + x * (1 - s))
+
+
+class FnSwish(nn.Module):
+    def forward(self, x):
+        return _SwishFn.apply(x)
+
+
+class Cube(nn.Module):  # pointwise, parameter-free, but no activation the fused ops take
+    def forward(self, x):
+        return x * x * x
+
+
+class ActMLP(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(12, 24), act, nn.Linear(24, 12)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+@pytest.mark.parametrize("act, pattern", [(HandGELU(), "linear_gelu_tanh_linear"), (FnSwish(), "linear_silu_linear")])
+def test_a_hand_written_activation_is_named_by_what_it_computes_and_fuses(act, pattern):
+    torch.manual_seed(0)
+    model, x = ActMLP(act), seeded(3, 5, 12)
+    eager = copy.deepcopy(model)
+    fused, plan = ol.fusion.fuse(model, x)
+    (d,) = plan.decisions
+    assert d.pattern == pattern and d.fused, d.reason
+    out, grads = _grads(fused, x)
+    want, want_grads = _grads(eager, x)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_pointwise_module_computing_no_known_activation_is_looked_into():
+    model = ActMLP(Cube())
+    probe_modules(model)
+    assert not is_leaf_module(model.act) and canonical_module(model.act) == "cube"
+    plan = ol.fusion.analyze(model, seeded(3, 5, 12))
+    assert not any(d.fused for d in plan.decisions)
