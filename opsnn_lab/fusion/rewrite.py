@@ -22,7 +22,7 @@ from torch import nn
 
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion._opaque import opaque_to_compile
-from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
+from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module, probe_modules
 from opsnn_lab.fusion.patch import Patch, Route, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
@@ -208,6 +208,7 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     check_type("model", model, nn.Module)
     check_type("plan", plan, FusionPlan)
     fused = copy.deepcopy(model)
+    probe_modules(fused)  # the copy's own Linear subclasses and activations, as analysis found the model's
     memo = _copy_memo(model, fused)  # the op of a module-level decision shares the copy's Parameters
     wanted = [d for d in plan.decisions if d.fused]
     # Module-level patches first: an fx region traced afterwards keeps each patched module as one call.

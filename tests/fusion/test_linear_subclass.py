@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import opsnn_lab as ol
+from opsnn_lab.bench import activation_bytes
 from opsnn_lab.fusion.graph import canonical_module, is_leaf_module, probe_modules
 from opsnn_lab.testing import seeded
 
@@ -49,18 +50,37 @@ def _grads(model, x):
     return out.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def test_a_subclass_computing_linear_fuses_with_eagers_numbers():
+class InlineGELU(nn.Module):  # the activation inline in a traceable forward: only the fx route reaches it
+    def __init__(self, cls):
+        super().__init__()
+        self.up, self.down = cls(12, 24), cls(24, 12)
+
+    def forward(self, x):
+        return x + 0.5 * self.down(F.gelu(self.up(x)))
+
+
+def _fuses_like_eager(model, pattern, route):
+    """fuse() rewrites the one chain by ``route``; the copy saves fewer bytes and matches eager's every grad."""
     torch.manual_seed(0)
-    model, x = MLP(MatmulLinear), seeded(3, 5, 12)
+    x = seeded(3, 5, 12)
     eager = copy.deepcopy(model)
     fused, plan = ol.fusion.fuse(model, x)
     (d,) = plan.decisions
-    assert d.pattern == "linear_gelu_linear" and d.fused, d.reason
+    assert (d.pattern, d.fused, d.route.split(":")[0]) == (pattern, True, route), d.reason
+    assert activation_bytes(lambda: fused(x)) < activation_bytes(lambda: eager(x))  # rewritten, not just planned
     out, grads = _grads(fused, x)
     want, want_grads = _grads(eager, x)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     for name, g in want_grads.items():
         torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_subclass_computing_linear_fuses_with_eagers_numbers():
+    _fuses_like_eager(MLP(MatmulLinear), "linear_gelu_linear", "module")
+
+
+def test_a_subclass_computing_linear_fuses_in_traced_code_too():  # apply traces its own copy: probed as well
+    _fuses_like_eager(InlineGELU(MatmulLinear), "linear_gelu_linear", "fx")
 
 
 def test_a_subclass_computing_something_else_is_looked_into():
@@ -124,17 +144,7 @@ class ActMLP(nn.Module):
 
 @pytest.mark.parametrize("act, pattern", [(HandGELU(), "linear_gelu_tanh_linear"), (FnSwish(), "linear_silu_linear")])
 def test_a_hand_written_activation_is_named_by_what_it_computes_and_fuses(act, pattern):
-    torch.manual_seed(0)
-    model, x = ActMLP(act), seeded(3, 5, 12)
-    eager = copy.deepcopy(model)
-    fused, plan = ol.fusion.fuse(model, x)
-    (d,) = plan.decisions
-    assert d.pattern == pattern and d.fused, d.reason
-    out, grads = _grads(fused, x)
-    want, want_grads = _grads(eager, x)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-    for name, g in want_grads.items():
-        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-5, msg=name)
+    _fuses_like_eager(ActMLP(act), pattern, "module")
 
 
 def test_a_pointwise_module_computing_no_known_activation_is_looked_into():
