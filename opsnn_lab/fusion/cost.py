@@ -77,8 +77,8 @@ class CostModel:
         """Run the op once on copies of the chain's inputs; each saved storage as (role, bytes)."""
         # The op is built on copies of the chain's modules: building may repack weights (FusedQKV), and
         # the analysed model must not change.
-        m = dataclasses.replace(m, params={k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v
-                                           for k, v in m.params.items()})
+        mods = copy.deepcopy({k: v for k, v in m.params.items() if isinstance(v, torch.nn.Module)})  # one memo:
+        m = dataclasses.replace(m, params={**m.params, **mods})  # a module shared by two params stays shared
         op = self.build(m).train()
         xs = [self.trace.tensors[i].detach().clone().requires_grad_(self.trace.tensors[i].requires_grad)
               for i in m.inputs]

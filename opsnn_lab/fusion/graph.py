@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 __all__ = ["Node", "Graph", "Ref", "canonical_function", "canonical_module", "is_leaf_module", "arg",
-           "is_transposed_linear", "probe_modules", "ACTIVATIONS"]
+           "is_transposed_linear", "Probed", "own_forward",
+           "ACTIVATIONS"]
 
 # Module classes -> canonical op names; functions are named by their __name__ (see canonical_function).
 _MODULE_OPS = {
@@ -71,8 +71,8 @@ def canonical_module(module: nn.Module) -> str:
     hf = _hf_op(module)
     if hf is not None:
         return hf
-    if module in _ACTIVATION_LIKE:
-        return _ACTIVATION_LIKE[module]
+    if module in Probed.activation:
+        return Probed.activation[module]
     for cls in type(module).__mro__:
         if cls in _MODULE_OPS:
             return _MODULE_OPS[cls]
@@ -81,63 +81,28 @@ def canonical_module(module: nn.Module) -> str:
     return type(module).__name__.lower()
 
 
-# nn.Linear subclasses whose own forward computes F.linear (Falcon's ``FalconLinear``: ``x @ W.T + b``), as
-# probe_linears() found them before a trace: each runs as one Linear; any other subclass forward is looked into.
-_LINEAR_LIKE: weakref.WeakSet = weakref.WeakSet()
-_PROBE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+class Probed:
+    """What probe.py found the model's own classes to compute (filled before a trace, read by the trace).
+
+    * ``linear``: nn.Linear subclasses whose own forward computes ``F.linear`` (Falcon's ``FalconLinear``);
+    * ``activation``: parameter-free modules of unknown class -> the one activation they compute (BloomGelu);
+    * ``bn_act``: BatchNorm2d subclasses whose forward is ``act(batch_norm(x))`` (timm's ``BatchNormAct2d``)
+      -> that act child, or None where they compute the BatchNorm alone.
+    Each runs as one op, with the canonical name of what it computes; anything else is looked into."""
+
+    linear: weakref.WeakSet = weakref.WeakSet()
+    activation: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    bn_act: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def leaf(cls, module: nn.Module) -> bool:
+        return module in cls.linear or module in cls.activation or module in cls.bn_act
 
 
-def _own_forward(module: nn.Module) -> type | None:
-    return next((c for c in type(module).__mro__ if "forward" in vars(c)), None)
-
-
-def _computes_linear(module: nn.Linear) -> bool:
-    """Whether ``module(x)`` equals ``F.linear(x, weight, bias)`` (to the dtype's rounding) on a probe input."""
-    w, b = module.weight, module.bias
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype not in _PROBE_RTOL or w.device.type == "meta":
-        return False
-    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
-    devices = [w.device] if w.device.type == "cuda" else []
-    try:  # forward, not __call__: the user's hooks do not see the probe, nor does their RNG stream move
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            y, ref = module.forward(x), F.linear(x, w, b)
-    except Exception:  # a forward that cannot take a plain (5, in) tensor is not a Linear
-        return False
-    if not isinstance(y, torch.Tensor) or y.shape != ref.shape or y.dtype != ref.dtype:
-        return False
-    tol = _PROBE_RTOL[w.dtype]
-    return bool(torch.allclose(y, ref, rtol=tol, atol=tol * max(ref.abs().max().item(), 1.0)))
-
-
-# Parameter-free modules of unknown class whose forward computes one pointwise activation (Bloom's BloomGelu,
-# a hand-written NewGELU or Swish), named by behaviour as probe_modules() found them: each runs as that op.
-_ACTIVATION_LIKE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _bare(module: nn.Module) -> bool:
-    """No parameters, buffers or children: all it can compute is a function of its input."""
-    return not (module._parameters or module._buffers or module._modules)
-
-
-def _unknown(module: nn.Module) -> bool:
-    builtin = type(module).__module__.startswith(("torch.", "opsnn_lab."))
-    return not builtin and _hf_op(module) is None and canonical_module(module) not in ACTIVATIONS
-
-
-def probe_modules(model: nn.Module) -> None:
-    """Mark what the model's own classes compute, by calling them once on a probe (before a trace: a tracer
-    must not see the probe): nn.Linear subclasses whose forward computes F.linear, and parameter-free modules
-    that compute exactly one activation the fused ops take (see ``opsnn_lab.ops._mlp_parts``)."""
-    from opsnn_lab.ops._mlp_parts import activation_name  # ops sits beside fusion; import on use
-
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and _own_forward(m) is not nn.Linear and m not in _LINEAR_LIKE \
-                and _computes_linear(m):
-            _LINEAR_LIKE.add(m)
-        elif _bare(m) and _unknown(m) and m not in _ACTIVATION_LIKE:
-            name, _ = activation_name(m)
-            if name is not None:
-                _ACTIVATION_LIKE[m] = name
+def own_forward(module) -> type | None:
+    """The class in the MRO of ``module`` (an instance or a class) whose ``forward`` it runs."""
+    cls = module if isinstance(module, type) else type(module)
+    return next((c for c in cls.__mro__ if "forward" in vars(c)), None)
 
 
 def is_leaf_module(module: nn.Module) -> bool:
@@ -145,10 +110,10 @@ def is_leaf_module(module: nn.Module) -> bool:
     mod = type(module).__module__
     if _hf_op(module) is not None:  # one op, whatever Python its forward is written in
         return True
-    forward_from = _own_forward(module)
-    if forward_from is not None and forward_from in _MODULE_OPS:  # a subclass keeping e.g. Conv2d's forward
+    forward_from = own_forward(module)  # a subclass keeping e.g. Conv2d's or BatchNorm2d's forward:
+    if any(isinstance(module, k) and forward_from is own_forward(k) for k in _MODULE_OPS):
         return True
-    if module in _LINEAR_LIKE or module in _ACTIVATION_LIKE:  # probed: computes F.linear / one activation
+    if Probed.leaf(module):  # one op by what it computes (probe.py)
         return True
     builtin = mod.startswith("torch.nn") or mod.startswith("torch.ao.nn") or mod.startswith("opsnn_lab.ops")
     return builtin and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))

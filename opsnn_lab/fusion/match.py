@@ -138,6 +138,17 @@ def _is_module(n: Node | None, op: str) -> bool:
     return n is not None and n.kind == "module" and n.op == op
 
 
+def past_identities(g: Graph, node: Node) -> tuple[list[Node], Node | None]:
+    """``node``'s only reader, looking past ``nn.Identity`` modules each read only by the next (placeholders
+    such as timm's ``drop_block`` or an Mlp's ``norm``): ``(the identities passed, that reader or None)``.
+    The identities join the chain: a module-level rewrite passes their input through, as they do."""
+    passed, nxt = [], g.only_user(node)
+    while _is_module(nxt, "identity") and g.only_user(nxt) is not None:
+        passed.append(nxt)
+        nxt = g.only_user(nxt)
+    return passed, nxt
+
+
 def _dropout_module(n: Node | None):
     if n is None:
         return None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from opsnn_lab.fusion import patterns_blocks as blocks
-from opsnn_lab.fusion.graph import Graph, Node, Ref, arg, is_transposed_linear
+from opsnn_lab.fusion.graph import Graph, Node, Probed, Ref, arg, canonical_module, is_transposed_linear
 from opsnn_lab.fusion.match import (
     CONV_ACTS,
     LINEAR_ACTS,
@@ -25,6 +25,7 @@ from opsnn_lab.fusion.match import (
     act_kind,
     act_module,
     op_class,
+    past_identities,
 )
 
 __all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "pattern_of"]
@@ -39,7 +40,8 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
             continue
         m = Match("conv_bn_relu", [conv, bn], False, "", inputs=conv.inputs[:1], outputs=[bn])
         users = g.users.get(bn.name, [])
-        act = users[0] if len(users) == 1 else None
+        inner = _inner_act(bn)  # a BatchNorm module that applies its own activation (timm's BatchNormAct2d)
+        passed, act = ([], inner) if inner else past_identities(g, bn) if len(users) == 1 else ([], None)
         m.reason = _consumer_reason(g, conv, bn)
         if not m.reason and act is None:
             m.reason = (f"the output of `{bn.label}` goes to {', '.join(f'`{u.label}`' for u in users)}"
@@ -50,20 +52,30 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
             out.append(m)
             continue
         m.pattern = f"conv_bn_{act_kind(act)}"
-        m.nodes.append(act)
-        m.outputs = [act]
-        pool = g.only_user(act)
+        if not inner:
+            m.nodes += [*passed, act]
+            m.outputs = [act]
+        passed, pool = past_identities(g, m.outputs[0])
         relu_mod = act_module(act)
         op = _conv_op(m.pattern)
-        if _is_module(pool, "max_pool2d") and not _op_support(op, conv.obj, bn.obj, relu_mod, pool.obj):
-            m.pattern, m.nodes, m.outputs = f"{m.pattern}_maxpool", [*m.nodes, pool], [pool]
-        m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod,
-                    "maxpool": pool.obj if len(m.nodes) == 4 else None}
+        pooled = _is_module(pool, "max_pool2d") and not _op_support(op, conv.obj, bn.obj, relu_mod, pool.obj)
+        if pooled:
+            m.pattern, m.nodes, m.outputs = f"{m.pattern}_maxpool", [*m.nodes, *passed, pool], [pool]
+        m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod, "maxpool": pool.obj if pooled else None}
         why = _op_support(op, conv.obj, bn.obj, relu_mod, m.params["maxpool"])
         m.reason = why or _common_checks(g, m.nodes)
         m.ok = not m.reason
         out.append(m)
     return out
+
+
+def _inner_act(bn: Node) -> Node | None:
+    """The activation a probed BatchNorm module applies itself, as a node of its own (not in the graph)."""
+    act = Probed.bn_act.get(bn.obj) if bn.obj is not None else None
+    if act is None:
+        return None
+    path = next(f"{bn.module}.{k}" for k, c in bn.obj.named_children() if c is act)
+    return Node(f"{bn.name}.act", "module", canonical_module(act), [bn.name], module=path, obj=act)
 
 
 # --------------------------------------------------------------------------- Linear -> GELU [-> Dropout] [-> Linear]
@@ -78,16 +90,17 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
         if m.reason:
             out.append(m)
             continue
-        tail, drop = act, None
-        nxt = g.only_user(act)
+        drop = None
+        passed, nxt = past_identities(g, act)
         if nxt is not None and nxt.op == "dropout":
-            drop, tail = nxt, nxt
-            m.nodes.append(drop)
+            drop = nxt
+            m.nodes += [*passed, drop]
             m.pattern += "_dropout"
-        fc2 = g.only_user(tail)
+            passed, nxt = past_identities(g, drop)
+        fc2 = nxt
         if _is_module(fc2, "linear"):
             m.pattern += "_linear"
-            m.nodes.append(fc2)
+            m.nodes += [*passed, fc2]
         m.outputs = [m.nodes[-1]]
         m.params = {"linear": lin.obj, "gelu": act_module(act),
                     "dropout": _dropout_module(drop), "linear2": fc2.obj if m.pattern.endswith("_linear") else None,

@@ -25,6 +25,7 @@ from opsnn_lab.fusion.match import (
     act_kind,
     act_module,
     op_class,
+    past_identities,
 )
 
 __all__ = ["find_gated_mlp", "find_norms", "find_add_norms", "find_linear_cross_entropy", "build_gated_mlp",
@@ -112,19 +113,20 @@ def _gate_half(g: Graph, gate_up: Node, act: Node) -> bool | None:
 def _with_down(g: Graph, m: Match, mul: Node, pos: dict) -> Match:
     """The gated product's dropout and the ``down`` Linear reading it; the op's own verdict."""
     tail, drop = mul, None
-    nxt = g.only_user(mul)
+    passed, nxt = past_identities(g, mul)
     if nxt is not None and nxt.op == "dropout":
         drop, tail = nxt, nxt
-        m.nodes.append(drop)
-    down = g.only_user(tail)
+        m.nodes += [*passed, drop]
+        passed, nxt = past_identities(g, drop)
+    down = nxt
     act = next(n for n in m.nodes if act_kind(n) in ACTIVATIONS)
-    m.reason = m.reason or _consumer_reason(g, mul, drop or down)
+    m.reason = m.reason or _consumer_reason(g, mul, g.only_user(mul))
     if not m.reason and not _is_module(down, "linear"):
         users = ", ".join(f"`{u.label}`" for u in g.users.get(tail.name, []))
         m.reason = f"the gated product `{tail.label}` goes to {users or 'nothing'}, not straight into a Linear"
     if m.reason:
         return m
-    m.nodes = sorted([*m.nodes, down], key=lambda n: pos[n.name])
+    m.nodes = sorted([*m.nodes, *passed, down], key=lambda n: pos[n.name])
     m.outputs = [down]
     p = m.params
     p.update(down=down.obj, act=act_module(act), dropout=_dropout_module(drop))

@@ -22,10 +22,11 @@ from torch import nn
 
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion._opaque import opaque_to_compile
-from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module, probe_modules
+from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
 from opsnn_lab.fusion.patch import Patch, Route, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
+from opsnn_lab.fusion.probe import probe_modules
 from opsnn_lab.fusion.regions import fx_graph, trace_region
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert"]

@@ -23,8 +23,8 @@ from opsnn_lab.fusion.graph import (
     canonical_function,
     canonical_module,
     is_leaf_module,
-    probe_modules,
 )
+from opsnn_lab.fusion.probe import probe_modules
 
 __all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors"]
 

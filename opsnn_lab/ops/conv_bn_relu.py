@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from opsnn_lab._checks import check_tensor, check_type
 from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, bn_act_backward, bn_act_forward
 from opsnn_lab.ops._activations import activation_of
+from opsnn_lab.ops._bn_act import computes_batch_norm
 
 __all__ = ["FusedConvBNAct", "FusedConvBNReLU", "ConvBNActFunction", "ConvBNReLUFunction"]
 
@@ -68,14 +69,22 @@ def _conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
     return _pair(conv.padding)
 
 
+def _keeps_forward(value, kind) -> bool:
+    """A subclass that only renames (EfficientNet's depthwise Conv2d) computes what its base computes."""
+    return isinstance(value, kind) and all(getattr(type(value), f, None) is getattr(kind, f, None)
+                                           for f in ("forward", "_conv_forward"))
+
+
 def _wrong_type(conv, bn, act, maxpool, act_name="act", relu_only=False) -> str:
     """'' when every argument is a module of a supported kind, else the reason, naming the argument."""
-    for name, value, kind in (("conv", conv, nn.Conv2d), ("bn", bn, nn.BatchNorm2d)):
-        # a subclass that only renames (EfficientNet's depthwise Conv2d) computes what its base computes
-        same = isinstance(value, kind) and all(getattr(type(value), f, None) is getattr(kind, f, None)
-                                               for f in ("forward", "_conv_forward"))
-        if not same:
-            return f"{name} must be {kind.__name__} (or a subclass keeping its forward), got {type(value).__name__}"
+    if not _keeps_forward(conv, nn.Conv2d):
+        return f"conv must be Conv2d (or a subclass keeping its forward), got {type(conv).__name__}"
+    if not _keeps_forward(bn, nn.BatchNorm2d):
+        inner = act if any(c is act for c in getattr(bn, "children", tuple)()) else None
+        if not (isinstance(bn, nn.BatchNorm2d) and computes_batch_norm(bn, inner)):
+            return (f"bn must be BatchNorm2d (a subclass keeping its forward, or one whose forward is "
+                    f"{act_name}(batch_norm(x)) with {act_name} its child, checked on a probe), "
+                    f"got {type(bn).__name__}")
     if relu_only and type(act) is not nn.ReLU:
         return f"{act_name} must be ReLU, got {type(act).__name__} (FusedConvBNAct takes other activations)"
     if maxpool is not None and type(maxpool) is not nn.MaxPool2d:
@@ -270,8 +279,11 @@ class FusedConvBNAct(nn.Module):
       of the wrong kind and ValueError for a supported kind with unsupported settings, with that reason.
     * ``conv``: exactly ``nn.Conv2d``, any ``groups`` (grouped, depthwise), stride, dilation, numeric or
       ``'valid'``/``'same'`` padding (``'same'`` only where it is symmetric), ``padding_mode='zeros'``.
-    * ``bn``: exactly ``nn.BatchNorm2d`` with ``affine`` and ``track_running_stats``, ``num_features ==
-      conv.out_channels``; any ``momentum`` (None: cumulative average), any ``eps``.
+    * ``bn``: ``nn.BatchNorm2d`` with ``affine`` and ``track_running_stats``, ``num_features ==
+      conv.out_channels``; any ``momentum`` (None: cumulative average), any ``eps``. A subclass with its own
+      forward is taken when that forward computes ``act(BatchNorm2d(x))`` with ``act`` its child (timm's
+      ``BatchNormAct2d``; the fused op then replaces the BatchNorm and its activation), or BatchNorm2d alone
+      when it has no child besides ``nn.Identity`` ones: checked on a probe (``ops/_bn_act.py``).
     * ``act``: ``nn.ReLU``, ``nn.ReLU6``, ``nn.LeakyReLU`` (any ``negative_slope``), ``nn.SiLU``,
       ``nn.Hardswish``, ``nn.GELU`` (``approximate`` ``'none'`` or ``'tanh'``), or the Hugging Face
       ``ACT2FN`` modules ``GELUActivation``, ``NewGELUActivation``, ``FastGELUActivation``, ``GELUTanh``,

@@ -5,6 +5,8 @@
   fused op as a Linear's.
 * Parameter-free modules of unknown class that compute one activation the fused ops take (a hand-written
   gelu_new, Bloom's BloomGelu with its own backward) run as that activation; any other is looked into.
+* A BatchNorm2d subclass applying its own activation (timm's BatchNormAct2d) runs as a BatchNorm and fuses
+  with the conv before it, the act included (the op's own probe is tested in tests/ops/test_bn_act.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from torch import nn
 
 import opsnn_lab as ol
 from opsnn_lab.bench import activation_bytes
-from opsnn_lab.fusion.graph import canonical_module, is_leaf_module, probe_modules
+from opsnn_lab.fusion.graph import canonical_module, is_leaf_module
+from opsnn_lab.fusion.probe import probe_modules
 from opsnn_lab.testing import seeded
 
 
@@ -153,3 +156,50 @@ def test_a_pointwise_module_computing_no_known_activation_is_looked_into():
     assert not is_leaf_module(model.act) and canonical_module(model.act) == "cube"
     plan = ol.fusion.analyze(model, seeded(3, 5, 12))
     assert not any(d.fused for d in plan.decisions)
+
+
+class BNAct(nn.BatchNorm2d):  # timm's BatchNormAct2d, written out
+    def __init__(self, c, act):
+        super().__init__(c)
+        self.drop, self.act = nn.Identity(), act
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                         self.momentum, self.eps)
+        return self.act(self.drop(x))
+
+
+class MobileBlock(nn.Module):  # pointwise conv -> BNAct(SiLU) -> depthwise conv -> BNAct(ReLU6) -> conv -> BNAct(none)
+    def __init__(self, c=6):
+        super().__init__()
+        e = 2 * c
+        self.conv_pw, self.bn1 = nn.Conv2d(c, e, 1, bias=False), BNAct(e, nn.SiLU())
+        self.conv_dw, self.bn2 = nn.Conv2d(e, e, 3, padding=1, groups=e, bias=False), BNAct(e, nn.ReLU6())
+        self.conv_pwl, self.bn3 = nn.Conv2d(e, c, 1, bias=False), BNAct(c, nn.Identity())
+
+    def forward(self, x):
+        return x + self.bn3(self.conv_pwl(self.bn2(self.conv_dw(self.bn1(self.conv_pw(x))))))
+
+
+def test_a_batch_norm_applying_its_own_activation_fuses_with_its_conv():
+    torch.manual_seed(0)
+    model, x = MobileBlock(), seeded(2, 6, 9, 9)
+    eager = copy.deepcopy(model)
+    fused, plan = ol.fusion.fuse(model, x)
+    got = {d.pattern: (d.fused, d.modules) for d in plan.decisions}
+    assert got["conv_bn_silu"] == (True, ["conv_pw", "bn1"]) and got["conv_bn_relu6"] == (True, ["conv_dw", "bn2"])
+    assert not any(d.fused for d in plan.decisions if "bn3" in d.modules)  # no activation: BN output to the add
+    assert activation_bytes(lambda: fused(x)) < activation_bytes(lambda: eager(x))
+    for _ in range(2):  # two steps: the running statistics move the same way
+        out, grads = _grads(fused, x)
+        want, want_grads = _grads(eager, x)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-4 * g.abs().max().item() + 1e-6, rtol=1e-4, msg=name)
+    for name, b in eager.named_buffers():
+        torch.testing.assert_close(dict(fused.named_buffers())[name], b, atol=1e-6, rtol=1e-5, msg=name)
+    fused.eval()
+    eager.eval()
+    torch.testing.assert_close(fused(x), eager(x), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,81 @@
+"""Naming the model's own classes by what they compute: each is called once on a small probe before a trace
+(a tracer must not see the probe), and one that computes a known op runs as that op (``graph.Probed``).
+
+* an ``nn.Linear`` subclass with its own forward that equals ``F.linear`` (Falcon's ``FalconLinear``);
+* a parameter-free module of unknown class that computes exactly one activation the fused ops take (Bloom's
+  ``BloomGelu``, a hand-written ``NewGELU`` or Swish; see ``opsnn_lab.ops._mlp_parts``);
+* a ``BatchNorm2d`` subclass with its own forward whose children are one activation and ``nn.Identity``
+  placeholders (timm's ``BatchNormAct2d``), when it computes ``act(batch_norm(x))`` in train and in eval
+  mode, running statistics and ``num_batches_tracked`` included (``opsnn_lab.ops._bn_act``, the check the
+  fused op itself makes): it runs as a BatchNorm, and ``Probed.bn_act`` names the act it applies.
+
+Probes call ``forward`` (the user's hooks do not fire) under ``no_grad`` and ``fork_rng`` (their RNG stream
+does not move); a BatchNorm's buffers and mode are restored after its probe. A module whose probe raises or
+differs is looked into, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opsnn_lab.fusion.graph import ACTIVATIONS, Probed, _hf_op, canonical_module, own_forward
+from opsnn_lab.ops._bn_act import PROBE_RTOL, computes_batch_norm, inner_activation, probe_matches
+from opsnn_lab.ops._mlp_parts import activation_name
+
+__all__ = ["probe_modules"]
+
+def _quiet(device: torch.device):
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def _probe_input(shape, like: torch.Tensor) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(like.device, like.dtype)
+
+
+def _usable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in PROBE_RTOL and t.device.type != "meta"
+
+
+def _computes_linear(module: nn.Linear) -> bool:
+    w, b = module.weight, module.bias
+    if not _usable(w) or w.dim() != 2:
+        return False
+    x = _probe_input((5, w.shape[1]), w)
+    try:
+        with torch.no_grad(), _quiet(w.device):
+            return probe_matches(module.forward(x), F.linear(x, w, b))
+    except Exception:  # noqa: BLE001 - a forward that cannot take a plain (5, in) tensor is not a Linear
+        return False
+
+
+def _bare(module: nn.Module) -> bool:
+    """No parameters, buffers or children: all it can compute is a function of its input."""
+    return not (module._parameters or module._buffers or module._modules)
+
+
+def _unknown(module: nn.Module) -> bool:
+    builtin = type(module).__module__.startswith(("torch.", "opsnn_lab."))
+    return not builtin and _hf_op(module) is None and canonical_module(module) not in ACTIVATIONS
+
+
+def probe_modules(model: nn.Module) -> None:
+    """Mark what ``model``'s own classes compute (see the module docstring); cheap to call again."""
+
+    bns = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and own_forward(m) is not nn.Linear:
+            if m not in Probed.linear and _computes_linear(m):
+                Probed.linear.add(m)
+        elif _bare(m) and _unknown(m) and m not in Probed.activation:
+            name, _ = activation_name(m)
+            if name is not None:
+                Probed.activation[m] = name
+        elif isinstance(m, nn.BatchNorm2d) and own_forward(m) is not own_forward(nn.BatchNorm2d) \
+                and m not in Probed.bn_act:
+            bns.append(m)
+    for m in bns:  # after the activations: the act child may be one probed above
+        ok, act = inner_activation(m)
+        if ok and (act is None or canonical_module(act) in ACTIVATIONS) and computes_batch_norm(m, act):
+            Probed.bn_act[m] = act
