@@ -13,6 +13,11 @@ analysis + apply of HF BERT-base (12 layers, 8x128) against the 10 s target; and
 (``LlamaForCausalLM`` from a config, Llama-7B proportions scaled to the CPU, 4x512 tokens, vocabulary 32000)
 trained with the fused head + loss (``ol.ops.lm_head_loss`` on the fused model) against the 0.6 target.
 Writes build/bench/fusion_hf.json.
+
+``--models timm``: the same columns for timm's models (``zoo.TIMM_MODELS``: ResNet, EfficientNet, MobileNet
+v2/v3, LCNet, RegNet with its ``BatchNormAct2d``, ViT), built without weights, 2x3x96x96, training. timm is
+not a dependency (it needs torchvision); without it the command says so and returns 2.
+Writes build/bench/fusion_timm.json.
 """
 
 from __future__ import annotations
@@ -74,7 +79,10 @@ def _top_reasons(plan, n=2) -> str:
 def _hf_row(name: str) -> dict:
     from opsnn_lab.demos import zoo
 
-    model, inputs = zoo.build(name, batch=2, seq=16)
+    return _row(name, *zoo.build(name, batch=2, seq=16))
+
+
+def _row(name: str, model, inputs) -> dict:
     model.train()
     call = (lambda m: lambda: m(*inputs)) if isinstance(inputs, tuple) else (lambda m: lambda: m(**inputs))
     t0 = time.perf_counter()
@@ -161,6 +169,30 @@ def main_hf(args) -> int:
     return 0
 
 
+def main_timm(args) -> int:
+    import warnings
+
+    from opsnn_lab.demos import zoo
+
+    try:
+        import timm  # noqa: F401 - only to say clearly when it is missing
+    except ImportError:
+        print("--models timm needs timm, which is not installed: pip install timm (it needs torchvision; "
+              "install the torchvision built for your torch first, or pip may replace your torch)")
+        return 2
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in tqdm(zoo.TIMM_MODELS, desc="timm models"):
+            rows.append(_row(name, *zoo.build_timm(name)))
+    print(machine_line())
+    print(format_table(rows, ["model", "candidates", "fused", "rejected", "activation fused/eager", "analysis s",
+                              "top rejections"]))
+    path = write_json("fusion_timm", {"rows": rows, "timm": timm.__version__, "args": vars(args)}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m opsnn_lab.bench fusion", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=12)
@@ -168,14 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--no-measure", action="store_true", help="time the analysis only (skip apply + measure)")
     p.add_argument("--out", default=None, help="directory for fusion.json (default build/bench)")
-    p.add_argument("--models", choices=("embedded", "hf"), default="embedded",
-                   help="hf: the Hugging Face model matrix (tiny configs) and HF BERT-base analysis time")
+    p.add_argument("--models", choices=("embedded", "hf", "timm"), default="embedded",
+                   help="hf: the Hugging Face model matrix (tiny configs) and HF BERT-base analysis time; "
+                        "timm: timm's CNNs and ViT from their configs (needs timm installed)")
     p.add_argument("--no-base", action="store_true", help="with --models hf: skip the BERT-base timing")
     p.add_argument("--no-lm", action="store_true",
                    help="with --models hf: skip the Llama-style decoder trained with the fused head + loss")
     args = p.parse_args(argv)
     if args.models == "hf":
         return main_hf(args)
+    if args.models == "timm":
+        return main_timm(args)
     rows = []
     for name, (make, inputs) in tqdm(_cases(args).items(), desc="fusion bench"):
         rows.append({"model": name, **_run(make, inputs, not args.no_measure)})

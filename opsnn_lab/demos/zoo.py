@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "build", "EXPECTED"]
+__all__ = ["MODELS", "build", "EXPECTED", "TIMM_MODELS", "build_timm"]
 
 _TEXT = ("bert", "roberta", "gpt2", "llama")
 
@@ -138,3 +138,19 @@ def build(name: str, size: str = "tiny", dropout: float | None = None, batch: in
     torch.manual_seed(0)
     model, inputs = MODELS[name](name, size, dropout, batch, seq)
     return model, inputs
+
+
+# timm's models (not a dependency of opsnn_lab): BatchNormAct2d in the EfficientNet/MobileNet/RegNet families,
+# nn.Identity placeholders inside ResNet blocks and the ViT Mlp.
+TIMM_MODELS = ("resnet18", "efficientnet_b0", "mobilenetv3_small_100", "mobilenetv2_050", "lcnet_050",
+               "regnetx_002", "vit_tiny_patch16_224")
+
+
+def build_timm(name: str, batch: int = 2, size: int = 96) -> tuple[nn.Module, tuple]:
+    """A timm model without weights (``pretrained=False``: no download), 10 classes, no drop path."""
+    import timm
+
+    torch.manual_seed(0)
+    extra = {"img_size": size} if name.startswith("vit") else {}
+    model = timm.create_model(name, pretrained=False, num_classes=10, drop_path_rate=0.0, **extra)
+    return model, (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)),)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -38,3 +39,23 @@ def test_fusion_bench_hf_matrix(tmp_path, capsys):
     assert rows["bloom"]["summary"]["linear_gelu_tanh_linear"] == {"fused": 2, "rejected": 0}  # BloomGelu
     out = capsys.readouterr().out
     assert "activation fused/eager" in out and "EfficientNet activation bytes fused/eager" in out
+
+
+def test_fusion_bench_timm_says_clearly_when_timm_is_missing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "timm", None)  # import timm raises ImportError
+    assert fusion.main(["--models", "timm", "--out", str(tmp_path)]) == 2
+    assert "pip install timm" in capsys.readouterr().out
+    assert not (tmp_path / "fusion_timm.json").exists()
+
+
+@pytest.mark.slow
+def test_fusion_bench_timm(tmp_path, monkeypatch):
+    pytest.importorskip("timm")  # not a dependency: runs where timm is installed
+    from opsnn_lab.demos import zoo
+
+    monkeypatch.setattr(zoo, "TIMM_MODELS", ("mobilenetv2_050", "resnet18"))
+    assert fusion.main(["--models", "timm", "--out", str(tmp_path)]) == 0
+    rows = {r["model"]: r for r in json.loads((tmp_path / "fusion_timm.json").read_text())["rows"]}
+    assert rows["mobilenetv2_050"]["summary"]["conv_bn_relu6"] == {"fused": 35, "rejected": 0}  # BatchNormAct2d
+    assert rows["resnet18"]["summary"]["conv_bn_relu"]["fused"] == 8  # past drop_block (Identity)
+    assert all(0 < r["activation fused/eager"] < 1 for r in rows.values())
