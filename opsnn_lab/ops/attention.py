@@ -163,7 +163,7 @@ class FusedAttention(CounterRNG, nn.Module):
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         p, seed, offset = 0.0, 0, 0
         if self.training:
-            seed, offset = self.next_draw()
+            seed, offset = self.next_draw(q)
             p = self.dropout_p
         if p == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

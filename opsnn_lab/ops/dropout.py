@@ -14,9 +14,20 @@ Every fused op with dropout shares the counter-RNG contract of ``CounterRNG``:
 
 The backward regenerates the mask from (seed, offset) instead of keeping eager dropout's bool mask
 (1 byte per element).
+
+Activation checkpointing (``torch.utils.checkpoint``, reentrant or not; HF's ``gradient_checkpointing_enable``)
+runs a training-mode forward again inside the backward, where eager dropout gets its mask back because the
+checkpoint restores torch's RNG state. A counter stream is replayed instead: each draw logs its step and a
+fingerprint of its input (shape, dtype and a few sampled values); a forward run by the autograd engine takes
+the step of the logged draw of the same forward whose input it recomputes (the oldest not yet replayed in
+this backward, so one module applied twice replays both calls in order) and advances nothing. When no
+logged input matches (a recomputation that is not bitwise), the one logged draw of the same shape is used,
+and where even that is ambiguous it raises rather than train on a mask the forward never used.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 from torch import nn
@@ -25,6 +36,31 @@ from opsnn_lab._checks import check_range, check_tensor, check_type
 from opsnn_lab.kernels import rng
 
 __all__ = ["CounterRNG", "Dropout", "DropoutFunction"]
+
+
+_LOGGED = 64  # draws kept per module for a checkpoint's recomputation to replay
+_SAMPLES = 8  # input values fingerprinted per draw
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a checkpoint recomputes in it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _fingerprint(x: torch.Tensor | None):
+    if x is None:
+        return None
+    x = x.detach()
+    idx = torch.arange(0, x.numel(), max(1, x.numel() // _SAMPLES), device=x.device)[:_SAMPLES]
+    return tuple(x.shape), x.dtype, torch.take(x, idx)
+
+
+def _same_shape(a, b) -> bool:
+    return a is None or b is None or a[:2] == b[:2]
+
+
+def _same_values(a, b) -> bool:
+    return a is None or b is None or (a[:2] == b[:2] and torch.equal(a[2], b[2]))
 
 
 class CounterRNG:
@@ -45,12 +81,42 @@ class CounterRNG:
         if isinstance(step, bool) or not 0 <= step < 2**31:
             raise ValueError(f"step must be an int in [0, 2**31), got {step!r}")
         self.rng_seed, self.rng_step = seed, step
+        self._drawn: deque = deque(maxlen=_LOGGED)  # (forward number, step, input fingerprint)
+        self._forwards, self._replaying, self._replayed = 0, None, set()
 
-    def next_draw(self) -> tuple[int, int]:
-        """``(seed, offset)`` for this training-mode call; advances ``rng_step``."""
-        offset = self.rng_step * rng.MAX_NUMEL
+    def next_draw(self, x: torch.Tensor | None = None) -> tuple[int, int]:
+        """``(seed, offset)`` for this training-mode call on input ``x``; advances ``rng_step``, except in a
+        checkpoint's recomputation, which replays the draw of the forward it recomputes."""
+        if not hasattr(self, "_drawn"):  # a module pickled before the replay log existed
+            self.set_rng(self.rng_seed, self.rng_step)
+        if _in_backward() and self._drawn:
+            return self.rng_seed, self._replay(_fingerprint(x)) * rng.MAX_NUMEL
+        if self._replaying is not None:  # the first draw after a backward starts the next forward
+            self._forwards, self._replaying, self._replayed = self._forwards + 1, None, set()
+        step = self.rng_step
         self.rng_step += 1
-        return self.rng_seed, offset
+        self._drawn.append((self._forwards, step, _fingerprint(x)))
+        return self.rng_seed, step * rng.MAX_NUMEL
+
+    def _replay(self, fp) -> int:
+        gid = torch._C._current_graph_task_id()
+        if self._replaying != gid:  # a new backward: every draw of the last forward may be replayed again
+            self._replaying, self._replayed = gid, set()
+        last = [d for d in self._drawn if d[0] == self._forwards]
+        fresh = [d for d in last if d[1] not in self._replayed]
+        found = next((d for d in fresh if _same_values(d[2], fp)), None) \
+            or next((d for d in last if _same_values(d[2], fp)), None)
+        if found is None:
+            shaped = [d for d in last if _same_shape(d[2], fp)]
+            if len(shaped) != 1:
+                raise RuntimeError(
+                    f"{type(self).__name__}: a forward run inside the backward (activation checkpointing) "
+                    f"matches {len(shaped)} of this module's {len(last)} dropout draws in the last forward; "
+                    "its mask cannot be replayed. Checkpoint a region where this module runs once per input "
+                    "shape, or make the recomputation deterministic")
+            found = shaped[0]
+        self._replayed.add(found[1])
+        return found[1]
 
 
 def _scale(p: float) -> float:
@@ -107,7 +173,7 @@ class Dropout(CounterRNG, nn.Module):
         check_tensor("x", x)
         if not self.training:
             return x
-        seed, offset = self.next_draw()
+        seed, offset = self.next_draw(x)
         if self.p == 0.0:
             return x
         _check_numel(x)

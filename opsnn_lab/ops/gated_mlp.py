@@ -267,15 +267,15 @@ class FusedGatedMLP(CounterRNG, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.linears
         _check_input(x, gate, gate.out_features)
-        p, seed, offset = self._draw()
+        p, seed, offset = self._draw(x)
         y = GatedMLPFunction.apply(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias,
                                    self.act, p, seed, offset, self.recompute)
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    def _draw(self) -> tuple[float, int, int]:
+    def _draw(self, x) -> tuple[float, int, int]:
         if not self.training:  # eval neither draws nor advances the stream
             return 0.0, 0, 0
-        seed, offset = self.next_draw()
+        seed, offset = self.next_draw(x)
         return self.p, seed, offset
 
     def extra_repr(self) -> str:
@@ -328,7 +328,7 @@ class FusedPackedGatedMLP(FusedGatedMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.linears
         _check_input(x, gate_up, gate_up.out_features // 2)
-        p, seed, offset = self._draw()
+        p, seed, offset = self._draw(x)
         y = GatedMLPFunction.apply(x, gate_up.weight, None, down.weight, gate_up.bias, None, down.bias,
                                    self.act, p, seed, offset, self.recompute)
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -189,8 +189,8 @@ class _FusedActBase(CounterRNG, nn.Module):
         return act_forward(parts.linear2d(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.transposed),
                            self.act).view(*x.shape[:-1], self.hidden_features)
 
-    def _draw(self):
-        seed, offset = self.next_draw()
+    def _draw(self, x):
+        seed, offset = self.next_draw(x)
         return self.p, seed, offset, self.act, self.recompute, self.transposed
 
 
@@ -246,7 +246,7 @@ class FusedLinearActDropout(_FusedActBase):
         _check_input(x, self.weight, self.in_features)
         if not self.training:
             return self._first(x)
-        return _unflatten(LinearActDropoutFunction.apply(x, self.weight, self.bias, *self._draw()), x)
+        return _unflatten(LinearActDropoutFunction.apply(x, self.weight, self.bias, *self._draw(x)), x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -339,7 +339,7 @@ class FusedLinearActDropoutLinear(_FusedActBase):
             y = parts.linear2d(h.reshape(-1, h.shape[-1]), self.weight2, self.bias2, self.transposed2)
             return y.view(*x.shape[:-1], self.out_features)
         return _unflatten(LinearActDropoutLinearFunction.apply(x, self.weight, self.bias, self.weight2, self.bias2,
-                                                               *self._draw(), self.transposed2), x)
+                                                               *self._draw(x), self.transposed2), x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, hidden={self.hidden_features}, out_features={self.out_features}, "
