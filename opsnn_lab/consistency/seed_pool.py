@@ -11,7 +11,10 @@ a mask that depends only on ``(seed, module name, step, element offset)``:
 * ``nn.Dropout`` modules become ``ol.ops.Dropout`` (counter-based; same ``p``, same train/eval mode;
   dropout has no state, so the state_dict is unchanged);
 * modules that already carry a counter RNG (``ol.ops.Dropout``, the fused Linear-GELU-Dropout ops:
-  the ``CounterRNG`` contract of :mod:`opsnn_lab.ops.dropout`) are seeded by their qualified name;
+  the ``CounterRNG`` contract of :mod:`opsnn_lab.ops.dropout`) are seeded by their qualified name, and
+  so are the fused ops an ``ol.fusion`` rewrite runs in place of a chain, under the name of the dropout
+  module each absorbed (so a fused model draws the masks the unfused one draws); a dropout module a
+  rewrite turned into a pass-through is left alone (its mask is drawn in the fused op);
 * functional ``F.dropout`` / ``torch.dropout`` calls inside ``forward`` methods are intercepted by a
   ``TorchFunctionMode`` installed for the duration of each training forward and keyed by the module
   that made the call plus its call index within that module's forward:
@@ -27,6 +30,7 @@ run); ``get_step(model)`` reads it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import weakref
@@ -186,14 +190,38 @@ class _ReproducibleState:
         self.local = _ForwardScope()  # module-path stack and call counts of the running forward
         self.handles: list = []
 
+    def __deepcopy__(self, memo):
+        """A copy of the model (``copy.deepcopy``, ``ol.fusion.apply``) carries its own state: its hooks are
+        this state's bound methods, which deepcopy rebinds to the copy, and the copy seeds its own modules."""
+        import copy
+
+        new = _ReproducibleState.__new__(_ReproducibleState)
+        memo[id(self)] = new
+        model = self.model_ref()
+        new.pool, new.step, new.functional = self.pool, self.step, self.functional
+        new.model_ref = weakref.ref(memo.get(id(model), model)) if model is not None else self.model_ref
+        new.local = _ForwardScope()
+        new.handles = copy.deepcopy(self.handles, memo)
+        return new
+
+    # -- hooks (bound methods, so a deep copy of the model calls its own state) -----------------
+    def pre_hook(self, module, args) -> None:
+        if module.training:
+            self.begin_forward()
+
+    def post_hook(self, module, args, output) -> None:
+        self.end_forward()
+
+    def push_hook(self, name: str, module, args) -> None:
+        self.push(name)
+
+    def pop_hook(self, module, args, output) -> None:
+        self.pop()
+
     # -- per forward ------------------------------------------------------------------------
     def seeded_modules(self):
-        from opsnn_lab.ops.dropout import CounterRNG
-
         model = self.model_ref()
-        for name, module in model.named_modules():
-            if isinstance(module, CounterRNG):
-                yield name or ROOT, module
+        return counter_streams(model)
 
     def begin_forward(self) -> None:
         self.local.active = True
@@ -234,12 +262,36 @@ class _ReproducibleState:
             stack.pop()
 
 
+def _fused_op(module: nn.Module):
+    """The op a fusion rewrite runs for ``module``: the ``op`` of its instance-``forward`` patch (module-level
+    routes) or of itself (the fx route's slot), or None."""
+    patch = module.__dict__.get("forward")
+    return getattr(patch, "op", None) if patch is not None else module.__dict__.get("op")
+
+
+def counter_streams(model: nn.Module):
+    """``(name, module)`` for every counter-RNG stream of ``model``: its ``CounterRNG`` modules, and the
+    fused ops a fusion rewrite runs in their place (they are not children), named after the dropout module
+    they absorbed (``op.rng_name``: the same masks as that module's, fused or not), else
+    ``"<host path>:fused"``."""
+    from opsnn_lab.ops.dropout import CounterRNG
+
+    for name, module in model.named_modules():
+        if isinstance(module, CounterRNG):
+            yield name or ROOT, module
+        op = _fused_op(module)
+        if isinstance(op, CounterRNG):
+            yield getattr(op, "rng_name", None) or f"{name or ROOT}:fused", op
+
+
 def _replace_dropouts(model: nn.Module) -> int:
     from opsnn_lab.ops.dropout import Dropout
 
     replaced = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
+            if "forward" in child.__dict__:  # rewritten by fusion: its dropout runs in the fused op (seeded)
+                continue
             if type(child) is nn.Dropout:  # Dropout1d/2d/3d drop whole channels: a different mask shape
                 setattr(module, child_name, Dropout.from_module(child, seed=0))
                 replaced += 1
@@ -247,21 +299,14 @@ def _replace_dropouts(model: nn.Module) -> int:
 
 
 def _install_hooks(model: nn.Module, state: _ReproducibleState) -> None:
-    def pre(module, args):
-        if module.training:
-            state.begin_forward()
-
-    def post(module, args, output):
-        state.end_forward()
-
-    state.handles.append(model.register_forward_pre_hook(pre))
-    state.handles.append(model.register_forward_hook(post, always_call=True))
+    state.handles.append(model.register_forward_pre_hook(state.pre_hook))
+    state.handles.append(model.register_forward_hook(state.post_hook, always_call=True))
     if state.functional:
         for name, module in model.named_modules():
             if module is model:
                 continue
-            state.handles.append(module.register_forward_pre_hook(lambda m, a, n=name: state.push(n)))
-            state.handles.append(module.register_forward_hook(lambda m, a, o: state.pop(), always_call=True))
+            state.handles.append(module.register_forward_pre_hook(functools.partial(state.push_hook, name)))
+            state.handles.append(module.register_forward_hook(state.pop_hook, always_call=True))
 
 
 def make_reproducible(model: nn.Module, seed: int | SeedPool = 0, *, functional: bool = True) -> nn.Module:

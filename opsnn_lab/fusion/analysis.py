@@ -139,10 +139,28 @@ def graph_data(trace: RuntimeTrace) -> dict:
     return {"nodes": nodes, "edges": edges}
 
 
+def _dropout_streams(model: nn.Module):
+    """A function restoring where the model's dropout streams are: each counter-RNG module's seed and step,
+    and the step of ``ol.consistency.make_reproducible`` (the traced forward must not advance them)."""
+    from opsnn_lab.consistency.seed_pool import counter_streams, get_step, set_step
+
+    kept = [(m, m.rng_seed, m.rng_step) for _, m in counter_streams(model)]
+    step = get_step(model) if getattr(model, "_opsnn_reproducible", None) is not None else None
+
+    def restore() -> None:
+        for m, seed, at in kept:
+            m.set_rng(seed, at)
+        if step is not None:
+            set_step(model, step)
+
+    return restore
+
+
 def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     """Trace ``model`` on ``example_inputs`` (one forward in train mode) and decide every candidate.
 
-    The model's mode flags, its buffers and the global RNG are left as they were.
+    The model's mode flags, its buffers, its dropout streams (counter-RNG steps, the ``make_reproducible``
+    step) and the global RNG are left as they were.
     """
     check_type("model", model, nn.Module)
     args, kwargs = split_inputs(example_inputs)
@@ -152,6 +170,7 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     # buffer (BatchNorm running stats) and the global RNG are restored afterwards.
     flags = {m: m.training for m in model.modules()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    streams = _dropout_streams(model)
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
     try:
         with torch.random.fork_rng(devices=devices):
@@ -164,6 +183,7 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+        streams()
     plan = analysis.plan(patterns)
     plan.analysis_seconds = time.perf_counter() - t0
     return plan

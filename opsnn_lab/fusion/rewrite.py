@@ -54,6 +54,16 @@ class FusedSlot(nn.Module):
         return f"{self.pattern}: {', '.join(self.fused_modules)} -> {type(self.op).__name__}"
 
 
+def _name_stream(op: nn.Module, m: Match) -> nn.Module:
+    """Name a fused op's dropout stream after the dropout module it absorbs (``op.rng_name``), so that
+    ``ol.consistency.make_reproducible`` seeds it as it seeds that module in the unfused model: the same
+    masks, fused or not. A chain without a dropout module (or with an inline ``F.dropout``) keeps none."""
+    drop = next((n for n in m.nodes if n.op == "dropout" and n.kind == "module" and n.module), None)
+    if drop is not None and hasattr(op, "set_rng"):
+        op.rng_name = drop.module
+    return op
+
+
 def _rewrite(gm, g, m: Match, slot: str, moved: dict) -> None:
     """Replace ``m``'s chain by one call of ``slot``; ``moved`` maps replaced fx nodes to their replacement."""
     graph = gm.graph
@@ -132,8 +142,8 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
                 if m.params.get(k, v) is None:
                     m.params[k] = v
             if m.key not in slots:
-                slots[m.key] = (f"fused_{m.pattern}_{len(slots)}", FusedSlot(pattern_of(m.pattern).build(m),
-                                                                             m.pattern, m.modules))
+                op = _name_stream(pattern_of(m.pattern).build(m), m)
+                slots[m.key] = (f"fused_{m.pattern}_{len(slots)}", FusedSlot(op, m.pattern, m.modules))
                 slots[m.key][1].train(region.training)
                 region.add_module(*slots[m.key])
             name, slot = slots[m.key]
@@ -192,7 +202,7 @@ def _module_rewrites(model: nn.Module, fused: nn.Module, plan: FusionPlan, decis
         else:
             m = _rebuild(fused, d)
         with torch.random.fork_rng(devices=[]):
-            op = pattern_of(m.pattern).build(m)
+            op = _name_stream(pattern_of(m.pattern).build(m), m)
         try:
             install(fused, Route(d.route.removeprefix("module:"), tuple(d.carriers), d.first), op, d.pattern)
         except AttributeError as exc:

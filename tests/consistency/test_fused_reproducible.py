@@ -1,0 +1,96 @@
+"""``make_reproducible`` and ``ol.fusion`` together, in either order: the fused model draws the masks the
+unfused one draws (each fused op's stream is named after the dropout module it absorbed), the dropout a
+rewrite turned into a pass-through is not swapped back in (it would drop a second time), analysis advances
+no stream, and a deep copy of a prepared model drives its own streams."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import opsnn_lab as ol
+from opsnn_lab.consistency import get_step, make_reproducible
+from opsnn_lab.consistency.seed_pool import counter_streams
+from opsnn_lab.models import Encoder, EncoderConfig
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.5), nn.Linear(16, 8)).train(), torch.randn(32, 8)
+
+
+def _encoder():
+    torch.manual_seed(0)
+    cfg = EncoderConfig.tiny()
+    ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    return Encoder(cfg).train(), ids
+
+
+def _steps(model, x, n=2):
+    outs = []
+    for step in range(n):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)  # the global RNG must not matter
+        out = model(x)
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        out.square().sum().backward()
+        outs.append((out.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+    return outs
+
+
+@pytest.mark.parametrize("make", [_mlp, _encoder], ids=["mlp", "encoder"])
+@pytest.mark.parametrize("order", ["fuse_first", "seed_first"])
+def test_a_fused_model_draws_the_masks_of_the_unfused_one(make, order):
+    model, x = make()
+    eager = make_reproducible(copy.deepcopy(model), seed=5)
+    if order == "fuse_first":
+        fused, plan = ol.fusion.fuse(model, (x,))
+        make_reproducible(fused, seed=5)
+    else:
+        make_reproducible(model, seed=5)
+        fused, plan = ol.fusion.fuse(model, (x,))
+    assert any("dropout" in d.pattern for d in plan.fused)
+    for (out, grads), (want, want_grads) in zip(_steps(fused, x), _steps(eager, x)):
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        for k, g in want_grads.items():
+            torch.testing.assert_close(grads[k], g, atol=1e-4 * g.abs().max().item() + 1e-6, rtol=1e-4, msg=k)
+    assert get_step(fused) == get_step(eager) == 2
+
+
+def test_the_pass_through_dropout_of_a_fused_chain_is_not_swapped_back_in():
+    model, x = _mlp()
+    fused, _ = ol.fusion.fuse(model, (x,))
+    make_reproducible(fused, seed=1)
+    assert type(fused[2]) is nn.Dropout and "forward" in fused[2].__dict__  # still the rewrite's pass-through
+    seen = {}
+    fused[3].register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+    out = fused(x)
+    assert torch.equal(seen["x"], out)  # fc2 passes the fused op's output through: no second dropout
+    assert (out == 0).float().mean() < 0.05
+    names = [n for n, _ in counter_streams(fused)]
+    assert names == ["2"]  # the fused op, under the name of the dropout it absorbed
+
+
+def test_analysis_advances_no_dropout_stream():
+    model, x = _encoder()
+    make_reproducible(model, seed=3)
+    before = [(n, m.rng_seed, m.rng_step) for n, m in counter_streams(model)]
+    ol.fusion.analyze(model, (x,))
+    assert get_step(model) == 0
+    assert [(n, m.rng_seed, m.rng_step) for n, m in counter_streams(model)] == before
+
+
+def test_a_deep_copy_of_a_prepared_model_drives_its_own_streams():
+    model, x = _mlp()
+    make_reproducible(model, seed=2)
+    first = model(x)  # step 0
+    make_reproducible(model, seed=2)  # back to step 0
+    twin = copy.deepcopy(model)
+    twin(x)
+    twin(x)
+    assert get_step(twin) == 2 and get_step(model) == 0  # the copy's hooks advanced the copy only
+    assert torch.equal(model(x), first)
+    assert not torch.equal(twin(x), first)  # step 2 of the same streams
