@@ -154,6 +154,8 @@ class _FunctionalDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(args, kwargs)
         if func not in _DROPOUT_FUNCS:
             return func(*args, **kwargs)
         x, p, training = _dropout_args(func, args, kwargs)
@@ -169,6 +171,21 @@ class _FunctionalDropout(TorchFunctionMode):
         return x.copy_(out) if inplace else out  # the Function saves nothing, so x may be overwritten
 
 
+    def _attention(self, args, kwargs):
+        """SDPA with dropout (Hugging Face's default attention): the same result with the counter mask of
+        ``"<module path>:dropout.<i>"``, since SDPA's own dropout draws from torch's generator."""
+        bound = dict(zip(_SDPA_ARGS, args))
+        bound.update(kwargs)
+        if float(bound.get("dropout_p", 0.0)) == 0.0:
+            return F.scaled_dot_product_attention(*args, **kwargs)
+        from opsnn_lab.ops.attention import counter_sdpa
+
+        return counter_sdpa(**bound, seed=self.state.functional_seed())
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
 class _ForwardScope:
     """Per-forward bookkeeping (plain attributes, so a prepared model still deep-copies)."""
 
@@ -177,6 +194,7 @@ class _ForwardScope:
         self.calls: dict[str, int] = {}
         self.mode: _FunctionalDropout | None = None
         self.active = False  # between begin_forward and end_forward
+        self.replaying = False  # a checkpoint recomputing a module call inside the backward
 
 
 class _ReproducibleState:
@@ -248,17 +266,32 @@ class _ReproducibleState:
         path = self.local.stack[-1] if self.local.stack else ROOT
         index = self.local.calls.get(path, 0)
         self.local.calls[path] = index + 1
-        return self.pool.seed_for(f"{path}:dropout.{index}", self.step)
+        step = self.step - 1 if self.local.replaying else self.step  # a replay recomputes the last forward
+        return self.pool.seed_for(f"{path}:dropout.{index}", step)
 
     # -- module path tracking (for functional calls) -------------------------------------------
     def push(self, name: str) -> None:
-        stack = self.local.stack
-        if stack is not None:
-            stack.append(name)
+        local = self.local
+        if local.stack is not None:
+            local.stack.append(name)
+        elif self.functional and torch._C._current_graph_task_id() != -1 and self.step > 0:
+            # A module called inside the backward: activation checkpointing recomputing it. Its functional
+            # dropouts replay the keys of the last forward (module path, call index, that forward's step).
+            local.stack, local.calls, local.replaying = [name], {}, True
+            local.mode = _FunctionalDropout(self)
+            local.mode.__enter__()
 
     def pop(self) -> None:
-        stack = self.local.stack
-        if stack is not None and len(stack) > 1:
+        local = self.local
+        stack = local.stack
+        if stack is None:
+            return
+        if local.replaying:
+            stack.pop()
+            if not stack:  # the recomputed module call is over
+                mode, local.mode, local.stack, local.replaying = local.mode, None, None, False
+                mode.__exit__(None, None, None)
+        elif len(stack) > 1:
             stack.pop()
 
 

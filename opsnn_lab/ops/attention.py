@@ -25,7 +25,7 @@ from opsnn_lab._checks import check_positive, check_range, check_tensor, same_de
 from opsnn_lab.kernels import rng
 from opsnn_lab.ops.dropout import CounterRNG
 
-__all__ = ["FusedAttention", "AttentionDropoutFunction"]
+__all__ = ["FusedAttention", "AttentionDropoutFunction", "counter_sdpa"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -125,6 +125,31 @@ def _check_qkv(q, k, v, mask):
             ok = False
         if not ok:
             raise ValueError(f"mask must broadcast to {target}, got shape {tuple(mask.shape)}")
+
+
+def counter_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                 scale: float | None = None, enable_gqa: bool = False, *, seed: int, offset: int = 0):
+    """``F.scaled_dot_product_attention`` with its dropout drawn from the counter RNG at ``(seed, offset)``
+    (``ol.consistency.make_reproducible`` routes SDPA calls with ``dropout_p > 0`` here). Same arguments
+    and result; ``is_causal`` is the top-left aligned lower triangle, ``enable_gqa`` repeats each k/v head
+    over its group of query heads. Saves q, k, v and the mask (``AttentionDropoutFunction``)."""
+    check_range("dropout_p", dropout_p, 0.0, 1.0)
+    if is_causal:
+        if attn_mask is not None:
+            raise ValueError("attn_mask and is_causal=True cannot both be given (as in scaled_dot_product_attention)")
+        attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+    if enable_gqa and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        if query.shape[-3] % key.shape[-3]:
+            raise ValueError(f"enable_gqa: query's {query.shape[-3]} heads are not a multiple of key's "
+                             f"{key.shape[-3]}")
+        groups = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+    _check_qkv(query, key, value, attn_mask)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    if dropout_p == 0.0:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+    out = AttentionDropoutFunction.apply(query, key, value, attn_mask, scale, float(dropout_p), seed, offset)
+    return out.view(*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2]), *out.shape[1:])
 
 
 class FusedAttention(CounterRNG, nn.Module):
