@@ -43,3 +43,18 @@ def test_same_device():
     same_device(a=torch.zeros(1), b=torch.zeros(1), c=None)
     with pytest.raises(ValueError, match="b is on meta but a is on cpu"):
         same_device(a=torch.zeros(1), b=torch.zeros(1, device="meta"))
+
+
+def test_check_linear_input_names_x():
+    from torch import nn
+
+    from opsnn_lab._checks import check_linear_input
+
+    lin = nn.Linear(4, 3)
+    check_linear_input(torch.ones(2, 4), lin)
+    with pytest.raises(ValueError, match="x must have 4 features"):
+        check_linear_input(torch.ones(2, 5), lin)
+    with pytest.raises(TypeError, match="x has dtype torch.float64 but the weights are torch.float32"):
+        check_linear_input(torch.ones(2, 4, dtype=torch.float64), lin)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        check_linear_input([1.0, 2.0], lin)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_choice, check_range, check_tensor, check_type, same_device
+from opsnn_lab._checks import check_choice, check_linear_input, check_range, check_type
 from opsnn_lab.kernels.gated_mlp import gated_act_bwd, gated_act_fwd
 from opsnn_lab.ops import _mlp_parts as parts
 from opsnn_lab.ops.dropout import CounterRNG, Dropout
@@ -93,9 +93,9 @@ class GatedMLPFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- recognising modules
-def _parse(gate, up, down, act, dropout) -> tuple[str, float]:
-    """``(act_name, p)`` or raises TypeError/ValueError naming the argument."""
-    for name, lin in (("gate", gate), ("up", up), ("down", down)):
+def _parse_parts(linears: dict, act, dropout) -> tuple[str, float]:
+    """The Linear types, the activation and the dropout of a gated MLP: ``(act_name, p)`` or TypeError."""
+    for name, lin in linears.items():
         if not isinstance(lin, nn.Linear):
             raise TypeError(f"{name} must be nn.Linear, got {type(lin).__name__}")
     act_name, why = parts.activation_name(act)
@@ -104,6 +104,12 @@ def _parse(gate, up, down, act, dropout) -> tuple[str, float]:
     p, why = parts.dropout_p(dropout)
     if p is None:
         raise TypeError(why)
+    return act_name, p
+
+
+def _parse(gate, up, down, act, dropout) -> tuple[str, float]:
+    """``(act_name, p)`` or raises TypeError/ValueError naming the argument."""
+    act_name, p = _parse_parts({"gate": gate, "up": up, "down": down}, act, dropout)
     if up.in_features != gate.in_features or up.out_features != gate.out_features:
         raise ValueError(f"up must have gate's shape ({gate.in_features} -> {gate.out_features}), "
                          f"got {up.in_features} -> {up.out_features}")
@@ -119,27 +125,14 @@ def _parse(gate, up, down, act, dropout) -> tuple[str, float]:
 
 
 def _check_input(x, first: nn.Linear, inter: int) -> None:
-    check_tensor("x", x, min_dim=1)
-    if x.shape[-1] != first.in_features:
-        raise ValueError(f"x must have {first.in_features} features in its last dim, got shape {tuple(x.shape)}")
-    if x.dtype != first.weight.dtype:
-        raise TypeError(f"x has dtype {x.dtype} but the weights are {first.weight.dtype}; cast one of them")
-    same_device(weight=first.weight, x=x)
+    check_linear_input(x, first)
     if x.numel() // max(x.shape[-1], 1) * inter > _MAX_NUMEL:
         raise ValueError("x gives more than 2**32 activations; split the batch")
 
 
 def _parse_packed(gate_up, down, act, dropout) -> tuple[str, float]:
     """``(act_name, p)`` for one Linear computing ``[gate | up]``, or raises TypeError/ValueError."""
-    for name, lin in (("gate_up", gate_up), ("down", down)):
-        if not isinstance(lin, nn.Linear):
-            raise TypeError(f"{name} must be nn.Linear, got {type(lin).__name__}")
-    act_name, why = parts.activation_name(act)
-    if act_name is None:
-        raise TypeError(f"act: {why}")
-    p, why = parts.dropout_p(dropout)
-    if p is None:
-        raise TypeError(why)
+    act_name, p = _parse_parts({"gate_up": gate_up, "down": down}, act, dropout)
     if gate_up.out_features % 2 or down.in_features * 2 != gate_up.out_features:
         raise ValueError(f"gate_up must have twice down's in_features ({down.in_features}) as out_features, "
                          f"got {gate_up.out_features}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_tensor, check_type, same_device
+from opsnn_lab._checks import check_linear_input, check_type
 
 __all__ = ["FusedQKV", "QKVFunction"]
 
@@ -150,12 +150,7 @@ class FusedQKV(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.linears
-        check_tensor("x", x, min_dim=1)
-        if x.shape[-1] != q.in_features:
-            raise ValueError(f"x must have {q.in_features} features in its last dim, got shape {tuple(x.shape)}")
-        if x.dtype != q.weight.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the weights are {q.weight.dtype}")
-        same_device(weight=q.weight, x=x)
+        check_linear_input(x, q)
         return qkv_split(QKVFunction.apply(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias), x,
                          (q.out_features, k.out_features, v.out_features))
 
