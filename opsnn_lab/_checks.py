@@ -93,3 +93,12 @@ def check_linear_input(x, linear, what: str = "the weights") -> None:
     if x.dtype != linear.weight.dtype:
         raise TypeError(f"x has dtype {x.dtype} but {what} are {linear.weight.dtype}; cast one of them")
     same_device(weight=linear.weight, x=x)
+
+
+def check_like(name: str, module, ref_name: str, ref) -> None:
+    """``module``'s weight has ``ref``'s dtype (else TypeError) and device (else ValueError), naming both."""
+    w, r = module.weight, ref.weight
+    if w.dtype != r.dtype:
+        raise TypeError(f"{name} has dtype {w.dtype} but {ref_name} has {r.dtype}")
+    if w.device != r.device:
+        raise ValueError(f"{name} is on {w.device} but {ref_name} is on {r.device}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_choice, check_linear_input, check_range, check_type
+from opsnn_lab._checks import check_choice, check_like, check_linear_input, check_range, check_type
 from opsnn_lab.kernels.gated_mlp import gated_act_bwd, gated_act_fwd
 from opsnn_lab.ops import _mlp_parts as parts
 from opsnn_lab.ops.dropout import CounterRNG, Dropout
@@ -117,10 +117,7 @@ def _parse(gate, up, down, act, dropout) -> tuple[str, float]:
         raise ValueError(f"down must have in_features={gate.out_features} (gate's out_features), "
                          f"got {down.in_features}")
     for name, lin in (("up", up), ("down", down)):
-        if lin.weight.dtype != gate.weight.dtype:
-            raise TypeError(f"{name} has dtype {lin.weight.dtype} but gate has {gate.weight.dtype}")
-        if lin.weight.device != gate.weight.device:
-            raise ValueError(f"{name} is on {lin.weight.device} but gate is on {gate.weight.device}")
+        check_like(name, lin, "gate", gate)
     return act_name, p
 
 
@@ -136,10 +133,7 @@ def _parse_packed(gate_up, down, act, dropout) -> tuple[str, float]:
     if gate_up.out_features % 2 or down.in_features * 2 != gate_up.out_features:
         raise ValueError(f"gate_up must have twice down's in_features ({down.in_features}) as out_features, "
                          f"got {gate_up.out_features}")
-    if down.weight.dtype != gate_up.weight.dtype:
-        raise TypeError(f"down has dtype {down.weight.dtype} but gate_up has {gate_up.weight.dtype}")
-    if down.weight.device != gate_up.weight.device:
-        raise ValueError(f"down is on {down.weight.device} but gate_up is on {gate_up.weight.device}")
+    check_like("down", down, "gate_up", gate_up)
     return act_name, p
 
 

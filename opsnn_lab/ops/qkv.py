@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_linear_input, check_type
+from opsnn_lab._checks import check_like, check_linear_input, check_type
 
 __all__ = ["FusedQKV", "QKVFunction"]
 
@@ -97,10 +97,7 @@ def _check_linears(q, k, v) -> None:
         if lin.in_features != q.in_features:
             raise ValueError(f"{name} must have in_features={q.in_features} like q (they read the same input), "
                              f"got {lin.in_features}")
-        if lin.weight.dtype != q.weight.dtype:
-            raise TypeError(f"{name} has dtype {lin.weight.dtype} but q has {q.weight.dtype}")
-        if lin.weight.device != q.weight.device:
-            raise ValueError(f"{name} is on {lin.weight.device} but q is on {q.weight.device}")
+        check_like(name, lin, "q", q)
 
 
 class FusedQKV(nn.Module):
