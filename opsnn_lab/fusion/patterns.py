@@ -348,7 +348,10 @@ def _describe(g: Graph, m: Match) -> str:
 
 
 def _short(n: Node) -> str:
-    return f"{n.module} ({type(n.obj).__name__})" if n.module else (n.op if n.kind == "function" else n.label)
+    if not n.module:
+        return n.op if n.kind == "function" else n.label
+    inner = Probed.bn_act.get(n.obj) if n.obj is not None else None  # a BatchNorm applying its own act
+    return f"{n.module} ({type(n.obj).__name__}{f', with its {type(inner).__name__}' if inner is not None else ''})"
 
 
 

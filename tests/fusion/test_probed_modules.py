@@ -191,6 +191,7 @@ def test_a_batch_norm_applying_its_own_activation_fuses_with_its_conv():
     got = {d.pattern: (d.fused, d.modules) for d in plan.decisions}
     assert got["conv_bn_silu"] == (True, ["conv_pw", "bn1"]) and got["conv_bn_relu6"] == (True, ["conv_dw", "bn2"])
     assert not any(d.fused for d in plan.decisions if "bn3" in d.modules)  # no activation: BN output to the add
+    assert "bn1 (BNAct, with its SiLU)" in next(d.reason for d in plan.decisions if d.pattern == "conv_bn_silu")
     assert activation_bytes(lambda: fused(x)) < activation_bytes(lambda: eager(x))
     for _ in range(2):  # two steps: the running statistics move the same way
         out, grads = _grads(fused, x)
