@@ -18,7 +18,15 @@ a mask that depends only on ``(seed, module name, step, element offset)``:
 * functional ``F.dropout`` / ``torch.dropout`` calls inside ``forward`` methods are intercepted by a
   ``TorchFunctionMode`` installed for the duration of each training forward and keyed by the module
   that made the call plus its call index within that module's forward:
-  ``"<module path>:dropout.<i>"`` (``"<root>"`` stands for the model itself).
+  ``"<module path>:dropout.<i>"`` (``"<root>"`` stands for the model itself); so are channel dropouts,
+  SDPA's dropout and every other random torch call (drop path), see ``consistency.functional``.
+
+Activation checkpointing: a module called inside the backward is a checkpoint recomputing it; its
+functional draws replay the keys of the last forward (and counter-RNG modules replay their own log, see
+``ops.dropout``), so gradients equal the run without checkpointing. Checkpoint module calls (as Hugging
+Face's ``gradient_checkpointing_enable`` and most trainers do): random calls a checkpointed plain function
+makes outside any module call are recomputed with torch's own generator (a non-reentrant checkpoint then
+raises ``CheckpointError``; a reentrant one would differ silently).
 
 Step: the model carries a step counter. Every forward of the model in training mode uses the current
 step and then advances it by one; eval-mode forwards use no randomness and do not advance. Before a
@@ -36,11 +44,10 @@ import struct
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from opsnn_lab._checks import check_positive, check_type
+from opsnn_lab.consistency.functional import FunctionalRandomness
 
 __all__ = ["SeedPool", "SeedStream", "make_reproducible", "set_step", "get_step", "ROOT"]
 
@@ -130,69 +137,13 @@ class SeedPool:
 
 
 # --------------------------------------------------------------------------- make_reproducible
-_DROPOUT_FUNCS = {F.dropout, torch.dropout, torch.Tensor.dropout} if hasattr(torch.Tensor, "dropout") else {
-    F.dropout, torch.dropout}
-
-
-def _dropout_args(func, args, kwargs):
-    """``(input, p, training)`` of an ``F.dropout`` / ``torch.dropout`` call."""
-    names = ("input", "p", "training", "inplace") if func is F.dropout else ("input", "p", "train")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    x = bound.get("input")
-    p = float(bound.get("p", 0.5))
-    training = bound.get("training", bound.get("train", True))
-    return x, p, bool(training)
-
-
-class _FunctionalDropout(TorchFunctionMode):
-    """Routes functional dropout calls to the counter RNG, keyed by calling module + call index."""
-
-    def __init__(self, state: _ReproducibleState):
-        super().__init__()
-        self.state = state
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return self._attention(args, kwargs)
-        if func not in _DROPOUT_FUNCS:
-            return func(*args, **kwargs)
-        x, p, training = _dropout_args(func, args, kwargs)
-        if not training or not isinstance(x, torch.Tensor):
-            return func(*args, **kwargs)
-        from opsnn_lab.ops.dropout import DropoutFunction
-
-        seed = self.state.functional_seed()
-        if p == 0.0:
-            return x
-        out = DropoutFunction.apply(x, p, seed, 0)
-        inplace = kwargs.get("inplace", args[3] if func is F.dropout and len(args) > 3 else False)
-        return x.copy_(out) if inplace else out  # the Function saves nothing, so x may be overwritten
-
-
-    def _attention(self, args, kwargs):
-        """SDPA with dropout (Hugging Face's default attention): the same result with the counter mask of
-        ``"<module path>:dropout.<i>"``, since SDPA's own dropout draws from torch's generator."""
-        bound = dict(zip(_SDPA_ARGS, args))
-        bound.update(kwargs)
-        if float(bound.get("dropout_p", 0.0)) == 0.0:
-            return F.scaled_dot_product_attention(*args, **kwargs)
-        from opsnn_lab.ops.attention import counter_sdpa
-
-        return counter_sdpa(**bound, seed=self.state.functional_seed())
-
-
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
 class _ForwardScope:
     """Per-forward bookkeeping (plain attributes, so a prepared model still deep-copies)."""
 
     def __init__(self):
         self.stack: list[str] | None = None
         self.calls: dict[str, int] = {}
-        self.mode: _FunctionalDropout | None = None
+        self.mode = None  # the FunctionalRandomness mode of the running forward
         self.active = False  # between begin_forward and end_forward
         self.replaying = False  # a checkpoint recomputing a module call inside the backward
 
@@ -248,7 +199,7 @@ class _ReproducibleState:
         self.local.stack = [ROOT]
         self.local.calls = {}
         if self.functional:
-            self.local.mode = _FunctionalDropout(self)
+            self.local.mode = FunctionalRandomness(self)
             self.local.mode.__enter__()
 
     def end_forward(self) -> None:
@@ -262,12 +213,15 @@ class _ReproducibleState:
         self.local.stack = None
         self.step += 1
 
-    def functional_seed(self) -> int:
+    def functional_seed(self, kind: str = "dropout") -> int:
+        """The seed of the next ``kind`` call (``dropout`` or ``random``) of the innermost running module:
+        ``"<module path>:<kind>.<i>"`` at this step; each kind counts its calls apart, so a new random op
+        never shifts a dropout's key."""
         path = self.local.stack[-1] if self.local.stack else ROOT
-        index = self.local.calls.get(path, 0)
-        self.local.calls[path] = index + 1
+        index = self.local.calls.get((path, kind), 0)
+        self.local.calls[(path, kind)] = index + 1
         step = self.step - 1 if self.local.replaying else self.step  # a replay recomputes the last forward
-        return self.pool.seed_for(f"{path}:dropout.{index}", step)
+        return self.pool.seed_for(f"{path}:{kind}.{index}", step)
 
     # -- module path tracking (for functional calls) -------------------------------------------
     def push(self, name: str) -> None:
@@ -278,7 +232,7 @@ class _ReproducibleState:
             # A module called inside the backward: activation checkpointing recomputing it. Its functional
             # dropouts replay the keys of the last forward (module path, call index, that forward's step).
             local.stack, local.calls, local.replaying = [name], {}, True
-            local.mode = _FunctionalDropout(self)
+            local.mode = FunctionalRandomness(self)
             local.mode.__enter__()
 
     def pop(self) -> None:
