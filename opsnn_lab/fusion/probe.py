@@ -26,6 +26,7 @@ from opsnn_lab.ops._mlp_parts import activation_name
 
 __all__ = ["probe_modules"]
 
+
 def _quiet(device: torch.device):
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
@@ -62,7 +63,6 @@ def _unknown(module: nn.Module) -> bool:
 
 def probe_modules(model: nn.Module) -> None:
     """Mark what ``model``'s own classes compute (see the module docstring); cheap to call again."""
-
     bns = []
     for m in model.modules():
         if isinstance(m, nn.Linear) and own_forward(m) is not nn.Linear:

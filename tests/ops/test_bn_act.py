@@ -40,6 +40,13 @@ class ShiftedBN(BatchNormAct):  # the same children, another computation
         return super().forward(x) + 0.5
 
 
+class StatsFrozenBN(BatchNormAct):  # the same output in training, but the running statistics never move
+    def forward(self, x):
+        x = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps) if self.training else \
+            F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return self.act(self.drop(x))
+
+
 class DropBN(BatchNormAct):  # a second non-identity child: not just BN then act
     def __init__(self, c, act):
         super().__init__(c, act)
@@ -104,6 +111,7 @@ def test_one_without_an_activation_child_is_a_plain_batch_norm():
 @pytest.mark.parametrize("make, act, match", [
     (lambda: ShiftedBN(6, nn.SiLU()), "own", "bn must be BatchNorm2d"),
     (lambda: DropBN(6, nn.SiLU()), "own", "bn must be BatchNorm2d"),
+    (lambda: StatsFrozenBN(6, nn.SiLU()), "own", "bn must be BatchNorm2d"),
     (lambda: BatchNormAct(6, nn.SiLU()), "other", "bn must be BatchNorm2d"),  # applies SiLU, then SiLU again
 ])
 def test_refused_when_the_forward_is_not_the_chain(make, act, match):
