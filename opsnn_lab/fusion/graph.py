@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 __all__ = ["Node", "Graph", "Ref", "canonical_function", "canonical_module", "is_leaf_module", "arg",
-           "is_transposed_linear", "Probed", "own_forward",
-           "ACTIVATIONS"]
+           "is_transposed_linear", "Probed", "own_forward", "ACTIVATIONS"]
 
 # Module classes -> canonical op names; functions are named by their __name__ (see canonical_function).
 _MODULE_OPS = {

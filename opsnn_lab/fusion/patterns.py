@@ -41,7 +41,9 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
         m = Match("conv_bn_relu", [conv, bn], False, "", inputs=conv.inputs[:1], outputs=[bn])
         users = g.users.get(bn.name, [])
         inner = _inner_act(bn)  # a BatchNorm module that applies its own activation (timm's BatchNormAct2d)
-        passed, act = ([], inner) if inner else past_identities(g, bn) if len(users) == 1 else ([], None)
+        passed, act = [], inner
+        if inner is None and len(users) == 1:
+            passed, act = past_identities(g, bn)
         m.reason = _consumer_reason(g, conv, bn)
         if not m.reason and act is None:
             m.reason = (f"the output of `{bn.label}` goes to {', '.join(f'`{u.label}`' for u in users)}"
@@ -351,7 +353,8 @@ def _short(n: Node) -> str:
     if not n.module:
         return n.op if n.kind == "function" else n.label
     inner = Probed.bn_act.get(n.obj) if n.obj is not None else None  # a BatchNorm applying its own act
-    return f"{n.module} ({type(n.obj).__name__}{f', with its {type(inner).__name__}' if inner is not None else ''})"
+    applies = "" if inner is None else f", with its {type(inner).__name__}"
+    return f"{n.module} ({type(n.obj).__name__}{applies})"
 
 
 
