@@ -142,7 +142,7 @@ class _ForwardScope:
 
     def __init__(self):
         self.stack: list[str] | None = None
-        self.calls: dict[str, int] = {}
+        self.calls: dict[tuple[str, str], int] = {}  # (module path, "dropout" | "random") -> calls so far
         self.mode = None  # the FunctionalRandomness mode of the running forward
         self.active = False  # between begin_forward and end_forward
         self.replaying = False  # a checkpoint recomputing a module call inside the backward
