@@ -66,3 +66,55 @@ def run_rank_check(world_size: int = 2, perturb_rank: int = 1, perturb: str = "l
         mp.spawn(rank_check_worker, args=(world_size, _free_port(), perturb_rank, perturb, out, eps),
                  nprocs=world_size, join=True)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------- fused and checkpointed variants
+def _checkpoint_layers(model) -> None:
+    """Run each encoder layer under a (non-reentrant) activation checkpoint, as HF's
+    ``gradient_checkpointing_enable`` does for its decoder layers."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.layers:
+        forward = layer.forward  # the class's, or a fusion rewrite's
+        layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+
+
+def mask_variants(make_model, task, seed: int = 0, steps: int = 2) -> dict[str, dict]:
+    """Train ``steps`` steps of each variant of one model and compare every output and gradient with the
+    prepared (``make_reproducible``) unfused run: fused, checkpointed, both, and unprepared under another
+    global seed. ``{variant: {"max |d loss|": .., "max |d grad| / max |grad|": .., "ok": ..}}``."""
+    from opsnn_lab import fusion
+    from opsnn_lab.consistency import make_reproducible
+
+    def run(fuse: bool, ckpt: bool, prepared: bool, global_seed: int):
+        model = make_model()
+        batch = task.batch(0)
+        if fuse:
+            model, _ = fusion.fuse(model, (batch["input_ids"],))
+        if prepared:
+            make_reproducible(model, seed=seed)
+        if ckpt:
+            _checkpoint_layers(model)
+        torch.manual_seed(global_seed)
+        losses, grads = [], []
+        for step in range(steps):
+            model.zero_grad(set_to_none=True)
+            loss = task.loss(model, task.batch(step))
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+        return losses, grads
+
+    ref_losses, ref_grads = run(False, False, True, 1)
+    variants = {"fused": (True, False, True, 2), "checkpointed": (False, True, True, 3),
+                "fused + checkpointed": (True, True, True, 4), "not prepared": (False, False, False, 5)}
+    out = {}
+    for name, args in variants.items():
+        losses, grads = run(*args)
+        d_loss = max((a - b).abs().item() for a, b in zip(losses, ref_losses))
+        # relative to the largest gradient of the step: a gradient that is 0 by symmetry (the key bias under
+        # softmax) holds only rounding noise, whatever order computed it
+        d_grad = max(max((g[k] - r[k]).abs().max().item() for k in r) / max(v.abs().max().item() for v in r.values())
+                     for g, r in zip(grads, ref_grads))
+        out[name] = {"max |d loss|": d_loss, "max |d grad| / max |grad|": d_grad, "ok": d_grad < 1e-5}
+    return out
