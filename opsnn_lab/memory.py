@@ -119,7 +119,8 @@ class MemoryPool:
         if self.expandable_segments:
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         self._cuda_pool = torch.cuda.MemPool()
-        self._cuda_ctx = torch.cuda.use_mem_pool(self._cuda_pool, device=self.device)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._cuda_ctx = torch.cuda.use_mem_pool(self._cuda_pool, device=index)  # "cuda" alone is refused
         self._cuda_ctx.__enter__()
         torch.cuda.reset_peak_memory_stats(self.device)
 

@@ -18,7 +18,7 @@ def _params(lins):
 
 def _fwd_bwd(fn, x, params, seed=50):
     outs = fn(x)
-    grads_out = [seeded(*o.shape, seed=seed + i, dtype=o.dtype) for i, o in enumerate(outs)]
+    grads_out = [seeded(*o.shape, seed=seed + i, dtype=o.dtype, device=o.device) for i, o in enumerate(outs)]
     for t in [x, *params]:
         t.grad = None
     torch.autograd.backward(list(outs), grads_out)
