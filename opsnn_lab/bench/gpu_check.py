@@ -22,7 +22,7 @@ import torch
 
 from opsnn_lab.bench.common import machine_line, median_time, write_json
 
-__all__ = ["main", "kernel_bandwidth"]
+__all__ = ["main", "kernel_bandwidth", "GPU_TEST_PATHS"]
 
 NOMINAL_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0, "L4": 300.0}
 
@@ -78,12 +78,18 @@ def kernel_bandwidth(device="cuda", shapes=((1024, 3072), (16384, 3072)),
     return rows
 
 
+# Where the tests marked gpu live (tests/bench/test_ops_bench.py keeps this list whole). Collecting only these
+# lets a bare CUDA image without the notebook and widget stack (nbformat, plotly, anywidget) run them.
+GPU_TEST_PATHS = ("tests/kernels", "tests/ops", "tests/consistency", "tests/test_memory.py")
+
+
 def _pytest(timeout: int) -> dict:
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests"], capture_output=True,
-                              text=True, timeout=timeout)
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "--tb=short", "-p",
+                               "no:cacheprovider", *GPU_TEST_PATHS], capture_output=True, text=True, timeout=timeout)
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        tail = [ln for ln in lines if ln.startswith(("FAILED", "ERROR", "E  "))][:40] + lines[-3:]
         return {"returncode": proc.returncode, "summary": tail[-1] if tail else "", "tail": tail,
                 "seconds": time.perf_counter() - t0}
     except subprocess.TimeoutExpired:

@@ -152,3 +152,19 @@ def test_kernel_bandwidth_rows_under_the_interpreter(interpreted):
     rows = gpu_check.kernel_bandwidth("cpu", shapes=((3, 8),), dtypes=(torch.float32,), warmup=0, repeat=1)
     assert [r["kernel"] for r in rows] == ["gelu_dropout_fwd(bias)", "gelu_dropout_bwd(bias,out)", "rng_bits16"]
     assert all(r["bytes"] > 0 and r["gbs"] > 0 for r in rows)
+
+
+def test_gpu_check_collects_every_test_marked_gpu():
+    """``bench gpu_check`` runs ``pytest -m gpu`` over GPU_TEST_PATHS only (a bare CUDA image lacks the notebook
+    and widget stack): every test marked gpu must live there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=300)
+    ids = [ln.split("::")[0] for ln in proc.stdout.splitlines() if "::" in ln]
+    assert ids, proc.stdout[-2000:]
+    outside = sorted({i for i in ids if not i.startswith(gpu_check.GPU_TEST_PATHS)})
+    assert not outside, f"tests marked gpu outside GPU_TEST_PATHS: {outside}"
