@@ -148,6 +148,9 @@ def counter_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_c
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     if dropout_p == 0.0:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+    batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    if math.prod(batch) * query.shape[-2] * key.shape[-2] > rng.MAX_NUMEL:
+        raise ValueError("the attention matrix has more than 2**32 elements; split the batch")
     out = AttentionDropoutFunction.apply(query, key, value, attn_mask, scale, float(dropout_p), seed, offset)
     return out.view(*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2]), *out.shape[1:])
 
@@ -184,18 +187,12 @@ class FusedAttention(CounterRNG, nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        _check_qkv(q, k, v, mask)
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        _check_qkv(q, k, v, mask)  # before the draw: a refused call does not advance the stream
         p, seed, offset = 0.0, 0, 0
         if self.training:
             seed, offset = self.next_draw(q)
             p = self.dropout_p
-        if p == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        if math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])) * q.shape[-2] * k.shape[-2] > rng.MAX_NUMEL:
-            raise ValueError("the attention matrix has more than 2**32 elements; split the batch")
-        out = AttentionDropoutFunction.apply(q, k, v, mask, scale, p, seed, offset)
-        return out.view(*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]), *out.shape[1:])
+        return counter_sdpa(q, k, v, mask, p, scale=self.scale, seed=seed, offset=offset)
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}"
