@@ -84,15 +84,17 @@ def same_device(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{k} is on {v.device} but {ref_name} is on {ref.device}; move them to one device")
 
 
-def check_linear_input(x, linear, what: str = "the weights") -> None:
+def check_linear_input(x, linear, what: str = "the weights", weight=None) -> None:
     """``x`` can feed ``linear`` (an nn.Linear): a tensor with ``in_features`` in its last dim, the weight's
-    dtype and device; else TypeError/ValueError naming ``x``."""
+    dtype and device (``weight``: the weight as the op uses it, e.g. cast under autocast); else
+    TypeError/ValueError naming ``x``."""
+    weight = linear.weight if weight is None else weight
     check_tensor("x", x, min_dim=1)
     if x.shape[-1] != linear.in_features:
         raise ValueError(f"x must have {linear.in_features} features in its last dim, got shape {tuple(x.shape)}")
-    if x.dtype != linear.weight.dtype:
-        raise TypeError(f"x has dtype {x.dtype} but {what} are {linear.weight.dtype}; cast one of them")
-    same_device(weight=linear.weight, x=x)
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but {what} are {weight.dtype}; cast one of them")
+    same_device(weight=weight, x=x)
 
 
 def check_like(name: str, module, ref_name: str, ref) -> None:

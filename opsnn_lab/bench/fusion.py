@@ -8,7 +8,8 @@ excluded). Train mode, fp32. Prints a table; writes build/bench/fusion.json.
 ``--models hf``: the model matrix instead (Hugging Face BERT, RoBERTa, GPT-2, Llama, Phi-3, Falcon,
 Bloom, T5, ResNet, EfficientNet, MobileNetV2, ConvNeXt from tiny configs, plus the embedded encoder and CNN;
 dropout at the models' defaults):
-candidates, fused, rejected with the top reasons, activation bytes fused/eager measured, analysis seconds;
+candidates, fused, rejected with the top reasons, activation bytes fused/eager measured (fp32, and under bf16
+``torch.autocast`` against eager under autocast), analysis seconds;
 analysis + apply of HF BERT-base (12 layers, 8x128) against the 10 s target; and a Llama-style decoder
 (``LlamaForCausalLM`` from a config, Llama-7B proportions scaled to the CPU, 4x512 tokens, vocabulary 32000)
 trained with the fused head + loss (``ol.ops.lm_head_loss`` on the fused model) against the 0.6 target.
@@ -89,11 +90,16 @@ def _row(name: str, model, inputs) -> dict:
     plan = ol.fusion.analyze(model, inputs)
     seconds = time.perf_counter() - t0
     fused = ol.fusion.apply(model, plan)
-    before = activation_bytes(call(model), exclude=tuple(model.parameters()))
-    after = activation_bytes(call(fused), exclude=tuple(fused.parameters()))
+    ratio = {}
+    for amp in (False, True):  # fp32, then bf16 autocast (the fused ops cast their matmul operands as autocast does)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            before = activation_bytes(call(model), exclude=tuple(model.parameters()))
+            after = activation_bytes(call(fused), exclude=tuple(fused.parameters()))
+        ratio[amp] = after / before
     return {"model": name, "candidates": len(plan.decisions), "fused": len(plan.fused),
-            "rejected": len(plan.decisions) - len(plan.fused), "activation fused/eager": after / before,
-            "analysis s": seconds, "top rejections": _top_reasons(plan), "summary": plan.summary()}
+            "rejected": len(plan.decisions) - len(plan.fused), "activation fused/eager": ratio[False],
+            "bf16 autocast fused/eager": ratio[True], "analysis s": seconds, "top rejections": _top_reasons(plan),
+            "summary": plan.summary()}
 
 
 LM_SHAPE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
@@ -149,8 +155,8 @@ def main_hf(args) -> int:
         base = _bert_base_seconds(args.batch, args.seq) if not args.no_base else None
         lm = _lm_head_row() if not args.no_lm else None
     print(machine_line())
-    print(format_table(rows, ["model", "candidates", "fused", "rejected", "activation fused/eager", "analysis s",
-                              "top rejections"]))
+    print(format_table(rows, ["model", "candidates", "fused", "rejected", "activation fused/eager",
+                              "bf16 autocast fused/eager", "analysis s", "top rejections"]))
     eff = next(r["activation fused/eager"] for r in rows if r["model"] == "efficientnet")
     print(f"EfficientNet activation bytes fused/eager {eff:.3f} (target <= {EFFICIENTNET_TARGET}); "
           f"{'meets' if eff <= EFFICIENTNET_TARGET else 'MISSES'} the target")
@@ -186,8 +192,8 @@ def main_timm(args) -> int:
         for name in tqdm(zoo.TIMM_MODELS, desc="timm models"):
             rows.append(_row(name, *zoo.build_timm(name)))
     print(machine_line())
-    print(format_table(rows, ["model", "candidates", "fused", "rejected", "activation fused/eager", "analysis s",
-                              "top rejections"]))
+    print(format_table(rows, ["model", "candidates", "fused", "rejected", "activation fused/eager",
+                              "bf16 autocast fused/eager", "analysis s", "top rejections"]))
     path = write_json("fusion_timm", {"rows": rows, "timm": timm.__version__, "args": vars(args)}, args.out)
     print(f"wrote {path}")
     return 0

@@ -15,10 +15,12 @@ trace saw (``runtime.ModuleCall``), in one of three ways (``Decision.route``):
 
 A patch is an object bound as ``module.__dict__["forward"]`` (module-level classes only: ``torch.save``
 pickles it, ``copy.deepcopy`` copies it with the Parameters it shares); ``revert(model)`` removes every
-patch. Under ``torch.autocast`` a patched chain runs its modules' own forwards (the fused ops compute in
-one dtype), with the same result as the unfused model. Under ``torch.compile`` a fused op is an opaque
-call (``torch.compiler.disable``: Dynamo breaks the graph around it, so its Python-side dropout stream never
-becomes a guard), and a QKV sibling runs its plain Linear, which Inductor compiles with the rest.
+patch. Under ``torch.autocast`` a fused op computes what autocast computes (``opsnn_lab.ops._amp``: its matmul
+operands cast to autocast's dtype, autocast off inside), so autocast training keeps the memory win; a norm fed
+another dtype than its weight runs its module's own forward (the module decides its output dtype).
+Under ``torch.compile`` a fused op is an opaque call (``torch.compiler.disable``: Dynamo breaks the graph
+around it, so its Python-side dropout stream never becomes a guard), and a QKV sibling runs its plain Linear,
+which Inductor compiles with the rest.
 """
 
 from __future__ import annotations
@@ -157,8 +159,10 @@ class Patch:
             op.train(self.host.training)
 
 
-def _autocast_on(x) -> bool:
-    return isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type)
+def _defers(op: nn.Module, x) -> bool:
+    """Under autocast, a norm fed another dtype than its weight runs the replaced modules' own forwards."""
+    defers = getattr(op, "defers_under_autocast", None)
+    return defers is not None and isinstance(x, torch.Tensor) and defers(x)
 
 
 class ChainHead(Patch):
@@ -170,7 +174,7 @@ class ChainHead(Patch):
 
     @opaque_to_compile  # opaque to torch.compile: the op draws its dropout stream in Python
     def __call__(self, x):
-        if _autocast_on(x):
+        if _defers(self.op, x):
             for step in self.steps:
                 x = type(step).forward(step, x)
             return x
@@ -194,7 +198,7 @@ class WholeForward(Patch):
 
     @opaque_to_compile
     def __call__(self, x):
-        if _autocast_on(x):
+        if _defers(self.op, x):
             return type(self.host).forward(self.host, x)
         self._sync(self.op)
         return self.op(x)
@@ -218,7 +222,7 @@ class QKVCore:
             if all(self.read):
                 self.clear()  # drop the references: the outputs belong to the caller now
             return out
-        if i != self.first or _autocast_on(x) or torch.compiler.is_compiling():
+        if i != self.first or torch.compiler.is_compiling():
             return F.linear(x, host.weight, host.bias)  # a call pattern the analysis did not see: plain Linear
         self.op.train(host.training)
         self.outs = self.op(x)

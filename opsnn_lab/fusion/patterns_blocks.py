@@ -288,8 +288,9 @@ def find_add_norms(g: Graph) -> list[Match]:
 
 
 class AddNorm(nn.Module):
-    """``forward(a, b) -> (norm(a + b), a + b)`` by the fused op; under autocast, the add and the norm module's own
-    forward, as the model computed them (the fused op takes one dtype, autocast mixes them)."""
+    """``forward(a, b) -> (norm(a + b), a + b)`` by the fused op (under autocast too: it widens a bf16 ``a`` onto
+    an fp32 ``b`` as eager's add does); where the sum's dtype is not the norm weight's under autocast, the add and
+    the norm module's own forward, as the model computed them."""
 
     def __init__(self, op: nn.Module, norm: nn.Module):
         super().__init__()
@@ -297,7 +298,8 @@ class AddNorm(nn.Module):
         object.__setattr__(self, "norm", norm)  # the model's module, not a child: no second copy of its weight
 
     def forward(self, a: torch.Tensor, b: torch.Tensor):
-        if torch.is_autocast_enabled(a.device.type):
+        wide = a if a.dtype == torch.promote_types(a.dtype, b.dtype) else b
+        if self.op.defers_under_autocast(wide):
             s = a + b
             return self.norm(s), s
         return self.op(a, b)

@@ -23,6 +23,7 @@ from torch import nn
 
 from opsnn_lab._checks import check_positive, check_range, check_tensor, same_device
 from opsnn_lab.kernels import rng
+from opsnn_lab.ops import _amp
 from opsnn_lab.ops.dropout import CounterRNG
 
 __all__ = ["FusedAttention", "AttentionDropoutFunction", "counter_sdpa"]
@@ -63,6 +64,7 @@ class AttentionDropoutFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @_amp.no_autocast
     def forward(ctx, q, k, v, mask, scale, p, seed, offset):
         batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
         probs = _probs(q3, k3, scale, add_mask, batch)
@@ -73,6 +75,7 @@ class AttentionDropoutFunction(torch.autograd.Function):
         return out  # (batch, T, d): viewed outside the Function, so the caller may modify it in place
 
     @staticmethod
+    @_amp.no_autocast
     def backward(ctx, grad):
         q, k, v, mask = ctx.saved_tensors
         scale, p, seed, offset = ctx.cfg
@@ -134,6 +137,19 @@ def counter_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_c
     and result; ``is_causal`` is the top-left aligned lower triangle, ``enable_gqa`` repeats each k/v head
     over its group of query heads. Saves q, k, v and the mask (``AttentionDropoutFunction``)."""
     check_range("dropout_p", dropout_p, 0.0, 1.0)
+    with _amp.region(query) as cast:  # under autocast: q, k, v and a float mask cast, as SDPA's are
+        query, key, value, attn_mask = _cast_operands(cast, query, key, value, attn_mask)
+        return _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, offset)
+
+
+def _cast_operands(cast, q, k, v, mask):
+    q, k, v = cast(q, k, v)
+    if mask is not None and mask.is_floating_point():
+        (mask,) = cast(mask)
+    return q, k, v, mask
+
+
+def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, offset):
     if is_causal:
         if attn_mask is not None:
             raise ValueError("attn_mask and is_causal=True cannot both be given (as in scaled_dot_product_attention)")
@@ -187,12 +203,14 @@ class FusedAttention(CounterRNG, nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        _check_qkv(q, k, v, mask)  # before the draw: a refused call does not advance the stream
-        p, seed, offset = 0.0, 0, 0
-        if self.training:
-            seed, offset = self.next_draw(q)
-            p = self.dropout_p
-        return counter_sdpa(q, k, v, mask, p, scale=self.scale, seed=seed, offset=offset)
+        with _amp.region(q) as cast:
+            q, k, v, mask = _cast_operands(cast, q, k, v, mask)
+            _check_qkv(q, k, v, mask)  # before the draw: a refused call does not advance the stream
+            p, seed, offset = 0.0, 0, 0
+            if self.training:
+                seed, offset = self.next_draw(q)
+                p = self.dropout_p
+            return counter_sdpa(q, k, v, mask, p, scale=self.scale, seed=seed, offset=offset)
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}"

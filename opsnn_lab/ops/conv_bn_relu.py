@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from opsnn_lab._checks import check_tensor, check_type
 from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, bn_act_backward, bn_act_forward
+from opsnn_lab.ops import _amp
 from opsnn_lab.ops._activations import activation_of
 from opsnn_lab.ops._bn_act import computes_batch_norm
 
@@ -162,6 +163,7 @@ class ConvBNActFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @_amp.no_autocast
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, running_mean, running_var, cfg: _Config):
         ctx.cfg, ctx.has_bias = cfg, bias is not None
         if cfg.training:
@@ -196,6 +198,7 @@ class ConvBNActFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_amp.no_autocast
     def backward(ctx, grad_out):
         if ctx.empty:
             return _empty_grads(ctx, *ctx.saved_tensors)
@@ -372,9 +375,8 @@ class FusedConvBNAct(nn.Module):
                        factor, self.pool, self.act_spec, recompute=self.training and recompute,
                        channels_last=channels_last)
 
-    def _check_input(self, x) -> None:
+    def _check_input(self, x, w) -> None:
         check_tensor("input", x, dtypes=_FLOATS, dim=4)
-        w = self.conv.weight
         if x.shape[1] != self.conv.in_channels:
             raise ValueError(f"input must have {self.conv.in_channels} channels (dim 1), got shape {tuple(x.shape)}")
         if x.dtype != w.dtype:
@@ -393,10 +395,12 @@ class FusedConvBNAct(nn.Module):
         return oh * ow
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
         conv, bn = self.conv, self.bn
-        return ConvBNActFunction.apply(x, conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean,
-                                       bn.running_var, self._config())
+        with _amp.region(x) as cast:  # under autocast: the conv's operands cast, BN's parameters and statistics not
+            x, weight, bias = cast(x, conv.weight, conv.bias)
+            self._check_input(x, weight)
+            return ConvBNActFunction.apply(x, weight, bias, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                           self._config())
 
     def extra_repr(self) -> str:
         pool = "" if self.pool is None else f", pool={self.pool}"

@@ -35,6 +35,7 @@ from torch import nn
 
 from opsnn_lab._checks import check_choice, check_positive, check_range, check_tensor, check_type, same_device
 from opsnn_lab.kernels.fused_linear_cross_entropy import cross_entropy_chunk
+from opsnn_lab.ops import _amp
 
 __all__ = ["LinearCrossEntropyFunction", "FusedLinearCrossEntropy", "linear_cross_entropy"]
 
@@ -117,6 +118,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """Chunked ``cross_entropy(h @ W.T + b, t)``; saves the gradients, or ``h`` to recompute; never the logits."""
 
     @staticmethod
+    @_amp.no_autocast
     def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, smoothing, chunk_size, recompute):
         h2 = hidden.reshape(-1, hidden.shape[-1])
         t = target.reshape(-1)
@@ -141,6 +143,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return total / n_valid if reduction == "mean" else total  # 0 / 0 = NaN when all ignored, as torch
 
     @staticmethod
+    @_amp.no_autocast
     def backward(ctx, grad_loss):
         go = grad_loss
         if ctx.recompute:
@@ -196,9 +199,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     outweigh the logits (N x V) eager saves (BERT's masked rows, short sequences). ``reduction="none"`` always
     recomputes.
     """
-    _check_args(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, chunk_size, recompute)
-    loss = LinearCrossEntropyFunction.apply(hidden, weight, bias, target.long(), ignore_index, reduction,
-                                            float(label_smoothing), chunk_size, recompute)
+    check_tensor("hidden", hidden, dtypes=_FLOATS, min_dim=1)
+    with _amp.region(hidden) as cast:  # under autocast: the head's operands cast, the loss in fp32 (as eager's)
+        hidden, weight, bias = cast(hidden, weight, bias)
+        _check_args(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, chunk_size, recompute)
+        loss = LinearCrossEntropyFunction.apply(hidden, weight, bias, target.long(), ignore_index, reduction,
+                                                float(label_smoothing), chunk_size, recompute)
     return loss.view(target.shape) if reduction == "none" else loss
 
 

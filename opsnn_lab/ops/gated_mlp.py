@@ -26,6 +26,7 @@ from torch import nn
 
 from opsnn_lab._checks import check_choice, check_like, check_linear_input, check_range, check_type
 from opsnn_lab.kernels.gated_mlp import gated_act_bwd, gated_act_fwd
+from opsnn_lab.ops import _amp
 from opsnn_lab.ops import _mlp_parts as parts
 from opsnn_lab.ops.dropout import CounterRNG, Dropout
 from opsnn_lab.ops.qkv import _adjacent, _joined, _joined_bias
@@ -59,6 +60,7 @@ class GatedMLPFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @_amp.no_autocast
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, act, p, seed, offset, recompute):
         x2 = x.reshape(-1, x.shape[-1])
         gu = _packed_gemm(x2, w_gate, w_up, b_gate, b_up)
@@ -69,6 +71,7 @@ class GatedMLPFunction(torch.autograd.Function):
         return y  # (M, out): viewed outside the Function, so the caller may modify it in place
 
     @staticmethod
+    @_amp.no_autocast
     def backward(ctx, grad):
         x2, w_gate, w_up, w_down, b_gate, b_up, gu = ctx.saved_tensors
         act, p, seed, offset = ctx.cfg
@@ -121,8 +124,8 @@ def _parse(gate, up, down, act, dropout) -> tuple[str, float]:
     return act_name, p
 
 
-def _check_input(x, first: nn.Linear, inter: int) -> None:
-    check_linear_input(x, first)
+def _check_input(x, first: nn.Linear, inter: int, weight) -> None:
+    check_linear_input(x, first, weight=weight)
     if x.numel() // max(x.shape[-1], 1) * inter > _MAX_NUMEL:
         raise ValueError("x gives more than 2**32 activations; split the batch")
 
@@ -253,10 +256,11 @@ class FusedGatedMLP(CounterRNG, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.linears
-        _check_input(x, gate, gate.out_features)
-        p, seed, offset = self._draw(x)
-        y = GatedMLPFunction.apply(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias,
-                                   self.act, p, seed, offset, self.recompute)
+        with _amp.region(x) as cast:  # under autocast: its matmul casts, autocast off inside
+            x, *w = cast(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias)
+            _check_input(x, gate, gate.out_features, w[0])
+            p, seed, offset = self._draw(x)
+            y = GatedMLPFunction.apply(x, *w, self.act, p, seed, offset, self.recompute)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _draw(self, x) -> tuple[float, int, int]:
@@ -314,10 +318,12 @@ class FusedPackedGatedMLP(FusedGatedMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.linears
-        _check_input(x, gate_up, gate_up.out_features // 2)
-        p, seed, offset = self._draw(x)
-        y = GatedMLPFunction.apply(x, gate_up.weight, None, down.weight, gate_up.bias, None, down.bias,
-                                   self.act, p, seed, offset, self.recompute)
+        with _amp.region(x) as cast:
+            x, w_gu, w_down, b_gu, b_down = cast(x, gate_up.weight, down.weight, gate_up.bias, down.bias)
+            _check_input(x, gate_up, gate_up.out_features // 2, w_gu)
+            p, seed, offset = self._draw(x)
+            y = GatedMLPFunction.apply(x, w_gu, None, w_down, b_gu, None, b_down, self.act, p, seed, offset,
+                                       self.recompute)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:

@@ -23,6 +23,7 @@ from torch import nn
 from opsnn_lab._checks import check_choice, check_range, check_tensor, check_type, same_device
 from opsnn_lab.kernels import backend_for
 from opsnn_lab.kernels.gelu_dropout import act_dropout_bwd, act_dropout_fwd, act_forward
+from opsnn_lab.ops import _amp
 from opsnn_lab.ops import _mlp_parts as parts
 from opsnn_lab.ops.dropout import CounterRNG, Dropout
 
@@ -88,12 +89,14 @@ class LinearActDropoutFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @_amp.no_autocast
     def forward(ctx, x, weight, bias, p, seed, offset, act, recompute, transposed):
         out, h, x2 = _forward_h(ctx, x, weight, bias, (p, seed, offset, act, recompute, transposed))
         ctx.save_for_backward(x2, weight, bias, None if recompute else h)
         return out  # (M, out) as computed; the module views it (see _unflatten)
 
     @staticmethod
+    @_amp.no_autocast
     def backward(ctx, grad):
         x2, weight, bias, h = ctx.saved_tensors
         p, seed, offset, act, _, transposed = ctx.cfg
@@ -113,6 +116,7 @@ class LinearActDropoutLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @_amp.no_autocast
     def forward(ctx, x, weight, bias, weight2, bias2, p, seed, offset, act, recompute, transposed, transposed2):
         d, h, x2 = _forward_h(ctx, x, weight, bias, (p, seed, offset, act, recompute, transposed))
         y = parts.linear2d(d, weight2, bias2, transposed2)
@@ -121,6 +125,7 @@ class LinearActDropoutLinearFunction(torch.autograd.Function):
         return y  # (M, out); the module views it (see _unflatten)
 
     @staticmethod
+    @_amp.no_autocast
     def backward(ctx, grad):
         x2, weight, bias, weight2, bias2, h = ctx.saved_tensors
         p, seed, offset, act, _, transposed = ctx.cfg
@@ -185,8 +190,8 @@ class _FusedActBase(CounterRNG, nn.Module):
     def hidden_features(self) -> int:
         return parts.features(self.weight, self.transposed)[1]
 
-    def _first(self, x):
-        return act_forward(parts.linear2d(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.transposed),
+    def _first(self, x, weight, bias):
+        return act_forward(parts.linear2d(x.reshape(-1, x.shape[-1]), weight, bias, self.transposed),
                            self.act).view(*x.shape[:-1], self.hidden_features)
 
     def _draw(self, x):
@@ -243,10 +248,12 @@ class FusedLinearActDropout(_FusedActBase):
         return self.hidden_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_input(x, self.weight, self.in_features)
-        if not self.training:
-            return self._first(x)
-        return _unflatten(LinearActDropoutFunction.apply(x, self.weight, self.bias, *self._draw(x)), x)
+        with _amp.region(x) as cast:  # under autocast: its matmul casts, autocast off inside
+            x, weight, bias = cast(x, self.weight, self.bias)
+            _check_input(x, weight, self.in_features)
+            if not self.training:
+                return self._first(x, weight, bias)
+            return _unflatten(LinearActDropoutFunction.apply(x, weight, bias, *self._draw(x)), x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -333,13 +340,15 @@ class FusedLinearActDropoutLinear(_FusedActBase):
         return parts.features(self.weight2, self.transposed2)[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_input(x, self.weight, self.in_features)
-        if not self.training:
-            h = self._first(x)
-            y = parts.linear2d(h.reshape(-1, h.shape[-1]), self.weight2, self.bias2, self.transposed2)
-            return y.view(*x.shape[:-1], self.out_features)
-        return _unflatten(LinearActDropoutLinearFunction.apply(x, self.weight, self.bias, self.weight2, self.bias2,
-                                                               *self._draw(x), self.transposed2), x)
+        with _amp.region(x) as cast:
+            x, weight, bias, weight2, bias2 = cast(x, self.weight, self.bias, self.weight2, self.bias2)
+            _check_input(x, weight, self.in_features)
+            if not self.training:
+                h = self._first(x, weight, bias)
+                y = parts.linear2d(h.reshape(-1, h.shape[-1]), weight2, bias2, self.transposed2)
+                return y.view(*x.shape[:-1], self.out_features)
+            return _unflatten(LinearActDropoutLinearFunction.apply(x, weight, bias, weight2, bias2, *self._draw(x),
+                                                                   self.transposed2), x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, hidden={self.hidden_features}, out_features={self.out_features}, "

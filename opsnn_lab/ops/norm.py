@@ -23,7 +23,9 @@ step; the rewrite fuses a LayerNorm only where the next op keeps its output). Au
 change of a saved ``y`` (as it refuses one of the saved sum), never giving wrong gradients.
 
 The fused ops compute the statistics and the output in fp32 and round once to the input dtype (HF's
-Llama rounds before the weight multiply; the fused result is the more accurate of the two).
+Llama rounds before the weight multiply; the fused result is the more accurate of the two). Under
+``torch.autocast`` nothing is cast (autocast leaves an fp32 residual stream's norms in fp32) and autocast is
+off inside; the add ops widen a bf16 ``x`` onto an fp32 ``residual`` first, as eager's add does.
 
 Contract for the fusion rewrite (``supports`` says yes or gives the reason; ``from_modules`` raises
 ``ValueError`` with that reason): ``FusedLayerNorm`` takes an ``nn.LayerNorm``; ``FusedRMSNorm`` takes an
@@ -47,6 +49,7 @@ from torch import nn
 
 from opsnn_lab._checks import check_tensor, check_type, same_device
 from opsnn_lab.kernels.norm import norm_bwd, norm_bwd_from_output, norm_fwd, output_recoverable, uses_triton
+from opsnn_lab.ops import _amp
 
 __all__ = ["AddNormFunction", "FusedLayerNorm", "FusedRMSNorm", "FusedAddLayerNorm", "FusedAddRMSNorm",
            "rms_norm_form"]
@@ -61,6 +64,7 @@ class AddNormFunction(torch.autograd.Function):
     has checked ``output_recoverable``); ``y`` is what the next op saves anyway, so it is stored once."""
 
     @staticmethod
+    @_amp.no_autocast
     def forward(ctx, x, residual, weight, bias, eps, rms, weight_offset, save_output=False):
         n = x.shape[-1]
         r2 = None if residual is None else residual.reshape(-1, n)
@@ -73,6 +77,7 @@ class AddNormFunction(torch.autograd.Function):
         return y if residual is None else (y, s)
 
     @staticmethod
+    @_amp.no_autocast
     def backward(ctx, grad_y, grad_sum=None):
         saved, mean, rstd, weight, bias = ctx.saved_tensors
         rms, weight_offset, has_bias, has_residual, from_output = ctx.cfg
@@ -190,6 +195,11 @@ class _FusedNorm(nn.Module):
     def features(self) -> int:
         return math.prod(self.normalized_shape)
 
+    def defers_under_autocast(self, x: torch.Tensor) -> bool:
+        """Under autocast, x's dtype is not the weight's: the norm module being replaced decides the output dtype
+        there (HF RMSNorms return fp32, nn.LayerNorm x's dtype on CPU and fp32 on CUDA), so a rewrite runs it."""
+        return self.weight is not None and x.dtype != self.weight.dtype and _amp.autocast_dtype(x) is not None
+
     def _flat(self, p):
         # 1-D parameters go in as they are: a view would add a ViewBackward copy of each gradient
         return p if p is None or p.dim() == 1 else p.view(-1)
@@ -230,7 +240,8 @@ class _FusedNorm(nn.Module):
 class _NormForward(_FusedNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        return self._apply_norm(x, None)
+        with _amp.region(x):  # under autocast: nothing cast (norms run in their input's dtype), autocast off inside
+            return self._apply_norm(x, None)
 
 
 class _AddNormForward(_FusedNorm):
@@ -240,10 +251,15 @@ class _AddNormForward(_FusedNorm):
         """``(norm(x + residual), x + residual)``."""
         self._check(x)
         self._check(residual, "residual")
+        if _amp.autocast_dtype(x) is not None and residual.dtype != x.dtype:
+            # under autocast a bf16 sublayer output meets an fp32 residual stream: eager's add widens
+            wide = torch.promote_types(x.dtype, residual.dtype)
+            x, residual = x.to(wide), residual.to(wide)
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(f"residual must match x's shape and dtype {tuple(x.shape)}/{x.dtype}, got "
                              f"{tuple(residual.shape)}/{residual.dtype}")
-        return self._apply_norm(x, residual)
+        with _amp.region(x):
+            return self._apply_norm(x, residual)
 
 
 class _LayerNormFactory:

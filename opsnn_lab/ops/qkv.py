@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_like, check_linear_input, check_type
+from opsnn_lab.ops import _amp
 
 __all__ = ["FusedQKV", "QKVFunction"]
 
@@ -63,6 +64,7 @@ class QKVFunction(torch.autograd.Function):
     """``(x @ Wq.T + bq, x @ Wk.T + bk, x @ Wv.T + bv)`` from one GEMM; the outputs are column slices of it."""
 
     @staticmethod
+    @_amp.no_autocast
     def forward(ctx, x, wq, wk, wv, bq, bk, bv):
         weights, outs = [wq, wk, wv], [wq.shape[0], wk.shape[0], wv.shape[0]]
         x2 = x.reshape(-1, x.shape[-1])
@@ -75,6 +77,7 @@ class QKVFunction(torch.autograd.Function):
         # modified in place; autograd gathers the parts' gradients into one (M, q + k + v) gradient
 
     @staticmethod
+    @_amp.no_autocast
     def backward(ctx, gy):
         x2, wq, wk, wv = ctx.saved_tensors
         need_x, need_wq, need_wk, need_wv, need_bq, need_bk, need_bv = ctx.needs_input_grad
@@ -147,9 +150,11 @@ class FusedQKV(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.linears
-        check_linear_input(x, q)
-        return qkv_split(QKVFunction.apply(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias), x,
-                         (q.out_features, k.out_features, v.out_features))
+        with _amp.region(x) as cast:  # under autocast: its matmul casts, autocast off inside
+            x, *w = cast(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
+            check_linear_input(x, q, weight=w[0])
+            out = QKVFunction.apply(x, *w)
+        return qkv_split(out, x, (q.out_features, k.out_features, v.out_features))
 
     def extra_repr(self) -> str:
         q, k, v = self.linears

@@ -32,6 +32,9 @@ def test_fusion_bench_hf_matrix(tmp_path, capsys):
                          "encoder", "cnn"}
     for r in rows.values():
         assert r["fused"] + r["rejected"] == r["candidates"] and 0 < r["activation fused/eager"] <= 1
+        assert 0 < r["bf16 autocast fused/eager"] <= 1
+    for name in ("gpt2", "llama", "t5", "efficientnet", "mobilenet_v2"):  # autocast keeps the memory win
+        assert rows[name]["bf16 autocast fused/eager"] < 0.85, name
     assert rows["llama"]["summary"]["gated_mlp_silu"] == {"fused": 2, "rejected": 0}
     assert rows["t5"]["summary"]["gated_mlp_gelu_tanh"] == {"fused": 4, "rejected": 0}
     assert rows["phi3"]["summary"]["gated_mlp_silu"] == {"fused": 2, "rejected": 0}  # one packed gate_up Linear

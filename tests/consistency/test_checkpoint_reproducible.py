@@ -142,3 +142,26 @@ def test_a_hugging_face_model_with_gradient_checkpointing_replays_its_masks():
     assert torch.equal(loss, ck_loss)
     for k, g in grads.items():
         torch.testing.assert_close(ck_grads[k], g, atol=1e-6 * g.abs().max().item() + 1e-9, rtol=1e-5, msg=k)
+
+
+def test_sdpa_dropout_under_autocast_casts_like_sdpa_and_stays_reproducible():
+    """Under autocast SDPA casts q, k, v and a float mask to bf16; so does ``counter_sdpa`` (Llama's rotary q/k
+    are fp32 there while v is bf16: a routed call refused that mix before)."""
+    pytest.importorskip("transformers")
+    from opsnn_lab.demos import zoo
+
+    runs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for global_seed in (0, 5):
+            model, inputs = zoo.build("llama", dropout=0.1)
+            make_reproducible(model.train(), seed=1)
+            torch.manual_seed(global_seed)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**inputs).loss
+            loss.backward()
+            runs.append((loss.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = runs
+    assert torch.equal(a, b)
+    for k, g in ga.items():
+        assert torch.equal(gb[k], g), k

@@ -251,7 +251,7 @@ def test_residual_add_and_built_in_norm_fuse_in_traceable_code(norm, pattern):
     (alone,) = [d for d in plan.decisions if d.pattern == pattern.removeprefix("add_")]
     assert not alone.fused and f"overlaps the fused {pattern}" in alone.reason
     _same(model, fused, x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # eager semantics: the norm's own forward
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the fused op on the fp32 sum, as eager autocast computes it
         torch.testing.assert_close(fused(x)[0], model(x)[0])
 
 
