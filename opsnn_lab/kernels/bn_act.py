@@ -9,8 +9,14 @@ import torch
 from opsnn_lab.kernels._dispatch import backend_for
 from opsnn_lab.kernels.bn_act_spec import ACTS, RELU, Act, PoolSpec, scale_shift
 
-__all__ = ["Act", "ACTS", "RELU", "PoolSpec", "window_index", "flat_index", "scale_shift", "bn_act_forward",
-           "bn_act_backward", "bn_act_forward_torch", "bn_act_backward_torch"]
+__all__ = ["Act", "ACTS", "RELU", "PoolSpec", "window_index", "flat_index", "scale_shift", "acc_dtype",
+           "bn_act_forward", "bn_act_backward", "bn_act_forward_torch", "bn_act_backward_torch"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the statistics and the affine are computed in: fp32 for fp32/bf16/fp16 (widened), fp64 for fp64
+    (an fp32 scale would put ~1e-8 relative error into an fp64 model's outputs and gradients)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 @functools.lru_cache(maxsize=32)
@@ -72,18 +78,30 @@ def flat_index(idx: torch.Tensor, height: int, width: int, spec: PoolSpec) -> to
 
 
 # ----------------------------------------------------------------------------------------------- torch path
+def _scale_shift(y, weight, bias, mean, invstd):
+    """:func:`scale_shift` in ``acc_dtype(y.dtype)``: the shared fp32 helper's bits, or the same formula in fp64."""
+    acc = acc_dtype(y.dtype)
+    if acc == torch.float32:
+        return scale_shift(y.shape[1], weight, bias, mean, invstd, y.device)
+    scale = torch.ones(y.shape[1], device=y.device, dtype=acc) if invstd is None else invstd.to(acc)
+    if weight is not None:
+        scale = scale * weight.to(acc)
+    shift = torch.zeros_like(scale) if bias is None else bias.to(acc).clone()
+    if mean is not None:
+        shift = shift - mean.to(acc) * scale
+    return scale, shift
+
+
 def _affine(y, weight, bias, mean, invstd, dtype):
-    """``bn(y) = y * scale + shift`` in fp32, rounded to ``dtype`` as eager stores it.
+    """``bn(y) = y * scale + shift`` in ``acc_dtype(y.dtype)``, rounded to ``dtype`` as eager stores it.
 
     Written as an eval-mode batch norm with mean 0, variance 1 and eps 0 (so ``y * scale + shift`` exactly, the
     same bits as an fp32 ``addcmul`` then a cast): aten's per-channel kernel does it in one vectorised pass,
     ~4x faster on CPU than ``addcmul`` with broadcast [C, 1, 1] operands (2.5 ms vs 10 ms for 8x144x56x56 fp32).
     """
-    scale, shift = scale_shift(y.shape[1], weight, bias, mean, invstd, y.device)
+    scale, shift = _scale_shift(y, weight, bias, mean, invstd)
     if y.dtype != dtype:
         return torch.addcmul(shift.view(-1, 1, 1), y, scale.view(-1, 1, 1)).to(dtype)
-    if y.dtype == torch.float64:  # fp32 parameters are accepted for reduced-precision inputs only
-        scale, shift = scale.double(), shift.double()
     return torch.batch_norm(y, scale, shift, torch.zeros_like(scale), torch.ones_like(scale), False, 0.0, 0.0, False)
 
 
@@ -142,7 +160,8 @@ def _train_stats(y, running_mean, running_var, momentum, eps):
         unbiased = var * (count / (count - 1)) if count > 1 else var
         running_mean.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
         running_var.copy_(running_var.double() * (1 - momentum) + unbiased * momentum)
-    return mean.float(), (var + eps).rsqrt().float()
+    acc = acc_dtype(y.dtype)  # fp32: _one_pass_stats declines fp64
+    return mean.to(acc), (var + eps).rsqrt().to(acc)
 
 
 def bn_act_forward_torch(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act=RELU,
@@ -161,7 +180,7 @@ def bn_act_forward_torch(y, weight, bias, running_mean, running_var, *, training
         z, mean, invstd = torch.ops.aten.native_batch_norm(y, weight, bias, running_mean, running_var,
                                                            True, momentum, eps)
     else:
-        invstd = None if running_var is None else torch.rsqrt(running_var.float() + eps)
+        invstd = None if running_var is None else torch.rsqrt(running_var.to(acc_dtype(y.dtype)) + eps)
         mean = running_mean
         if weight is None and bias is None and mean is None and invstd is None:
             z = y  # the caller may keep y for backward: nothing below writes into it
@@ -218,10 +237,11 @@ def bn_act_backward_torch(grad_out, y, weight, bias, mean, invstd, idx, *, train
                                                          list(output_mask))
     if y is None or (weight is None and invstd is None):
         return g, None, None
-    scale, _ = scale_shift(y.shape[1], weight, None, None, invstd, y.device)
-    xhat = (y.float() - (0 if mean is None else mean.float().view(-1, 1, 1))) * (invstd.float().view(-1, 1, 1))
-    gw = (g.float() * xhat).sum((0, 2, 3)) if output_mask[1] else None
-    gb = g.float().sum((0, 2, 3)) if output_mask[2] else None
+    acc = acc_dtype(y.dtype)
+    scale, _ = _scale_shift(y, weight, None, None, invstd)
+    xhat = (y.to(acc) - (0 if mean is None else mean.to(acc).view(-1, 1, 1))) * (invstd.to(acc).view(-1, 1, 1))
+    gw = (g.to(acc) * xhat).sum((0, 2, 3)) if output_mask[1] else None
+    gb = g.to(acc).sum((0, 2, 3)) if output_mask[2] else None
     return (g * scale.view(-1, 1, 1).to(g.dtype)), gw, gb
 
 
@@ -251,7 +271,8 @@ def bn_act_backward(grad_out, y, weight, bias, mean, invstd, idx, *, training, e
     grad_out: like the forward output; y: the saved (N, C, H, W) conv output (may be None in eval with a
     pool and an activation with a dead zone: then ``in_shape`` gives its shape); mean/invstd as returned by
     the forward; idx: the uint8 window index. ``output_mask`` says which of the three gradients are needed
-    (None where not). grad_y has y's dtype; grad_weight/grad_bias weight's dtype (fp32 without weight).
+    (None where not). grad_y has y's dtype; grad_weight/grad_bias weight's dtype in training,
+    ``acc_dtype(y.dtype)`` in eval.
     """
     kw = dict(training=training, eps=eps, act=act, pool=pool, in_shape=in_shape, output_mask=output_mask)
     if backend_for(grad_out, y) == "triton":

@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from opsnn_lab._checks import check_tensor, check_type
-from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, bn_act_backward, bn_act_forward
+from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, acc_dtype, bn_act_backward, bn_act_forward
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops._activations import activation_of
 from opsnn_lab.ops._bn_act import computes_batch_norm
@@ -179,12 +179,14 @@ class ConvBNActFunction(torch.autograd.Function):
             ctx.save_for_backward(x, weight, bias if cfg.recompute else None, bn_weight, bn_bias,
                                   None if cfg.recompute else y, mean, invstd, idx)
             return _like_input(out, x)
+        # folded in fp32 for fp32/bf16/fp16 inputs, in fp64 for fp64 ones (fp32 would cost fp64 ~1e-8 relative)
+        acc = acc_dtype(x.dtype)
         mean = running_mean.detach().clone()
-        invstd = torch.rsqrt(running_var.float() + cfg.eps)
-        fold = bn_weight.float() * invstd
-        w_f = (weight.float() * fold.view(-1, 1, 1, 1)).to(weight.dtype)
-        b0 = mean.float().neg() if bias is None else bias.float() - mean.float()
-        a = F.conv2d(_internal(x, cfg), w_f, (b0 * fold + bn_bias.float()).to(x.dtype), *cfg.conv_args(), cfg.groups)
+        invstd = torch.rsqrt(running_var.to(acc) + cfg.eps)
+        fold = bn_weight.to(acc) * invstd
+        w_f = (weight.to(acc) * fold.view(-1, 1, 1, 1)).to(weight.dtype)
+        b0 = mean.to(acc).neg() if bias is None else bias.to(acc) - mean.to(acc)
+        a = F.conv2d(_internal(x, cfg), w_f, (b0 * fold + bn_bias.to(acc)).to(x.dtype), *cfg.conv_args(), cfg.groups)
         ctx.empty = a.numel() == 0
         if ctx.empty:
             ctx.save_for_backward(x, weight)
@@ -247,8 +249,9 @@ def _backward_eval(ctx, grad_out):
     """Gradients through the folded conv: w_f = w * s, b_f = (b - mean) * s + beta, s = gamma * invstd."""
     x, weight, bn_weight, a, b0, invstd, idx = ctx.saved_tensors
     cfg, need = ctx.cfg, ctx.needs_input_grad
-    fold = bn_weight.float() * invstd
-    w_f = (weight.float() * fold.view(-1, 1, 1, 1)).to(weight.dtype)
+    acc = invstd.dtype  # the forward's acc_dtype(x.dtype)
+    fold = bn_weight.to(acc) * invstd
+    w_f = (weight.to(acc) * fold.view(-1, 1, 1, 1)).to(weight.dtype)
     grad_a, _, _ = bn_act_backward(grad_out, a, None, None, None, None, idx, training=False, eps=cfg.eps,
                                    act=cfg.act, pool=cfg.pool, in_shape=ctx.in_shape,
                                    output_mask=(True, False, False))
@@ -257,12 +260,12 @@ def _backward_eval(ctx, grad_out):
     dx, dw_f, db_f = torch.ops.aten.convolution_backward(grad_a, _internal(x, cfg), w_f, bias_sizes,
                                                          *cfg.conv_args(), False, [0, 0], cfg.groups,
                                                          [need[0], need_wf, True])
-    db_f = db_f.float()
-    dw = (dw_f.float() * fold.view(-1, 1, 1, 1)).to(weight.dtype) if need[1] else None
+    db_f = db_f.to(acc)
+    dw = (dw_f.to(acc) * fold.view(-1, 1, 1, 1)).to(weight.dtype) if need[1] else None
     db = (db_f * fold).to(weight.dtype) if need[2] and ctx.has_bias else None
     dgamma = None
     if need[3]:
-        dfold = (dw_f.float() * weight.float()).sum((1, 2, 3)) + db_f * b0
+        dfold = (dw_f.to(acc) * weight.to(acc)).sum((1, 2, 3)) + db_f * b0
         dgamma = (dfold * invstd).to(bn_weight.dtype)
     dbeta = db_f.to(bn_weight.dtype) if need[4] else None
     return dx, dw, db, dgamma, dbeta, None, None, None
