@@ -120,12 +120,78 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
 _QKV_NAMES = (r"(q|query|q_proj|to_q|wq)", r"(k|key|k_proj|to_k|wk)", r"(v|value|v_proj|to_v|wv)")
 
 
+def _named_triple(lins: list[Node]) -> list[Node] | None:
+    """The Linears named as q, k and v (one each), in ``lins``' order; None when a role has no or two names."""
+    roles = [[n for n in lins if re.fullmatch(p, n.module.rpartition(".")[2])] for p in _QKV_NAMES]
+    if any(len(r) != 1 for r in roles):
+        return None
+    trio = {r[0].name for r in roles}
+    return [n for n in lins if n.name in trio]
+
+
+_ATTN_REACH = 64  # nodes looked at downstream of one projection (its reshapes, rotary, scaling) before giving up
+
+
+def _attention_nodes(g: Graph) -> set[str]:
+    """Where attention reads its operands: SDPA calls, softmax (q @ k^T feeds it) and the matmul reading the
+    probabilities, past a dropout or a cast (@ v)."""
+    key = "attention_nodes"
+    if key not in g.memo:
+        found = {n.name for n in g.nodes if n.op in ("scaled_dot_product_attention", "softmax")}
+        for sm in [n for n in g.nodes if n.op == "softmax"]:
+            frontier = [sm]
+            for _ in range(3):
+                frontier = [u for n in frontier for u in g.users.get(n.name, [])]
+                found.update(u.name for u in frontier if u.op == "matmul")
+        g.memo[key] = found
+    return g.memo[key]
+
+
+def _feeds_attention(g: Graph, lin: Node) -> bool:
+    """Whether ``lin``'s output reaches an attention operand without passing through another layer."""
+    targets, seen, todo = _attention_nodes(g), set(), [lin]
+    while todo and len(seen) < _ATTN_REACH:
+        n = todo.pop()
+        for u in g.users.get(n.name, []):
+            if u.name in targets:
+                return True
+            if u.name not in seen and u.kind != "output" and not _is_module(u, "linear") \
+                    and not _is_module(u, "conv2d"):
+                seen.add(u.name)
+                todo.append(u)
+    return False
+
+
+def _qkv_triple(g: Graph, sibs: list[Node]) -> tuple[list[Node] | None, str]:
+    """The q/k/v projections among the Linears reading one tensor, or None and why none three are.
+
+    Three readers are the triple; with more (GPT-J's and Phi's parallel block: the MLP's ``fc_in`` reads the
+    attention's input too), the three named q/k/v, else the only three feeding an attention."""
+    if len(sibs) == 3:
+        return sibs, ""
+    named = _named_triple(sibs)
+    if named is not None:
+        return named, ""
+    feeding = [s for s in sibs if _feeds_attention(g, s)]
+    if len(feeding) == 3:
+        return feeding, ""
+    who = ", ".join(f"`{s.module}`" for s in sibs)
+    return None, (f"{len(sibs)} Linear layers read `{g[sibs[0].inputs[0]].label}` ({who}); no three of them are "
+                  f"named q/k/v, and {len(feeding)} (not 3) feed an attention")
+
+
 def find_qkv(g: Graph) -> list[Match]:
-    out, seen = [], set()
+    out, seen, unpicked = [], set(), []
     for x in g.nodes:
         sibs = [u for u in g.users.get(x.name, []) if _is_module(u, "linear") and u.inputs[:1] == [x.name]]
-        if len(sibs) != 3:
+        if len(sibs) < 3:
             continue
+        trio, why = _qkv_triple(g, sibs)
+        if trio is None:
+            if any(_feeds_attention(g, s) for s in sibs):  # an attention's projections among others
+                unpicked.append(Match("qkv", sibs, False, why))
+            continue
+        sibs = trio
         seen.update(s.name for s in sibs)
         m = Match("qkv", sibs, False, "", inputs=[x.name], outputs=list(sibs),
                   params={"q": sibs[0].obj, "k": sibs[1].obj, "v": sibs[2].obj})
@@ -141,10 +207,12 @@ def find_qkv(g: Graph) -> list[Match]:
             by_scope.setdefault(n.module.rpartition(".")[0], []).append(n)
     for lins in by_scope.values():
         trio = [next((n for n in lins if re.fullmatch(p, n.module.rpartition(".")[2])), None) for p in _QKV_NAMES]
-        if all(trio):
+        if all(trio) and len({tuple(n.inputs[:1]) for n in trio}) > 1:
             reads = ", ".join(f"`{n.module}` reads `{g[n.inputs[0]].label if n.inputs else '?'}`" for n in trio)
             out.append(Match("qkv", trio, False, f"the q/k/v projections read different tensors: {reads}"))
-    return out
+            seen.update(n.name for n in trio)
+    # Readers of one tensor no triple was picked from, unless a named triple above already says why.
+    return out + [m for m in unpicked if not seen & {n.name for n in m.nodes}]
 
 
 # ------------------------------------------------------------- softmax(q @ k^T * scale + mask) -> dropout -> @ v

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+import opsnn_lab as ol
 from opsnn_lab.fusion.patterns import FAMILIES, PATTERNS, find_all, pattern_of
 from opsnn_lab.fusion.runtime import trace_runtime
 from opsnn_lab.testing import seeded
@@ -103,8 +105,6 @@ def test_conv_output_read_twice():
 
 @pytest.mark.parametrize("variant", ["plain", "div", "mT"])
 def test_attention_forms_rewrite_equivalently(variant):
-    import opsnn_lab as ol
-
     inputs = tuple(seeded(2, 3, 5, 4, seed=i, requires_grad=True) for i in range(3)) + (seeded(2, 1, 5, 5, seed=3),)
     model = Attn(variant)
     fused, plan = ol.fusion.fuse(model, inputs)
@@ -113,3 +113,60 @@ def test_attention_forms_rewrite_equivalently(variant):
     grads = [torch.autograd.grad(m(*inputs).sum(), inputs[:3]) for m in (model, fused)]
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J's and Phi's parallel block: one norm output read by q, k, v and the MLP's first Linear."""
+
+    def __init__(self, names=("q_proj", "k_proj", "v_proj", "fc_in"), sdpa=False, fourth_in_attention=False):
+        super().__init__()
+        self.ln, self.names, self.sdpa, self.mixed = nn.LayerNorm(16), names, sdpa, fourth_in_attention
+        for name in names:
+            self.add_module(name, nn.Linear(16, 16, bias=name == names[3]))  # q/k/v without a bias, as in GPT-J
+
+    def forward(self, x):
+        h = self.ln(x)
+        q, k, v, fc = (getattr(self, n)(h) for n in self.names)
+        if self.mixed:  # the fourth Linear feeds the attention too: no triple to pick
+            v = v + fc
+        if self.sdpa:
+            a = F.scaled_dot_product_attention(q, k, v)
+        else:
+            a = torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
+        return x + a + F.gelu(fc) if not self.mixed else x + a
+
+
+def _fwd_bwd(model, x):
+    x = x.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    (y.double() * 1.7).sin().sum().backward()
+    return [y.detach(), x.grad] + [p.grad for _, p in sorted(model.named_parameters())]
+
+
+@pytest.mark.parametrize("names, sdpa", [
+    (("q_proj", "k_proj", "v_proj", "fc_in"), False),  # picked by name
+    (("query", "key", "value", "dense_h_to_4h"), True),
+    (("w0", "w1", "w2", "w3"), False),  # unnamed: the three feeding the attention
+    (("a", "b", "c", "mlp_in"), True),
+])
+def test_qkv_is_picked_among_four_readers_and_the_fourth_is_left_alone(names, sdpa):
+    torch.manual_seed(0)
+    model, x = ParallelBlock(names, sdpa), seeded(2, 5, 16)
+    fused, plan = ol.fusion.fuse(model, x)
+    (d,) = [d for d in plan.decisions if d.pattern == "qkv"]
+    assert d.fused and d.modules == list(names[:3]) and d.route == "module:qkv", d.reason
+    assert d.reason == f"fused: {' -> '.join(f'{n} (Linear)' for n in names[:3])} into FusedQKV"
+    assert names[3] not in ol.fusion.patches(fused)  # the MLP's Linear runs as it did
+    for a, b in zip(_fwd_bwd(model, x), _fwd_bwd(fused, x)):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_four_readers_with_no_triple_to_pick_say_so():
+    torch.manual_seed(0)
+    names = ("w0", "w1", "w2", "w3")
+    plan = ol.fusion.analyze(ParallelBlock(names, fourth_in_attention=True), seeded(2, 5, 16))
+    (d,) = [d for d in plan.decisions if d.pattern == "qkv"]
+    assert not d.fused and d.modules == list(names)
+    assert d.reason == ("4 Linear layers read `ln` (`w0`, `w1`, `w2`, `w3`); no three of them are named q/k/v, "
+                        "and 4 (not 3) feed an attention")
