@@ -13,6 +13,10 @@
   drop path is written) draws from a ``torch.Generator`` seeded with ``"<module path>:random.<i>"``. That
   is reproducible on one device type; CPU and CUDA generators differ, as torch's do. A call that passes
   its own ``generator=`` is left alone.
+
+Under a checkpoint's recomputation (``replay=True``) each call takes the seed its forward counterpart took,
+looked up by ``position()``. ``GlobalGenerators`` seeds torch's default generators for the forward's
+remaining draws (composite functions, C++ ops) and reports Python/numpy draws.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ _SAMPLERS = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.berno
              torch.normal, torch.poisson, torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_,
              torch.Tensor.exponential_, torch.Tensor.random_, torch.Tensor.geometric_, torch.Tensor.log_normal_,
              torch.Tensor.cauchy_, torch.Tensor.bernoulli}
-_LIKE = {torch.rand_like: torch.rand, torch.randn_like: torch.randn}  # no generator=: drawn as the factory
+_LIKE = {torch.rand_like: torch.rand, torch.randn_like: torch.randn,  # drawn as the factory (generator=)
+         torch.randint_like: torch.randint}
+_KINDS_DROPOUT = "dropout"
 
 
 def _dropout_args(func, args, kwargs):
@@ -51,11 +57,27 @@ def _device(args, kwargs) -> torch.device:
 
 
 class FunctionalRandomness(TorchFunctionMode):
-    """Routes a forward's random torch calls to streams keyed by calling module + call index + step."""
+    """Routes a forward's random torch calls to streams keyed by calling module + call index + step.
 
-    def __init__(self, state):
+    ``replay=True``: a checkpoint recomputing part of the last forward inside the backward; each call takes
+    the seed its forward counterpart took (``state.replay_seed``), found by its position in torch's global
+    generator, which the checkpoint restored."""
+
+    def __init__(self, state, replay: bool = False):
         super().__init__()
         self.state = state  # seed_pool._ReproducibleState: functional_seed(kind) names the stream
+        self.replay = replay
+
+    def _seed(self, kind: str) -> int | None:
+        if not self.replay:
+            return self.state.functional_seed(kind)
+        seed = self.state.replay_seed()
+        if seed is None and kind == _KINDS_DROPOUT:
+            raise RuntimeError(
+                "make_reproducible: a checkpoint recomputed a dropout that none of the last forwards drew at this "
+                "point of torch's generator stream; recompute with the forward's RNG state (torch.utils.checkpoint's "
+                "default preserve_rng_state=True), or checkpoint module calls")
+        return seed
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -69,17 +91,22 @@ class FunctionalRandomness(TorchFunctionMode):
             return self._sample(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(self.state.functional_seed("random"))
-        return gen
-
     def _sample(self, func, args, kwargs):
+        seed = self._seed("random")
+        kwargs = {k: v for k, v in kwargs.items() if k != "generator"}  # an explicit generator=None
+        if seed is None:  # a replay that matches no draw of the forward: as torch would
+            return func(*args, **kwargs)
         if func in _LIKE:
-            x = args[0]
-            dtype, device = kwargs.get("dtype") or x.dtype, kwargs.get("device") or x.device
-            return _LIKE[func](x.shape, generator=self._generator(torch.device(device)), dtype=dtype, device=device)
-        return func(*args, **kwargs, generator=self._generator(_device(args, kwargs)))
+            x, rest = args[0], args[1:]
+            dtype, device = kwargs.get("dtype") or x.dtype, torch.device(kwargs.get("device") or x.device)
+            gen = torch.Generator(device=device).manual_seed(seed)
+            if func is torch.randint_like:  # (input, high) or (input, low, high)
+                low, high = (0, rest[0]) if len(rest) == 1 else rest[:2]
+                low, high = kwargs.get("low", low), kwargs.get("high", high)
+                return torch.randint(low, high, x.shape, generator=gen, dtype=dtype, device=device)
+            return _LIKE[func](x.shape, generator=gen, dtype=dtype, device=device)
+        device = _device(args, kwargs)
+        return func(*args, **kwargs, generator=torch.Generator(device=device).manual_seed(seed))
 
     def _dropout(self, func, args, kwargs):
         x, p, training = _dropout_args(func, args, kwargs)
@@ -87,7 +114,7 @@ class FunctionalRandomness(TorchFunctionMode):
             return func(*args, **kwargs)
         from opsnn_lab.ops.dropout import DropoutFunction
 
-        seed = self.state.functional_seed()
+        seed = self._seed(_KINDS_DROPOUT)
         if p == 0.0:
             return x
         out = DropoutFunction.apply(x, p, seed, 0)
@@ -102,7 +129,7 @@ class FunctionalRandomness(TorchFunctionMode):
             return func(*args, **kwargs)
         from opsnn_lab.kernels import rng
 
-        seed = self.state.functional_seed()
+        seed = self._seed(_KINDS_DROPOUT)
         if p == 0.0:
             return x
         lead = 2 if x.dim() == _CHANNEL_DROPOUTS[func] + 2 else 1  # batched: (N, C, ...); else (C, ...)
@@ -119,4 +146,65 @@ class FunctionalRandomness(TorchFunctionMode):
             return F.scaled_dot_product_attention(*args, **kwargs)
         from opsnn_lab.ops.attention import counter_sdpa
 
-        return counter_sdpa(**bound, seed=self.state.functional_seed())
+        return counter_sdpa(**bound, seed=self._seed(_KINDS_DROPOUT))
+
+
+def position(generator: torch.Generator | None = None) -> int:
+    """A 62-bit draw from torch's global CPU generator: where a call sits in this forward's stream. A checkpoint
+    restores that generator before it recomputes, so the recomputed call draws the same number."""
+    return int(torch.randint(0, 1 << 62, (), generator=generator or torch.default_generator))
+
+
+class GlobalGenerators:
+    """torch's default generators around one reproducible training forward.
+
+    ``enter``: the caller's states are put aside and the CPU generator (and the CUDA generator of each device the
+    model lives on) seeded from ``seed``; ``exit`` puts the caller's states back. Random draws the seed pool does
+    not key (composite functions such as ``F.gumbel_softmax``, ``F.rrelu``, ``F.alpha_dropout``, ``nn.init`` in a
+    forward, C++ ops) then depend on (seed, step) and on nothing the caller drew before, and the caller's own
+    stream (data order, augmentation) does not move with the model's randomness.
+    ``exit`` also says whether Python's ``random`` or numpy's global generator moved during the forward: draws
+    no torch generator controls, which no seed pool can make reproducible."""
+
+    def __init__(self, cuda_devices: tuple[int, ...] = ()):
+        self.cuda_devices = cuda_devices
+        self.saved = None
+
+    def enter(self, seed: int) -> None:
+        cuda = [i for i in self.cuda_devices if torch.cuda.is_available()]
+        self.saved = (torch.get_rng_state(), [(i, torch.cuda.get_rng_state(i)) for i in cuda], _foreign_states())
+        torch.default_generator.manual_seed(seed)
+        for i in cuda:
+            torch.cuda.default_generators[i].manual_seed(seed)
+
+    def exit(self) -> list[str]:
+        """Put the caller's states back; returns the foreign generators that moved (``"random"``, ``"numpy"``)."""
+        if self.saved is None:
+            return []
+        cpu, cuda, foreign = self.saved
+        self.saved = None
+        torch.set_rng_state(cpu)
+        for i, state in cuda:
+            torch.cuda.set_rng_state(state, i)
+        now = _foreign_states()
+        return [name for name in foreign if not _same_state(foreign[name], now.get(name))]
+
+
+def _foreign_states() -> dict:
+    import random
+    import sys
+
+    states = {"random": random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        states["numpy"] = np.random.get_state(legacy=False)
+    return states
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, dict):  # numpy: {"bit_generator", "state": {"state", "inc"} or {"key", "pos"}, ...}
+        import numpy as np
+
+        return a.keys() == (b or {}).keys() and all(
+            np.array_equal(a[k], b[k]) if not isinstance(a[k], dict) else _same_state(a[k], b[k]) for k in a)
+    return a == b

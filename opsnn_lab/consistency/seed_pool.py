@@ -21,12 +21,20 @@ a mask that depends only on ``(seed, module name, step, element offset)``:
   ``"<module path>:dropout.<i>"`` (``"<root>"`` stands for the model itself); so are channel dropouts,
   SDPA's dropout and every other random torch call (drop path), see ``consistency.functional``.
 
-Activation checkpointing: a module called inside the backward is a checkpoint recomputing it; its
-functional draws replay the keys of the last forward (and counter-RNG modules replay their own log, see
-``ops.dropout``), so gradients equal the run without checkpointing. Checkpoint module calls (as Hugging
-Face's ``gradient_checkpointing_enable`` and most trainers do): random calls a checkpointed plain function
-makes outside any module call are recomputed with torch's own generator (a non-reentrant checkpoint then
-raises ``CheckpointError``; a reentrant one would differ silently).
+torch's own generators: during a training forward the CPU generator (and the CUDA generator of each device
+the model lives on) is seeded from (seed, step) and the caller's states are put back afterwards, so draws the
+pool does not key (``F.gumbel_softmax``, ``F.rrelu``, alpha dropout, ``nn.init`` in a forward, C++ ops) are
+reproducible too, and the caller's stream does not move. Draws from Python's ``random`` or numpy's global
+generator are named in a ``RuntimeWarning`` (once per model): no torch generator controls them.
+
+Activation checkpointing: every functional draw of a forward is logged under its position in torch's global
+CPU stream (one 62-bit draw), which a checkpoint restores before it recomputes. A module called inside the
+backward is a checkpoint recomputing; from then to the end of that recomputation, each functional call takes
+the seed logged at its position (and counter-RNG modules replay their own log, see ``ops.dropout``), so
+gradients equal the run without checkpointing: module calls checkpointed, a layer whose own ``forward`` is
+checkpointed with its hooks outside (Hugging Face 5's ``GradientCheckpointingLayer``), a module called twice.
+Not covered: random calls a checkpointed plain function makes before its first module call (recomputed with
+torch's generator: a non-reentrant checkpoint raises ``CheckpointError``, a reentrant one differs).
 
 Step: the model carries a step counter. Every forward of the model in training mode uses the current
 step and then advances it by one; eval-mode forwards use no randomness and do not advance. Before a
@@ -38,20 +46,24 @@ run); ``get_step(model)`` reads it.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import struct
+import warnings
 import weakref
 
 import torch
 from torch import nn
 
 from opsnn_lab._checks import check_positive, check_type
-from opsnn_lab.consistency.functional import FunctionalRandomness
+from opsnn_lab.consistency.functional import FunctionalRandomness, GlobalGenerators, position
 
 __all__ = ["SeedPool", "SeedStream", "make_reproducible", "set_step", "get_step", "ROOT"]
 
 ROOT = "<root>"  # the name of the model itself in functional-dropout keys
+_KEPT_FORWARDS = 16  # functional draws a checkpoint may replay: those of the last 16 training forwards
+_FOREIGN = {"random": "Python's `random` module", "numpy": "numpy's global generator (np.random)"}
 _MASK63 = (1 << 63) - 1
 _PERSON = b"opsnn-seedpool"  # BLAKE2b personalisation: these hashes are ours alone
 
@@ -145,7 +157,9 @@ class _ForwardScope:
         self.calls: dict[tuple[str, str], int] = {}  # (module path, "dropout" | "random") -> calls so far
         self.mode = None  # the FunctionalRandomness mode of the running forward
         self.active = False  # between begin_forward and end_forward
-        self.replaying = False  # a checkpoint recomputing a module call inside the backward
+        self.log: dict[int, int] = {}  # this forward's functional draws: stream position -> seed
+        self.generators: GlobalGenerators | None = None
+        self.replay_mode = None  # the mode a checkpoint's recomputation runs under (see push)
 
 
 class _ReproducibleState:
@@ -157,6 +171,8 @@ class _ReproducibleState:
         self.functional = functional
         self.model_ref = weakref.ref(model)
         self.local = _ForwardScope()  # module-path stack and call counts of the running forward
+        self.logs: collections.deque = collections.deque(maxlen=_KEPT_FORWARDS)  # newest first
+        self.warned: set[str] = set()
         self.handles: list = []
 
     def __deepcopy__(self, memo):
@@ -170,6 +186,7 @@ class _ReproducibleState:
         new.pool, new.step, new.functional = self.pool, self.step, self.functional
         new.model_ref = weakref.ref(memo.get(id(model), model)) if model is not None else self.model_ref
         new.local = _ForwardScope()
+        new.logs, new.warned = collections.deque(maxlen=_KEPT_FORWARDS), set()
         new.handles = copy.deepcopy(self.handles, memo)
         return new
 
@@ -199,6 +216,10 @@ class _ReproducibleState:
         self.local.stack = [ROOT]
         self.local.calls = {}
         if self.functional:
+            self.local.log = {}
+            self.logs.appendleft(self.local.log)
+            self.local.generators = GlobalGenerators(self._cuda_devices())
+            self.local.generators.enter(self.pool.seed_for(f"{ROOT}:global", self.step))
             self.local.mode = FunctionalRandomness(self)
             self.local.mode.__enter__()
 
@@ -206,12 +227,30 @@ class _ReproducibleState:
         if not self.local.active:  # the forward switched to eval mode on its way: nothing began
             return
         self.local.active = False
-        mode = self.local.mode
+        mode, generators = self.local.mode, self.local.generators
         if mode is not None:
             self.local.mode = None
             mode.__exit__(None, None, None)
+        if generators is not None:
+            self.local.generators = None
+            self._warn_foreign(generators.exit())
         self.local.stack = None
         self.step += 1
+
+    def _cuda_devices(self) -> tuple[int, ...]:
+        model = self.model_ref()
+        if model is None:
+            return ()
+        return tuple(sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"}))
+
+    def _warn_foreign(self, moved: list[str]) -> None:
+        for name in moved:
+            if name not in self.warned:
+                self.warned.add(name)
+                warnings.warn(
+                    f"make_reproducible: this training forward drew from {_FOREIGN[name]}, which no torch generator "
+                    "controls: those draws are not reproducible (draw them with torch, or from "
+                    "ol.consistency.SeedPool(seed).generator(name, step))", RuntimeWarning, stacklevel=3)
 
     def functional_seed(self, kind: str = "dropout") -> int:
         """The seed of the next ``kind`` call (``dropout`` or ``random``) of the innermost running module:
@@ -220,32 +259,42 @@ class _ReproducibleState:
         path = self.local.stack[-1] if self.local.stack else ROOT
         index = self.local.calls.get((path, kind), 0)
         self.local.calls[(path, kind)] = index + 1
-        step = self.step - 1 if self.local.replaying else self.step  # a replay recomputes the last forward
-        return self.pool.seed_for(f"{path}:{kind}.{index}", step)
+        seed = self.pool.seed_for(f"{path}:{kind}.{index}", self.step)
+        self.local.log[position()] = seed  # for a checkpoint that recomputes this call (replay_seed)
+        return seed
+
+    def replay_seed(self) -> int | None:
+        """The seed a recomputed functional call took in its forward, found by its position in torch's global
+        CPU stream (which the checkpoint restored), in the last forwards; None if no forward drew there."""
+        at = position()
+        return next((log[at] for log in self.logs if at in log), None)
 
     # -- module path tracking (for functional calls) -------------------------------------------
     def push(self, name: str) -> None:
         local = self.local
         if local.stack is not None:
             local.stack.append(name)
-        elif self.functional and torch._C._current_graph_task_id() != -1 and self.step > 0:
-            # A module called inside the backward: activation checkpointing recomputing it. Its functional
-            # dropouts replay the keys of the last forward (module path, call index, that forward's step).
-            local.stack, local.calls, local.replaying = [name], {}, True
-            local.mode = FunctionalRandomness(self)
-            local.mode.__enter__()
+        elif self.functional and self.logs and torch._C._current_graph_task_id() != -1:
+            self._enter_replay()
+
+    def _enter_replay(self) -> None:
+        """A module called inside the backward: a checkpoint recomputing part of a forward. From here to the end of
+        the recomputation, functional random calls take the seeds their forward counterparts took (found by
+        position, so a module called twice, or a layer whose own ``forward`` is checkpointed with its hooks outside,
+        as Hugging Face's ``GradientCheckpointingLayer`` does, replays each call's own mask). The mode is never
+        exited here: the recomputation runs inside one node of the backward, and the autograd engine restores the
+        thread's mode stack when that node is done."""
+        from torch.overrides import _get_current_function_mode_stack
+
+        mode = self.local.replay_mode
+        if mode is not None and any(m is mode for m in _get_current_function_mode_stack()):
+            return
+        self.local.replay_mode = FunctionalRandomness(self, replay=True)
+        self.local.replay_mode.__enter__()
 
     def pop(self) -> None:
-        local = self.local
-        stack = local.stack
-        if stack is None:
-            return
-        if local.replaying:
-            stack.pop()
-            if not stack:  # the recomputed module call is over
-                mode, local.mode, local.stack, local.replaying = local.mode, None, None, False
-                mode.__exit__(None, None, None)
-        elif len(stack) > 1:
+        stack = self.local.stack
+        if stack is not None and len(stack) > 1:
             stack.pop()
 
 

@@ -165,3 +165,32 @@ def test_sdpa_dropout_under_autocast_casts_like_sdpa_and_stays_reproducible():
     assert torch.equal(a, b)
     for k, g in ga.items():
         assert torch.equal(gb[k], g), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_layer_that_checkpoints_its_own_forward_replays_its_functional_dropouts(reentrant):
+    """Hugging Face 5 checkpoints a layer's ``forward`` with its hooks outside; OPT's decoder layer calls
+    ``F.dropout`` in that forward (a CheckpointError before, or silently other gradients with reentrant)."""
+    T = pytest.importorskip("transformers")
+    cfg = T.OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                      max_position_embeddings=32, dropout=0.2, attention_dropout=0.2, activation_dropout=0.2,
+                      word_embed_proj_dim=32)
+    torch.manual_seed(0)
+    base = T.OPTForCausalLM(cfg).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    runs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for ckpt in (False, True):
+            m = make_reproducible(copy.deepcopy(base), seed=3)
+            if ckpt:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            torch.manual_seed(int(ckpt))
+            out = m(input_ids=ids, labels=ids)
+            out.loss.backward()
+            runs.append((out.loss.detach(), {k: p.grad for k, p in m.named_parameters() if p.grad is not None}))
+    (loss, grads), (ck_loss, ck_grads) = runs
+    assert torch.equal(loss, ck_loss)
+    for k, g in grads.items():  # reentrant accumulates the recomputed layer's gradients in another order
+        torch.testing.assert_close(ck_grads[k], g, atol=1e-6 * g.abs().max().item() + 1e-9, rtol=1e-5, msg=k)

@@ -1,12 +1,17 @@
 """``make_reproducible`` keys every random torch call of a training forward, not only dropout: drop path
 written with ``Tensor.bernoulli_`` (timm) or ``torch.rand`` (Hugging Face), ``rand_like``/``randn``, and the
-channel dropouts ``F.dropout1d/2d/3d``. Masks repeat across runs and global seeds, change with the step,
-leave the global generator alone, replay under checkpointing, and a new random call never shifts a
-dropout's mask. A call with its own ``generator=`` is left to it."""
+channel dropouts ``F.dropout1d/2d/3d``; composite functions (``F.gumbel_softmax``, ``F.rrelu``, alpha dropout,
+``nn.init``) draw from torch's generators seeded from (seed, step). Masks repeat across runs and global seeds,
+change with the step, leave the global generator alone, replay under checkpointing (module calls, and a layer
+whose own ``forward`` is checkpointed with its hooks outside, with a drop path called twice), and a new random
+call never shifts a dropout's mask. A call with its own ``generator=`` is left to it; draws from Python's or
+numpy's generators are named in a warning."""
 
 from __future__ import annotations
 
 import copy
+import functools
+import warnings
 
 import pytest
 import torch
@@ -139,3 +144,92 @@ def test_a_checkpoint_recomputation_replays_the_random_calls(mode):
         grads.append([x.grad, *[p.grad for p in m.parameters()]])
     for g, w in zip(*grads):
         assert torch.equal(g, w)
+
+
+class Layer(nn.Module):
+    """A layer whose own ``forward`` is checkpointed with its hooks outside (Hugging Face 5's
+    ``GradientCheckpointingLayer``): functional dropouts in its body run outside any module call of the recompute,
+    and its drop-path module is called twice."""
+
+    def __init__(self, ckpt=None):
+        super().__init__()
+        self.norm, self.fc, self.path, self.ckpt = nn.LayerNorm(8), nn.Linear(8, 8), DropPath(0.5, "hf"), ckpt
+
+    def __call__(self, x):
+        if self.ckpt is None:
+            return super().__call__(x)
+        body = functools.partial(type(self).forward, self)
+        return nn.Module.__call__(self, x, _body=lambda x: checkpoint(body, x, use_reentrant=self.ckpt == "reentrant"))
+
+    def forward(self, x, _body=None):
+        if _body is not None:
+            return _body(x)
+        h = F.dropout(self.fc(self.norm(x)), 0.3, self.training)  # body-level, after a module call
+        h = x + self.path(h)
+        h = h + self.path(F.dropout(self.fc(h), 0.2, self.training))  # the same drop path, second call
+        return h * torch.rand_like(h)  # body-level, last
+
+
+class Stack(nn.Module):
+    def __init__(self, ckpt=None):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(ckpt), Layer(ckpt)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_a_checkpointed_forward_with_its_hooks_outside_replays_every_call(mode):
+    torch.manual_seed(0)
+    base = Stack().train()
+    runs = []
+    for ckpt in (None, mode):
+        m = make_reproducible(copy.deepcopy(base), seed=2)
+        for layer in m.layers:
+            layer.ckpt = ckpt
+        x = seeded(6, 8, seed=1).requires_grad_(True)
+        torch.manual_seed(7 if ckpt else 3)  # the global generator must not matter
+        out = m(x)
+        out.sin().sum().backward()
+        runs.append([out.detach(), x.grad, *[p.grad for p in m.parameters()]])
+    for g, w in zip(*runs):
+        assert torch.equal(g, w)
+
+
+def test_composite_and_generator_none_draws_repeat_across_global_seeds_and_change_with_the_step():
+    class Composite(nn.Module):
+        def forward(self, x):
+            a = F.gumbel_softmax(x, tau=0.5)
+            b = F.rrelu(x, training=True) + F.alpha_dropout(x, 0.3, True)
+            c = torch.rand(x.shape, generator=None) + torch.randint_like(x, 5) + torch.randint_like(x, 2, 9)
+            d = torch.empty_like(x)
+            nn.init.normal_(d)
+            return a + b + c + d
+
+    x = seeded(4, 6, seed=1)
+    outs = []
+    for global_seed in (1, 2):
+        model = make_reproducible(Composite().train(), seed=9)
+        torch.manual_seed(global_seed)
+        outs.append([model(x), model(x)])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][0], outs[0][1])  # step 0 vs step 1
+
+
+def test_draws_from_python_or_numpy_generators_are_named_once():
+    import random
+
+    class Foreign(nn.Module):
+        def forward(self, x):
+            return x * random.random()
+
+    model = make_reproducible(Foreign().train(), seed=1)
+    with pytest.warns(RuntimeWarning, match="Python's `random` module"):
+        model(torch.ones(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.ones(2))  # said once per model
+        make_reproducible(nn.Linear(2, 2).train(), seed=1)(torch.ones(2))  # torch draws only: nothing to say
