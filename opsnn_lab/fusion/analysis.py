@@ -14,7 +14,7 @@ from opsnn_lab.fusion.patch import Route, RoutePlanner
 from opsnn_lab.fusion.patterns import CONV_ACTS, FAMILIES, LINEAR_ACTS, Match, act_kind, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.regions import Region, find_regions
-from opsnn_lab.fusion.runtime import RuntimeTrace, trace_runtime
+from opsnn_lab.fusion.runtime import RuntimeTrace, own_dtypes, trace_runtime
 
 __all__ = ["analyze", "Analysis", "split_inputs", "check_patterns"]
 
@@ -160,7 +160,9 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     """Trace ``model`` on ``example_inputs`` (one forward in train mode) and decide every candidate.
 
     The model's mode flags, its buffers, its dropout streams (counter-RNG steps, the ``make_reproducible``
-    step) and the global RNG are left as they were.
+    step) and the global RNG are left as they were. Called inside ``torch.autocast``, the forward is recorded
+    with autocast off (``runtime.own_dtypes``): the plan is about the model's own dtypes, the one made outside
+    autocast, and the fused ops it picks apply autocast's casts themselves when they run under it.
     """
     check_type("model", model, nn.Module)
     args, kwargs = split_inputs(example_inputs)
@@ -173,7 +175,7 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     streams = _dropout_streams(model)
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), own_dtypes(model, args, kwargs):
             model.train()
             trace = trace_runtime(model, args, kwargs)
             analysis = Analysis(model, trace, type(model).__name__)
@@ -184,7 +186,8 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
             for b, saved in buffers:
                 b.copy_(saved)
         streams()
-    plan = analysis.plan(patterns)
+    with own_dtypes(model, args, kwargs):  # ops are built (and some validated) as the chains' own dtypes run them
+        plan = analysis.plan(patterns)
     plan.analysis_seconds = time.perf_counter() - t0
     return plan
 

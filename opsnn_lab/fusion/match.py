@@ -122,15 +122,15 @@ def _common_checks(g: Graph, nodes: list[Node]) -> str:
     for n in nodes:
         if n.module and counts.get(n.module, 0) > 1 and n.op in ("linear", "conv2d", "batch_norm"):
             return f"`{n.module}` runs {counts[n.module]} times per forward (a shared module); fuse one call site"
-    dtypes = {}
+    dtypes = {}  # dtype -> the first output or parameters seen in it (one node may show both)
     for n in nodes:
         if n.dtype is not None:
-            dtypes.setdefault(str(n.dtype).replace("torch.", ""), n.label)
+            dtypes.setdefault(str(n.dtype).replace("torch.", ""), f"`{n.label}` returns")
         if n.obj is not None:
             for p in n.obj.parameters(recurse=False):
-                dtypes.setdefault(str(p.dtype).replace("torch.", ""), n.label)
+                dtypes.setdefault(str(p.dtype).replace("torch.", ""), f"`{n.label}` has parameters in")
     if len(dtypes) > 1:
-        return "mixed dtypes: " + ", ".join(f"`{who}` in {dt}" for dt, who in dtypes.items())
+        return "mixed dtypes: " + ", ".join(f"{who} {dt}" for dt, who in dtypes.items())
     return ""
 
 

@@ -28,6 +28,7 @@ from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
 from opsnn_lab.fusion.regions import fx_graph, trace_region
+from opsnn_lab.fusion.runtime import own_dtypes
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert"]
 
@@ -219,7 +220,8 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     check_type("model", model, nn.Module)
     check_type("plan", plan, FusionPlan)
     fused = copy.deepcopy(model)
-    probe_modules(fused)  # the copy's own Linear subclasses and activations, as analysis found the model's
+    with own_dtypes(fused):  # the copy's own Linear subclasses and activations, as analysis found the model's
+        probe_modules(fused)
     memo = _copy_memo(model, fused)  # the op of a module-level decision shares the copy's Parameters
     wanted = [d for d in plan.decisions if d.fused]
     # Module-level patches first: an fx region traced afterwards keeps each patched module as one call.

@@ -9,6 +9,7 @@ node that saved it; the cost model reads that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ from opsnn_lab.fusion.graph import (
 )
 from opsnn_lab.fusion.probe import probe_modules
 
-__all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors"]
+__all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors", "own_dtypes"]
 
 
 @dataclass
@@ -83,6 +84,19 @@ def flatten_tensors(value, out=None) -> list[torch.Tensor]:
         for f in dataclasses.fields(value):
             flatten_tensors(getattr(value, f.name), out)
     return out
+
+
+@contextlib.contextmanager
+def own_dtypes(model: nn.Module, *values):
+    """Autocast off on every device the model and ``values`` live on (and the CPU): inside, a forward, a probe
+    or a fused op runs in the model's own dtypes. ``analyze`` records under it, so a plan made inside a
+    ``torch.autocast`` region is the plan made outside it (the fused ops apply autocast's casts themselves)."""
+    kinds = {"cpu"} | {t.device.type for t in [*model.parameters(), *model.buffers(), *flatten_tensors(list(values))]}
+    with contextlib.ExitStack() as stack:
+        for kind in sorted(kinds):
+            if torch.is_autocast_enabled(kind):
+                stack.enter_context(torch.autocast(kind, enabled=False))
+        yield
 
 
 # Conversions that return their input itself when there is nothing to do. Recording them would hand the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ from torch import nn
 
 import opsnn_lab as ol
 from opsnn_lab.models import Encoder, EncoderConfig, ResNet
-from opsnn_lab.testing import seeded
+from opsnn_lab.testing import assert_within_eager_error, seeded
 
 
 def _tiny_encoder(**kw):
@@ -138,7 +140,72 @@ def test_mixed_dtypes_rejected():
     model[0].to(torch.bfloat16)
     plan = ol.fusion.analyze(model, seeded(2, 3, 4, 4, dtype=torch.bfloat16))
     (d,) = plan.decisions
-    assert not d.fused and "mixed dtypes" in d.reason and "bfloat16" in d.reason and "float32" in d.reason
+    assert not d.fused and d.reason == "mixed dtypes: `0` returns bfloat16, `1` has parameters in float32"
+
+
+class _Block(nn.Module):
+    """Norm -> q/k/v -> attention, norm -> Linear -> GELU -> Linear, each residual: every Linear row and a norm."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln1, self.q, self.k, self.v = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.ln2, self.fc1, self.act, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + F.scaled_dot_product_attention(self.q(h), self.k(h), self.v(h))
+        return x + self.fc2(self.act(self.fc1(self.ln2(x))))
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Block(), _Block()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _fwd_bwd(model, x):
+    x = x.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    (y.double() * 1.3).sin().sum().backward()
+    return [y.detach(), x.grad] + [p.grad for _, p in model.named_parameters()]
+
+
+def _autocast_step(model, x):
+    x = x.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    (y.double() * 1.3).sin().sum().backward()
+    return {"output": y.detach(), "x": x.grad, **{k: p.grad for k, p in model.named_parameters()}}
+
+
+def test_a_plan_made_under_autocast_is_the_plan_made_outside():
+    """The analysis records the model's own dtypes (autocast off while it runs): under autocast it once saw bf16
+    Linear outputs of fp32 weights and refused every Linear chain as 'mixed dtypes'."""
+    torch.manual_seed(0)
+    model, x = _TwoBlocks(), seeded(2, 8, 32)
+    outside = ol.fusion.analyze(model, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused, inside = ol.fusion.fuse(model, x)
+        assert torch.is_autocast_enabled("cpu")  # the caller's region is left as it was
+    assert [d.__dict__ for d in inside.decisions] == [d.__dict__ for d in outside.decisions]
+    assert inside.routes == outside.routes and inside.activation_bytes == outside.activation_bytes
+    assert {d.pattern for d in inside.fused} >= {"qkv", "linear_gelu_linear", "layer_norm"}, inside
+    for a, b in zip(_fwd_bwd(model, x), _fwd_bwd(fused, x)):  # outside autocast: eager's fp32 numbers
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    # the fused model under autocast: every output and gradient within 2x eager-autocast's error against fp64
+    eager, got = _autocast_step(model, x), _autocast_step(fused, x)
+    double = copy.deepcopy(model).double()
+    xd = x.double().requires_grad_()
+    yd = double(xd)
+    (yd * 1.3).sin().sum().backward()
+    truth = {"output": yd.detach(), "x": xd.grad, **{k: p.grad for k, p in double.named_parameters()}}
+    for k, ref in truth.items():
+        assert_within_eager_error(got[k], eager[k], ref, name=k)
 
 
 def test_patterns_switched_off_are_explained():

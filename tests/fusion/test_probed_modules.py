@@ -86,6 +86,23 @@ def test_a_subclass_computing_linear_fuses_in_traced_code_too():  # apply traces
     _fuses_like_eager(InlineGELU(MatmulLinear), "linear_gelu_linear", "fx")
 
 
+@pytest.mark.parametrize("make, route", [(lambda: MLP(MatmulLinear), "module"),
+                                         (lambda: InlineGELU(MatmulLinear), "fx")])
+def test_a_subclass_computing_linear_is_found_inside_an_autocast_region_too(make, route):
+    """Under autocast ``x @ W.T + b`` (bf16 product, fp32 sum) and ``F.linear`` (bf16) differ: the analysis and the
+    copy apply() probes run with autocast off, in the model's own dtypes, so fuse() inside autocast works."""
+    torch.manual_seed(0)
+    model, x = make(), seeded(3, 5, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused, plan = ol.fusion.fuse(model, x)
+    (d,) = plan.decisions
+    assert (d.pattern, d.fused, d.route.split(":")[0]) == ("linear_gelu_linear", True, route), d.reason
+    (out, grads), (want, want_grads) = _grads(fused, x), _grads(model, x)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_a_subclass_computing_something_else_is_looked_into():
     torch.manual_seed(0)
     model = MLP(ScaledLinear)
