@@ -28,6 +28,11 @@ under ``ATEN_CPU_CAPABILITY=avx2``/``default``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``
 * ``native_layer_norm_backward``: the weight/bias gradients are reduced through per-thread buffers;
   all three gradients are rewritten as formulas over the fixed sum (the native kernel's ``out=``
   overload calls back into the functional one, so it cannot be reused from inside the override).
+* ``_weight_norm_interface`` and its backward (``weight_norm`` on the last axis, Wav2Vec2's positional
+  conv): the kernel for ``dim`` = the last axis sums the rows through one buffer per thread; rewritten as
+  ATen's formulas over the fixed sum, in fp32 or wider. (``dim`` = 0 is row-local natively, and other
+  ``dim`` s go through ``norm_except_dim``, i.e. ``linalg_vector_norm``, which is thread-invariant; so are
+  ``var``/``std``, ``native_group_norm`` and its backward, and ``cumsum``: the tests check each.)
 * ``gelu``/``gelu_backward``: the vectorised loop and its scalar tail use different erf
   approximations (27 of 100 elements differ), and where the tail falls depends on the tensor size and
   on how threads split it; the input is padded so every element takes the vectorised path.
@@ -62,6 +67,8 @@ __all__ = [
     "layer_norm_backward",
     "gelu",
     "gelu_backward",
+    "weight_norm_interface",
+    "weight_norm_interface_backward",
 ]
 
 ROW_BLOCK = 64  # rows per GEMM: >= 8 keeps MKL on its blocked kernel; 64 costs nothing against one big GEMM
@@ -444,3 +451,37 @@ def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias,
     if want_db and bias is not None:
         db = fixed_sum(grad_out, rows, False).to(bias.dtype)
     return dx, dw, db
+
+
+# --------------------------------------------------------------------------- weight norm
+def _sum_except(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The fixed sum over every axis of ``x`` but ``dim``, kept as size-1 axes (a 1-d ``x``: itself)."""
+    others = [d for d in range(x.dim()) if d != dim % x.dim()]
+    return fixed_sum(x, others, True) if others else x.clone()
+
+
+def weight_norm_interface(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w, norm)`` with ``w = v * (g / norm)``, ``norm`` the 2-norm of ``v`` over every axis but ``dim``.
+
+    Computed in fp32 or wider; ``norm`` comes back in ATen's dtype (fp32 for an fp16/bf16 ``g``, else ``g``'s), with
+    ``g``'s shape, and ``w`` contiguous, as the native kernel gives them.
+    """
+    acc = torch.promote_types(v.dtype, torch.float32)
+    va = v.to(acc)
+    norm = _sum_except(va * va, dim).sqrt_()
+    w = (va * (g.to(acc).reshape(norm.shape) / norm)).to(v.dtype).contiguous()  # any g with norm's numel
+    return w, norm.to(acc if g.dtype in (torch.float16, torch.bfloat16) else g.dtype).reshape(g.shape)
+
+
+def weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim: int):
+    """ATen's formulas: ``grad_g = sum(grad_w * v) / norm``, ``grad_v = a * grad_w - b * v`` with
+    ``a = g / norm``, ``b = a * grad_g / norm``; the sum over every axis but ``dim``, fixed order."""
+    acc = torch.promote_types(saved_v.dtype, torch.float32)
+    v, gw = saved_v.to(acc), grad_w.to(acc)
+    kept = [n if d == dim % v.dim() else 1 for d, n in enumerate(v.shape)]  # the shape _sum_except gives
+    norm = saved_norms.to(acc).reshape(kept)
+    grad_g = _sum_except(gw * v, dim).div_(norm)
+    a = saved_g.to(acc).reshape(norm.shape) / norm
+    b = a * grad_g / norm
+    grad_v = (a * gw).sub_(b * v)
+    return grad_v.to(saved_v.dtype), grad_g.to(saved_g.dtype).reshape(saved_g.shape)

@@ -9,7 +9,8 @@ While strict mode is on:
   Triton kernels read to take their atomic-free paths.
 * the ATen ops whose result depends on batch size, position in the batch or thread count
   (``mm``, ``addmm``, ``bmm`` -- hence ``linear`` and ``matmul`` --, ``sum``, ``mean``, the softmax
-  backward, the layer_norm backward, ``gelu``; softmax/log_softmax forward, log_softmax backward and
+  backward, the layer_norm backward, ``gelu``, ``weight_norm``'s ``_weight_norm_interface`` and its
+  backward; softmax/log_softmax forward, log_softmax backward and
   layer_norm forward are already fixed-order natively, which the tests check) are replaced on CPU (and CUDA, when
   present) by the fixed-reduction-order versions in :mod:`opsnn_lab.consistency.fixed_order`,
   through a ``torch.library`` registration that is destroyed when strict mode ends, which puts the
@@ -84,6 +85,8 @@ OVERRIDDEN_OPS = {
     "native_layer_norm_backward": _layer_norm_backward,
     "gelu": fo.gelu,
     "gelu_backward": fo.gelu_backward,
+    "_weight_norm_interface": fo.weight_norm_interface,
+    "_weight_norm_interface_backward": fo.weight_norm_interface_backward,
 }
 
 
