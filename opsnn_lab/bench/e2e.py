@@ -7,6 +7,8 @@ Variants (each trained from the same initial weights on the same batches):
 * ``opsnn``: ``ol.train(fuse=True, precision="fp16-master", seed=0)``: fused chains, fp16 gradient
   pipeline with dynamic scaling into fp32 master weights, reproducible dropout.
 * ``opsnn-strict``: the same under ``strict()``.
+* ``amp-fused``: ``ol.train(fuse=True, precision="bf16", seed=0)``: the fused chains under ``torch.autocast``
+  (bf16), against ``amp``'s eager modules under it (the fused ops cast their matmul operands as autocast does).
 
 Each variant runs twice, each run in its own process so peak memory is its own. Columns:
 throughput against eager (samples/s, first step excluded), activation bytes of one training
@@ -35,7 +37,8 @@ import torch
 from opsnn_lab.bench.common import bench_dir, format_table, machine_line, write_json
 from opsnn_lab.bench.machine import emulated_note
 
-VARIANTS = ("eager", "amp", "opsnn", "opsnn-strict")
+VARIANTS = ("eager", "amp", "opsnn", "opsnn-strict", "amp-fused")
+_AUTOCAST = ("amp", "amp-fused")
 SIZES = {  # (EncoderConfig overrides, batch, seq_len, vocab)
     "quick": (dict(hidden=32, layers=1, heads=2, intermediate=128), 4, 16, 64),
     "cpu": (dict(hidden=256, layers=2, heads=4, intermediate=1024), 16, 64, 512),
@@ -105,13 +108,16 @@ def worker(variant: str, size: str, steps: int, lr: float, out: Path) -> None:
         timer = _Timer()
         kw = {} if variant == "eager" else dict(fuse=True, precision="fp16-master", seed=0,
                                                  strict=variant == "opsnn-strict")
+        if variant == "amp-fused":
+            kw = dict(fuse=True, precision="bf16", seed=0)
         result = ol.train(model, task, steps, lr=lr, callbacks=[timer], record_grad_amax=False, progress=False, **kw)
         seconds = timer.t1 - timer.t0
     trained = result.model
     eval_batch = task.batch(10**6)
     trained.train()
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    with torch.autocast(device.type, dtype=amp_dtype, enabled=variant == "amp"):
+    amp_dtype = torch.bfloat16 if variant == "amp-fused" else amp_dtype
+    with torch.autocast(device.type, dtype=amp_dtype, enabled=variant in _AUTOCAST):
         act = activation_bytes(lambda: task.loss(trained, eval_batch))
     trained.eval()
     with torch.no_grad():
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         })
     note = None if torch.cuda.is_available() else emulated_note(torch.bfloat16)  # amp's dtype on CPU
     for row in rows:
-        row["emulated"] = note if row["variant"] == "amp" else None
+        row["emulated"] = note if row["variant"] in _AUTOCAST else None
     table = format_table(table_rows(rows), floatfmt=".4f")
     machine = machine_line()
     print(f"{machine}\nsize={size} steps={steps}\n{table}")

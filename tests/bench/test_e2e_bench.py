@@ -28,6 +28,16 @@ def test_quick_e2e(tmp_path):
     assert isinstance(cpu["bf16_gemm"]["native"], bool) and cpu["model"]
 
 
+@pytest.mark.slow
+def test_quick_e2e_fused_chains_keep_their_memory_win_under_autocast(tmp_path):
+    assert e2e.main(["--quick", "--variants", "eager,amp,amp-fused", "--out", str(tmp_path)]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "e2e.json").read_text())["rows"]}
+    amp, fused = rows["amp"], rows["amp-fused"]
+    assert fused["activation_ratio"] < 0.95 * amp["activation_ratio"]  # the fused ops run under autocast
+    assert fused["nan_steps"] == 0 and abs(fused["final_loss"] / amp["final_loss"] - 1) < 0.05
+    assert fused["runs_bit_identical"] or fused["runs_cosine"] > 0.9999
+
+
 def test_rejects_unknown_variant():
     with pytest.raises(SystemExit):
         e2e.main(["--variants", "eager,turbo"])
