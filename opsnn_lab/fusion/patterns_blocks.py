@@ -151,7 +151,8 @@ def build_gated_mlp(m: Match) -> nn.Module:
 # --------------------------------------------------------------------------- LayerNorm / RMSNorm
 # What a norm written in Python may record: casts, pointwise arithmetic, reductions over the last dim.
 _NORM_OPS = frozenset({"to", "float", "type_as", "pow", "mul", "mean", "add", "rsqrt", "sqrt", "div", "reciprocal",
-                       "sub", "var", "square", "layer_norm", "rms_norm", "var_mean", "neg"})
+                       "sub", "var", "square", "layer_norm", "rms_norm", "var_mean", "neg", "half", "bfloat16",
+                       "double", "type"})
 _TOL = {torch.float32: 1e-4, torch.float64: 1e-7, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
@@ -161,7 +162,7 @@ def _recorded_eps(nodes: list[Node]) -> float | None:
     reduced = {n.name for n in nodes if n.op in ("mean", "var")}
     for n in nodes:
         if n.op in ("layer_norm", "rms_norm"):
-            eps = arg(n, 4 if n.op == "layer_norm" else 3, "eps", None)
+            eps = arg(n, 4 if n.op == "layer_norm" else 3, "eps", 1e-5 if n.op == "layer_norm" else None)
             return float(eps) if isinstance(eps, (int, float)) else None
         if n.op == "add" and n.inputs and set(n.inputs) <= reduced & names:
             eps = next((a for a in n.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
@@ -170,11 +171,14 @@ def _recorded_eps(nodes: list[Node]) -> float | None:
     return None
 
 
-def _norm_form(module: nn.Module, x: torch.Tensor, eps_candidates) -> tuple[str, float, float] | str:
-    """``(kind, eps, weight_offset)`` when ``module(x)`` is ``norm(x) * (w + offset) [+ b]``, else why not."""
-    w, b = module.weight, getattr(module, "bias", None)
+def _norm_form(module: nn.Module, x: torch.Tensor, eps_candidates, inner=()) -> tuple[str, float, float] | str:
+    """``(kind, eps, weight_offset)`` when ``module(x)`` is ``norm(x) * (w + offset) [+ b]`` (a module without
+    parameters: ``norm(x)``), else why not. ``inner``: the dtypes the module's recorded steps ran in."""
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
     gen = torch.Generator().manual_seed(0)
-    swap = {"weight": torch.randn(w.shape, generator=gen, dtype=torch.float64).to(w)}
+    swap = {}
+    if isinstance(w, nn.Parameter):
+        swap["weight"] = torch.randn(w.shape, generator=gen, dtype=torch.float64).to(w)
     if isinstance(b, torch.Tensor):
         swap["bias"] = torch.randn(b.shape, generator=gen, dtype=torch.float64).to(b)
     try:
@@ -185,27 +189,43 @@ def _norm_form(module: nn.Module, x: torch.Tensor, eps_candidates) -> tuple[str,
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return "its output is not one tensor of its input's shape"
     if y.dtype != x.dtype:
-        return f"it returns {y.dtype} for a {x.dtype} input (the weight's dtype promotes the result)"
-    xf, yd, tol = x.detach().double(), y.double(), _TOL.get(x.dtype, 1e-4)
-    wd = swap["weight"].double()
+        why = "the weight's dtype promotes the result" if swap else "a cast inside"
+        return f"it returns {y.dtype} for a {x.dtype} input ({why})"
+    xf, yd = x.detach().double(), y.double()
+    wd = swap["weight"].double() if "weight" in swap else 1.0
     bd = swap["bias"].double() if "bias" in swap else 0.0
-    for eps in dict.fromkeys(e for e in eps_candidates if e is not None):
-        centred = xf - xf.mean(-1, keepdim=True)
-        forms = {"rms": xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps),
-                 "layer": centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)}
-        for kind, xhat in forms.items():
-            for offset in (0.0, 1.0):
-                ref = xhat * (wd + offset) + bd
-                if torch.allclose(yd, ref, rtol=tol, atol=tol * max(1.0, float(ref.abs().max()))):
-                    return kind, float(eps), offset
+    offsets = (0.0, 1.0) if "weight" in swap else (0.0,)
+    tols = [(_TOL.get(x.dtype, 1e-4), None)]  # then the dtype a cast inside computes in, where it is coarser
+    tols += [(_TOL[d], d) for d in inner if _TOL.get(d, 0.0) > tols[0][0]]
+    for tol, lower in sorted(tols, key=lambda t: t[0]):
+        for eps in dict.fromkeys(e for e in eps_candidates if e is not None):
+            centred = xf - xf.mean(-1, keepdim=True)
+            forms = {"rms": xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps),
+                     "layer": centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)}
+            for kind, xhat in forms.items():
+                for offset in offsets:
+                    ref = xhat * (wd + offset) + bd
+                    if not torch.allclose(yd, ref, rtol=tol, atol=tol * max(1.0, float(ref.abs().max()))):
+                        continue
+                    if lower is None:
+                        return kind, float(eps), offset
+                    name = "RMSNorm" if kind == "rms" else "LayerNorm"
+                    return (f"it casts to {str(lower).replace('torch.', '')} inside and computes {name} there, which "
+                            f"differs from {name} of its {str(x.dtype).replace('torch.', '')} input by more than "
+                            f"{str(x.dtype).replace('torch.', '')} rounding; Fused{name} computes in float32 and "
+                            "rounds once to the input dtype")
     return "its output is neither RMSNorm nor LayerNorm of its input with its weight"
 
 
 def _python_norm(g: Graph, scope: str, nodes: list[Node]):
-    """``(Match | None)`` for the module at ``scope`` if its recorded nodes compute a norm of one tensor."""
+    """``(Match | None)`` for the module at ``scope`` if its recorded nodes compute a norm of one tensor (with a
+    1-D weight, or with no parameters at all: OLMo's ``F.layer_norm(x.float(), shape, None, None).to(dtype)``)."""
     module = g.modules.get(scope)
+    if module is None:
+        return None
     weight = getattr(module, "weight", None)
-    if module is None or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+    weightless = next(module.parameters(), None) is None
+    if not weightless and (not isinstance(weight, nn.Parameter) or weight.dim() != 1):
         return None
     names = {n.name for n in nodes}
     ext = list(dict.fromkeys(i for n in nodes for i in n.inputs if i not in names))
@@ -213,7 +233,7 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
     if len(ext) != 1 or not ops <= _NORM_OPS or not ops & {"mean", "var", "layer_norm", "rms_norm", "var_mean"}:
         return None
     x, y = g[ext[0]], nodes[-1]
-    if x.shape is None or not x.shape or x.shape[-1] != weight.shape[0]:
+    if x.shape is None or not x.shape or (not weightless and x.shape[-1] != weight.shape[0]):
         return None
     escapes = [n for n in nodes[:-1] if any(u.name not in names for u in g.users.get(n.name, []))]
     key = ("norm", scope)
@@ -221,17 +241,21 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
         t = g.tensors.get(x.name)
         if t is None:
             return None  # an fx graph, or a run-time graph whose tensors are gone: nothing to check against
+        inner = {n.dtype for n in nodes if n.dtype is not None and n.dtype != t.dtype}
         g.memo[key] = _norm_form(module, t, [_recorded_eps(nodes), getattr(module, "variance_epsilon", None),
-                                             getattr(module, "eps", None)])
+                                             getattr(module, "eps", None)], inner)
     form = g.memo[key]
     if isinstance(form, str):
         if "neither" in form or "cannot be called" in form:
             return None  # some other computation: not a candidate at all
-        return Match("rms_norm" if "rsqrt" in ops else "layer_norm", nodes, False, f"`{scope}`: {form}",
+        named = "layer_norm" if "LayerNorm" in form else "rms_norm" if "RMSNorm" in form else None
+        return Match(named or ("rms_norm" if "rsqrt" in ops else "layer_norm"), nodes, False, f"`{scope}`: {form}",
                      inputs=[x.name], outputs=[y])
     kind, eps, offset = form
     m = Match(f"{kind}_norm", nodes, False, "", inputs=[x.name], outputs=[y],
               params={"norm": module, "kind": kind, "eps": eps, "offset": offset})
+    if weightless:  # the op needs the normalised size its weight would have given
+        m.params["shape"] = (x.shape[-1],)
     if escapes:
         m.reason = f"`{escapes[0].label}` inside `{scope}` is also read outside it"
     elif kind == "rms" and isinstance(getattr(module, "bias", None), torch.Tensor):
@@ -318,7 +342,8 @@ def _build_norm(m: Match) -> nn.Module:
     if "eps" not in p:  # a built-in module: the op reads it
         return cls.from_modules(norm)
     bias = norm.bias if p["kind"] == "layer" and isinstance(getattr(norm, "bias", None), nn.Parameter) else None
-    return cls(norm.weight, bias, p["eps"], weight_offset=p["offset"]).train(norm.training)
+    weight = getattr(norm, "weight", None) if "shape" not in p else None  # a norm without parameters: its size
+    return cls(weight, bias, p["eps"], p.get("shape"), weight_offset=p["offset"]).train(norm.training)
 
 
 # --------------------------------------------------------------------------- vocabulary head -> cross-entropy

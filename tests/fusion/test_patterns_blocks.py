@@ -184,6 +184,21 @@ class PyLayerNorm(nn.Module):
         return (x - mu) / torch.sqrt(var + 1e-5) * self.weight + self.bias
 
 
+class BareLayerNorm(nn.Module):  # OLMo's OlmoLayerNorm: no parameters, fp32 inside, the input's dtype out
+    def __init__(self, n, inner=torch.float32):
+        super().__init__()
+        self.normalized_shape, self.inner = (n,), inner
+
+    def forward(self, x):
+        return F.layer_norm(x.to(self.inner), self.normalized_shape, None, None, eps=1e-5).to(x.dtype)
+
+
+class BareRMSNorm(nn.Module):  # a weight-free RMSNorm written out (a QK-norm or a pre-norm without scale)
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
 class NotANorm(nn.Module):  # the same ops over the wrong dim: recorded like a norm, computes something else
     def __init__(self, n):
         super().__init__()
@@ -208,6 +223,8 @@ class Net(nn.Module):
     (lambda: PyLayerNorm(16), "layer_norm", {"kind": "layer", "eps": 1e-5, "offset": 0.0}),
     (lambda: nn.RMSNorm(16, eps=1e-4), "rms_norm", {"kind": "rms_norm"}),
     (lambda: nn.LayerNorm(16), "layer_norm", {"kind": "layer_norm"}),
+    (lambda: BareLayerNorm(16), "layer_norm", {"kind": "layer", "eps": 1e-5, "offset": 0.0}),
+    (lambda: BareRMSNorm(), "rms_norm", {"kind": "rms", "eps": 1e-6, "offset": 0.0}),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_modules_are_recognised_by_what_they_compute(norm, pattern, params, dtype):
@@ -219,6 +236,15 @@ def test_norm_modules_are_recognised_by_what_they_compute(norm, pattern, params,
     assert d.pattern == pattern and d.fused and d.modules == ["norm"] and d.params == params, d
     assert d.saved_bytes == _measured_saving(model, fused, x)  # the cost model's entry is what a step saves
     _same(model, fused, x, dtype=dtype)
+
+
+def test_a_norm_without_parameters_computing_in_a_coarser_dtype_is_refused_with_the_reason():
+    torch.manual_seed(0)
+    (d,) = ol.fusion.analyze(Net(BareLayerNorm(16, inner=torch.bfloat16)), seeded(3, 7, 16)).decisions
+    assert d.pattern == "layer_norm" and not d.fused and d.modules == ["norm"]
+    assert d.reason == ("`norm`: it casts to bfloat16 inside and computes LayerNorm there, which differs from "
+                        "LayerNorm of its float32 input by more than float32 rounding; FusedLayerNorm computes in "
+                        "float32 and rounds once to the input dtype")
 
 
 def test_a_module_that_only_looks_like_a_norm_is_no_candidate():
