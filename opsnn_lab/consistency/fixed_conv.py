@@ -1,10 +1,11 @@
 """Convolution backward whose bits do not depend on the thread count, for ``strict()`` on CPU.
 
-oneDNN splits the weight-gradient reduction of some convolutions (a 1x1 stride-2 one, for instance) over
-threads, so its bits follow ``torch.set_num_threads``. Under ``strict()`` aten's convolution backward runs on
-one intra-op thread (the pool is restored after it): every thread count gets the bits one thread gives,
-for any convolution (1-d to 3-d, grouped, transposed). The cost is that op's parallelism while strict mode
-is on and more than one thread is set.
+oneDNN splits the weight-gradient reduction of some convolutions (a 1x1 stride-2 one, for instance) and the
+forward reduction of 1x1 ones over threads, so its bits follow ``torch.set_num_threads``. ``strict()`` turns
+oneDNN off (aten's own kernels work sample by sample) and runs aten's convolution backward on one intra-op
+thread (the pool is restored after it): every thread count gets the bits one thread gives, for any
+convolution (1-d to 3-d, grouped, transposed), within fp32 tolerance of oneDNN's. The cost is that op's
+parallelism while strict mode is on and more than one thread is set.
 
 It is registered at the autograd key with the dispatch key set, redispatching below autograd. A backward
 that records its own graph (``create_graph=True``, for a double backward) needs the autograd kernel it

@@ -17,7 +17,9 @@ While strict mode is on:
   native kernels back.
 * on CPU, the convolution backward, whose oneDNN kernels split some weight-gradient reductions over
   threads: it runs on one intra-op thread (:mod:`opsnn_lab.consistency.fixed_conv`; a double backward
-  through a 1-d or 2-d convolution takes a differentiable fixed-order composite instead).
+  through a 1-d or 2-d convolution takes a differentiable fixed-order composite instead); and oneDNN is off
+  (``torch.backends.mkldnn.enabled``), so convolutions run aten's own sample-by-sample kernels: oneDNN's
+  1x1 convolution forward split its reduction over threads too.
 
 Which GEMM paths give those bits is not assumed from one CPU: each GEMM shape is probed once per
 process on the running machine (:mod:`opsnn_lab.consistency.gemm_probe`; ``strict_probe_report()``
@@ -111,6 +113,7 @@ def _read_settings() -> dict:
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "mkldnn_deterministic": getattr(torch.backends.mkldnn, "deterministic", None),
+        "mkldnn_enabled": torch._C._get_mkldnn_enabled(),
         "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     }
 
@@ -127,6 +130,7 @@ def _write_settings(s: dict) -> None:
     torch.backends.cudnn.benchmark = s["cudnn_benchmark"]
     if s["mkldnn_deterministic"] is not None:
         torch.backends.mkldnn.deterministic = s["mkldnn_deterministic"]
+    torch._C._set_mkldnn_enabled(s["mkldnn_enabled"])
     if s["matmul_precision"] is not None:  # after the legacy flags: it is the one read back
         torch.set_float32_matmul_precision(s["matmul_precision"])
     if s["cublas_workspace"] is None:
@@ -149,6 +153,10 @@ _STRICT_SETTINGS = {
     "cudnn_tf32": False,
     "cudnn_deterministic": True,
     "cudnn_benchmark": False,
+    # oneDNN's 1x1 convolution forward splits its reduction over threads (other bits at 1 and 2 threads);
+    # aten's own CPU convolution works sample by sample, each in one thread: the same bits at any thread
+    # count and batch size, at up to ~4x the time for a 7x7 kernel (same for 1x1)
+    "mkldnn_enabled": False,
 }
 
 

@@ -155,7 +155,8 @@ def _settings():
     return (torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-            os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.backends.mkldnn.deterministic)
+            os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.backends.mkldnn.deterministic,
+            torch.backends.mkldnn.enabled)
 
 
 def _rows_batch_invariant() -> bool:
@@ -172,7 +173,7 @@ def test_strict_sets_and_restores_every_setting_and_kernel():
         before = _settings()
         with strict():
             assert is_strict()
-            assert _settings() == (True, "highest", False, True, False, False, ":4096:8", True)
+            assert _settings() == (True, "highest", False, True, False, False, ":4096:8", True, False)
             assert _rows_batch_invariant()  # the fixed-order kernel is in place
         assert _settings() == before and not is_strict()
         assert not _rows_batch_invariant()  # and the native one is back
