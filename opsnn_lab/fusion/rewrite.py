@@ -136,8 +136,11 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
     for training in (True, False):
         gm, _ = trace_region(region, route["concrete"], training, wrapped)
         g, moved = fx_graph(gm, path), {}
-        for m in find_all(g):
-            if not (m.viable and m.key in keys):
+        # Planned matches take their nodes in table order, as in the analysis: a node is rewritten once. A module
+        # called twice gives one key two matches, and another planned match may hold one of them (ALBERT's
+        # shared layer: add_layer_norm on the second call of its LayerNorm, layer_norm on the first).
+        for m in find_all(g, claims=lambda m: m.key in keys):
+            if not (m.ok and m.key in keys):
                 continue
             for k, v in keys[m.key].items():  # values fx sees only as formulas (a shape-derived scale)
                 if m.params.get(k, v) is None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import opsnn_lab as ol
 from opsnn_lab.models import Encoder, EncoderConfig, ResNet, ResNetConfig
@@ -146,3 +148,47 @@ def test_dropout_p_survives_the_rewrite():
             layer.mlp.fc2.bias.zero_()
             out = o.train()(x)
         assert out.shape == (256, cfg.hidden) and abs((out == 0).float().mean().item() - 0.3) < 0.03
+
+
+class _SharedLayer(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln, self.fc1, self.act, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.ln(x))))
+
+
+class _Shared(nn.Module):
+    """ALBERT's sharing: one layer called twice. Its LayerNorm is add_layer_norm on the second call (the first
+    call's residual add precedes it) and layer_norm alone on the first, in one traced forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.layer = nn.Linear(32, 32), _SharedLayer()
+
+    def forward(self, x):
+        x = self.inp(x)
+        for _ in range(2):
+            x = self.layer(x)
+        return x
+
+
+def test_a_node_two_planned_matches_could_take_is_rewritten_once():
+    from opsnn_lab.measuring import activation_bytes
+
+    torch.manual_seed(0)
+    model, x = _Shared(), seeded(2, 8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch.fx warned "erase_node(...) on an already erased node"
+        fused, plan = ol.fusion.fuse(model, x)
+    names = {(d.pattern, tuple(d.modules)) for d in plan.fused}
+    assert {("add_layer_norm", ("layer", "layer.ln")), ("layer_norm", ("layer.ln",))} <= names, plan.decisions
+    gm = ol.fusion.patches(fused)[""].variants[True]
+    for slot, mod in gm.named_children():
+        if isinstance(mod, ol.fusion.FusedSlot):  # one call per fused decision: no dead extra op left in the code
+            calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == slot]
+            assert len(calls) == sum((d.pattern, d.modules) == (mod.pattern, mod.fused_modules) for d in plan.fused)
+    # the plan's saving is what a step saves (it measured 2,112 bytes less before: the dead LayerNorm's)
+    assert activation_bytes(lambda: model(x)) - activation_bytes(lambda: fused(x)) == plan.saved_bytes
+    _assert_same(model, fused, (x,))
