@@ -12,7 +12,8 @@ While strict mode is on:
   backward, the layer_norm backward, ``gelu``, ``weight_norm``'s ``_weight_norm_interface`` and its
   backward; softmax/log_softmax forward, log_softmax backward and
   layer_norm forward are already fixed-order natively, which the tests check) are replaced on CPU (and CUDA, when
-  present) by the fixed-reduction-order versions in :mod:`opsnn_lab.consistency.fixed_order`,
+  present) by the fixed-reduction-order versions in :mod:`opsnn_lab.consistency.fixed_order` (GEMMs, sums,
+  gelu) and :mod:`opsnn_lab.consistency.fixed_rows` (row formulas over the fixed sum),
   through a ``torch.library`` registration that is destroyed when strict mode ends, which puts the
   native kernels back.
 * on CPU, the convolution backward, whose oneDNN kernels split some weight-gradient reductions over
@@ -63,6 +64,7 @@ import torch
 from opsnn_lab._checks import check_type
 from opsnn_lab.consistency import fixed_conv
 from opsnn_lab.consistency import fixed_order as fo
+from opsnn_lab.consistency import fixed_rows as fr
 from opsnn_lab.consistency.gemm_probe import strict_probe_report
 
 __all__ = ["strict", "is_strict", "OVERRIDDEN_OPS", "strict_probe_report"]
@@ -71,7 +73,7 @@ _CUBLAS_WORKSPACE = ":4096:8"
 
 
 def _layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
-    return fo.layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask)
+    return fr.layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask)
 
 
 # ATen overload -> fixed-order implementation (same schema)
@@ -83,12 +85,12 @@ OVERRIDDEN_OPS = {
     "sum.dim_IntList": fo.fixed_sum,
     "mean": fo.fixed_mean_default,
     "mean.dim": fo.fixed_mean,
-    "_softmax_backward_data": fo.softmax_backward,
+    "_softmax_backward_data": fr.softmax_backward,
     "native_layer_norm_backward": _layer_norm_backward,
     "gelu": fo.gelu,
     "gelu_backward": fo.gelu_backward,
-    "_weight_norm_interface": fo.weight_norm_interface,
-    "_weight_norm_interface_backward": fo.weight_norm_interface_backward,
+    "_weight_norm_interface": fr.weight_norm_interface,
+    "_weight_norm_interface_backward": fr.weight_norm_interface_backward,
 }
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 from torch.nn.utils import weight_norm as old_weight_norm
 
-from opsnn_lab.consistency import fixed_order as fo
+from opsnn_lab.consistency import fixed_rows as fr
 from opsnn_lab.consistency.strict import is_strict, strict
 from opsnn_lab.testing import TOLERANCES, seeded, threads
 
@@ -112,8 +112,8 @@ def test_fixed_weight_norm_matches_the_native_kernel(v_shape, dim, g_shape, dtyp
     grad_w = seeded(*v_shape, seed=5, dtype=dtype)
     want_w, want_norm = torch._weight_norm_interface(v, g, dim)
     want_gv, want_gg = torch.ops.aten._weight_norm_interface_backward(grad_w, v, g, want_norm, dim)
-    got_w, got_norm = fo.weight_norm_interface(v, g, dim)
-    got_gv, got_gg = fo.weight_norm_interface_backward(grad_w, v, g, got_norm, dim)
+    got_w, got_norm = fr.weight_norm_interface(v, g, dim)
+    got_gv, got_gg = fr.weight_norm_interface_backward(grad_w, v, g, got_norm, dim)
     atol, rtol = TOLERANCES[dtype]
     for got, want in ((got_w, want_w), (got_norm, want_norm), (got_gv, want_gv), (got_gg, want_gg)):
         assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
