@@ -79,17 +79,8 @@ def flat_index(idx: torch.Tensor, height: int, width: int, spec: PoolSpec) -> to
 
 # ----------------------------------------------------------------------------------------------- torch path
 def _scale_shift(y, weight, bias, mean, invstd):
-    """:func:`scale_shift` in ``acc_dtype(y.dtype)``: the shared fp32 helper's bits, or the same formula in fp64."""
-    acc = acc_dtype(y.dtype)
-    if acc == torch.float32:
-        return scale_shift(y.shape[1], weight, bias, mean, invstd, y.device)
-    scale = torch.ones(y.shape[1], device=y.device, dtype=acc) if invstd is None else invstd.to(acc)
-    if weight is not None:
-        scale = scale * weight.to(acc)
-    shift = torch.zeros_like(scale) if bias is None else bias.to(acc).clone()
-    if mean is not None:
-        shift = shift - mean.to(acc) * scale
-    return scale, shift
+    """:func:`scale_shift` in ``acc_dtype(y.dtype)``."""
+    return scale_shift(y.shape[1], weight, bias, mean, invstd, y.device, acc_dtype(y.dtype))
 
 
 def _affine(y, weight, bias, mean, invstd, dtype):

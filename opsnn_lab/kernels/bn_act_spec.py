@@ -100,13 +100,14 @@ class PoolSpec:
         return self.kernel[0] * self.kernel[1]
 
 
-def scale_shift(channels, weight, bias, mean, invstd, device):
-    """Per-channel fp32 (scale, shift) so that ``bn(y) = y * scale + shift``; None stats mean identity."""
-    one = torch.ones(channels, device=device, dtype=torch.float32)
-    scale = one if invstd is None else invstd.float()
+def scale_shift(channels, weight, bias, mean, invstd, device, dtype=torch.float32):
+    """Per-channel (scale, shift) in ``dtype`` (fp32, or fp64 for an fp64 model) so that
+    ``bn(y) = y * scale + shift``; None stats mean identity."""
+    one = torch.ones(channels, device=device, dtype=dtype)
+    scale = one if invstd is None else invstd.to(dtype)
     if weight is not None:
-        scale = scale * weight.float()
-    shift = torch.zeros_like(one) if bias is None else bias.float().clone()
+        scale = scale * weight.to(dtype)
+    shift = torch.zeros_like(one) if bias is None else bias.to(dtype).clone()
     if mean is not None:
-        shift = shift - mean.float() * scale
+        shift = shift - mean.to(dtype) * scale
     return scale, shift
