@@ -11,7 +11,16 @@ from torch import nn
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion.cost import CostModel
 from opsnn_lab.fusion.patch import Route, RoutePlanner
-from opsnn_lab.fusion.patterns import CONV_ACTS, FAMILIES, LINEAR_ACTS, Match, act_kind, find_all, pattern_of
+from opsnn_lab.fusion.patterns import (
+    CONV_ACTS,
+    FAMILIES,
+    LINEAR_ACTS,
+    Match,
+    act_kind,
+    find_all,
+    op_name,
+    pattern_of,
+)
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.regions import Region, find_regions
 from opsnn_lab.fusion.runtime import RuntimeTrace, own_dtypes, trace_runtime
@@ -58,11 +67,11 @@ class Analysis:
     def __init__(self, model: nn.Module, trace: RuntimeTrace, name: str):
         self.model, self.trace, self.name = model, trace, name
         self.cost = CostModel(trace, lambda m: pattern_of(m.pattern).build(m))
-        planner = RoutePlanner(trace)
+        viable = [m for m in find_all(trace.graph) if m.viable]
+        planner = RoutePlanner(trace, viable)
         self.routes: dict[tuple, Route] = {}  # match key -> module-level route
         self.why_not: dict[tuple, str] = {}  # match key -> why no module call carries it
         self.matches: dict[tuple, Match] = {}
-        viable = [m for m in find_all(trace.graph) if m.viable]
         for m in viable:
             self.matches[m.key] = m
             route = planner.route(m)
@@ -70,64 +79,119 @@ class Analysis:
                 self.routes[m.key] = route
             else:
                 self.why_not[m.key] = route
-        self.regions: list[Region] = find_regions(model, trace.calls) if self.why_not else []
+        # module routes patching a module called more than once: every call is this chain (patch.RoutePlanner)
+        self.shared: dict[tuple, tuple[str, int]] = {k: v for k, v in planner.shared.items() if k in self.routes}
+        self.regions: list[Region] = find_regions(model, trace.calls) if self.why_not or self.shared else []
         self.rewritable: dict[tuple, str] = {k: r.label for k, r in self.routes.items()}  # match key -> route
+        self.fx_routes: dict[tuple, str] = {}  # match key -> fx region, for keys a module patch does not carry
         for r in self.regions:
             if r.route == "fx":
                 for m in find_all(r.graph):
-                    if m.viable and m.key in self.why_not and m.key not in self.rewritable:
-                        self.rewritable[m.key] = f"fx:{r.path or '<model>'}"
-        self.costs: dict[tuple, tuple[int, int, int]] = {}  # match key -> saved, traffic, eager bytes
+                    if m.viable and (m.key in self.why_not or m.key in self.shared):
+                        self.fx_routes.setdefault(m.key, f"fx:{r.path or '<model>'}")
+        for k, label in self.fx_routes.items():
+            self.rewritable.setdefault(k, label)
+        self.costs: dict[tuple, tuple[int, int, int]] = {}  # match site -> saved, traffic, eager bytes
         for m in viable:
             if m.key in self.rewritable:
-                self.costs[m.key] = (self.cost.saved_bytes(m), self.cost.traffic_bytes(m), self.cost.eager_bytes(m))
+                self.costs[_site(m)] = (self.cost.saved_bytes(m), self.cost.traffic_bytes(m),
+                                        self.cost.eager_bytes(m))
         self.trace.tensors.clear()  # activations (and the autograd graph holding them) are no longer needed
         self.trace.output = None
 
-    def _not_rewritable(self, m: Match) -> str:
-        why = self.why_not.get(m.key, "")
+    def _not_rewritable(self, m: Match, why_not: dict) -> str:
+        why = why_not.get(m.key, "")
         return f"cannot be rewritten: {why}" if why else "cannot be rewritten here"
 
     def not_worth(self, m: Match) -> str:
         """Why a rewritable match is not worth fusing where it is ('' when it is): a pattern whose gain is
         memory must save its share of the chain's activation bytes (``Pattern.min_share``)."""
         pat = pattern_of(m.pattern)
-        if not pat.min_share or m.key not in self.costs:
+        if not pat.min_share or _site(m) not in self.costs:
             return ""
-        saved, _, eager = self.costs[m.key]
+        saved, _, eager = self.costs[_site(m)]
         if saved > 0 and saved >= pat.min_share * eager:
             return ""
         return (f"not fused: saves {saved:,} of its {eager:,} activation bytes here (under {pat.min_share:.0%}); "
                 f"{pat.needs}")
 
-    def decision(self, m: Match) -> Decision:
+    def decision(self, m: Match, rewritable: dict | None = None, why_not: dict | None = None) -> Decision:
+        """``m``'s decision under a plan's routes (default: the analysis's own)."""
+        rewritable = self.rewritable if rewritable is None else rewritable
         d = Decision(m.pattern, m.modules, m.ok, m.reason, chain=[n.label for n in m.nodes],
                      nodes=[n.name for n in m.nodes],
                      shapes=[n.shape for n in m.nodes],
                      params={k: v for k, v in m.params.items() if isinstance(v, (int, float, str, bool))})
-        if m.ok and m.key not in self.rewritable:
-            d.fused, d.reason = False, self._not_rewritable(m)
+        if m.ok and m.key not in rewritable:
+            d.fused, d.reason = False, self._not_rewritable(m, self.why_not if why_not is None else why_not)
         elif m.ok:
-            d.saved_bytes, d.traffic_bytes = self.costs[m.key][:2]  # a declined match shows what it would save
+            d.saved_bytes, d.traffic_bytes = self.costs[_site(m)][:2]  # a declined match shows what it would save
             why = self.not_worth(m)
             if why:
                 d.fused, d.reason = False, why
                 return d
-            d.route = self.rewritable[m.key]
-            route = self.routes.get(m.key)
+            d.route = rewritable[m.key]
+            route = self.routes.get(m.key) if d.route.startswith("module:") else None
             if route is not None:
                 d.carriers, d.first, d.ops = list(route.carriers), route.first, [act_kind(n) for n in m.nodes]
+            if route is not None and m.key in self.shared:
+                path, n = self.shared[m.key]
+                d.reason += f"; `{path}` runs {n} times per forward, each call this chain: its one rewrite serves all"
         return d
+
+    def _decide(self, patterns, rewritable: dict, why_not: dict) -> list[Decision]:
+        with torch.random.fork_rng(devices=[]):  # ops may draw a dropout seed when built to validate a chain
+            return [self.decision(m, rewritable, why_not)
+                    for m in find_all(self.trace.graph, patterns,
+                                      claims=lambda m: m.key in rewritable and not self.not_worth(m))]
 
     def plan(self, patterns=None) -> FusionPlan:
         patterns = check_patterns(patterns)
-        with torch.random.fork_rng(devices=[]):  # ops may draw a dropout seed when built to validate a chain
-            decisions = [self.decision(m) for m in find_all(self.trace.graph, patterns,
-                                                            claims=lambda m: m.key in self.rewritable
-                                                            and not self.not_worth(m))]
+        rewritable, why_not = dict(self.rewritable), dict(self.why_not)
+        decisions = self._decide(patterns, rewritable, why_not)
+        # A rewrite serves every call site of its key: a patch of a shared module runs at each call; the fx rewrite
+        # takes each site that matches there and that no other planned chain holds, so a site declined for its
+        # bytes would be fused too. Where one site is fused and another is not, the key goes to its fx route when
+        # only overlaps keep the others, or is fused nowhere; then the plan is made again.
+        for _ in range(len(decisions)):
+            split = {}
+            for key, sites in _sites_by_key(decisions).items():
+                others = [d for d in sites if not d.fused]
+                if not others or len(others) == len(sites):
+                    continue
+                overlaps = all(d.reason.startswith("overlaps the fused ") for d in others)
+                declined = next((d.reason for d in others if d.reason.startswith("not fused: saves")), "")
+                if rewritable[key].startswith("module:") or declined:
+                    split[key] = (overlaps, declined or others[0].reason)
+            if not split:
+                break
+            for key, (overlaps, why) in split.items():
+                if overlaps and key in self.fx_routes:
+                    rewritable[key] = self.fx_routes[key]
+                    continue
+                m, route = self.matches[key], rewritable.pop(key)
+                path, n = self.shared.get(key, (None, 0)) if route.startswith("module:") else (None, 0)
+                where = f"`{path}` runs {n} times per forward and" if path else \
+                    f"{', '.join(f'`{p}`' for p in m.modules)} run at several call sites and"
+                why_not[key] = (f"{where} its rewrite ({route}) changes every call, but one is not fused ({why}); to "
+                                f"fuse the others alone, call opsnn_lab.ops.{op_name(m)} there")
+            decisions = self._decide(patterns, rewritable, why_not)
         total = sum(dict((k, b) for _, k, b in self.trace.saved).values())
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
                           graph=graph_data(self.trace), _analysis=self)
+
+
+def _sites_by_key(decisions: list[Decision]) -> dict[tuple, list[Decision]]:
+    """Decisions of keys with more than one call site (a module called twice gives one key two)."""
+    by: dict[tuple, list[Decision]] = {}
+    for d in decisions:
+        by.setdefault(d.key, []).append(d)
+    return {k: v for k, v in by.items() if len(v) > 1}
+
+
+def _site(m: Match) -> tuple:
+    """One call site of a match (a module called twice gives one key two sites, whose costs may differ)."""
+    return m.key, tuple(n.name for n in m.nodes)
 
 
 def graph_data(trace: RuntimeTrace) -> dict:

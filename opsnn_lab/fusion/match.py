@@ -115,13 +115,6 @@ def _common_checks(g: Graph, nodes: list[Node]) -> str:
         writer = next((u for u in g.users.get(n.name, []) if u.op == "setitem"), None)
         if writer is not None:
             return f"the output of `{n.label}` is modified in place by `{writer.label}` (item assignment)"
-    counts = {}
-    for n in g.nodes:
-        if n.module:
-            counts[n.module] = counts.get(n.module, 0) + 1
-    for n in nodes:
-        if n.module and counts.get(n.module, 0) > 1 and n.op in ("linear", "conv2d", "batch_norm"):
-            return f"`{n.module}` runs {counts[n.module]} times per forward (a shared module); fuse one call site"
     dtypes = {}  # dtype -> the first output or parameters seen in it (one node may show both)
     for n in nodes:
         if n.dtype is not None:

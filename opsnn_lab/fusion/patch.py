@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opsnn_lab.fusion._opaque import opaque_to_compile
-from opsnn_lab.fusion.patterns import Match
+from opsnn_lab.fusion.patterns import Match, op_name
 from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace
 
 __all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches"]
@@ -51,25 +51,44 @@ class Route:
 
 
 class RoutePlanner:
-    """Finds, for a candidate chain, the module calls that carry it (or says why none does)."""
+    """Finds, for a candidate chain, the module calls that carry it (or says why none does).
 
-    def __init__(self, trace: RuntimeTrace):
+    ``matches``: every viable candidate. A module called more than once per forward (ALBERT's shared layer)
+    carries a chain only when each of its calls is a step of a candidate with the same key: the one patch then
+    computes that chain at every call. ``shared`` names those keys with the module and its call count."""
+
+    def __init__(self, trace: RuntimeTrace, matches=()):
         self.trace = trace
         self.index = {n.name: i for i, n in enumerate(trace.graph.nodes)}
         self.by_path: dict[str, list[ModuleCall]] = {}
         self.order = {id(c): k for k, c in enumerate(trace.module_calls)}
         for c in trace.module_calls:
             self.by_path.setdefault(c.path, []).append(c)
+        self.sites: dict[tuple, list[Match]] = {}
+        for m in matches:
+            self.sites.setdefault(m.key, []).append(m)
+        self.shared: dict[tuple, tuple[str, int]] = {}  # match key -> (a module it patches, its calls per forward)
 
     def _enclosing(self, i: int) -> list[ModuleCall]:
         """Calls running while node ``i`` was recorded, innermost first."""
         calls = (c for c in self.trace.module_calls if c.start <= i < c.end)
         return sorted(calls, key=lambda c: (-c.start, c.end, -self.order[id(c)]))
 
-    def _once(self, path: str) -> str:
+    def _once(self, path: str, m: Match, whole: bool = False) -> str:
+        """'' when every call of ``path`` is this chain (one call, or one per candidate with ``m``'s key), else why
+        a patch of ``path`` cannot carry it and what fuses this call site instead."""
         n = len(self.by_path.get(path, []))
-        return "" if n == 1 else (f"`{path}` runs {n} times per forward and a module-level rewrite changes every "
-                                  "call site; its other calls are not this chain")
+        if n == 1:
+            return ""
+        same = self.sites.get(m.key, [m])
+        k = len(same) if whole else sum(node.module == path for s in same for node in s.nodes)
+        if k == n:
+            self.shared.setdefault(m.key, (path, n))
+            return ""
+        scope = m.nodes[0].scope or "<model>"
+        return (f"`{path}` runs {n} times per forward, {k} of them in this chain, and a module-level rewrite changes "
+                f"every call; to fuse this call site alone, make `{scope}`.forward traceable by torch.fx (its rewrite "
+                f"goes call by call) or call opsnn_lab.ops.{op_name(m)} there")
 
     def _carrier(self, n, reads: list[str]) -> tuple[ModuleCall | None, str]:
         """The module call that computes exactly step ``n`` from ``reads``."""
@@ -88,7 +107,7 @@ class RoutePlanner:
             c, why = self._carrier(n, reads)
             if c is None:
                 return why
-            if why := self._once(c.path):
+            if why := self._once(c.path, m):
                 return why
             carriers.append(c.path)
             reads = [n.name]
@@ -113,7 +132,7 @@ class RoutePlanner:
                 return f"`{c.path or '<model>'}` reads or returns more than the chain's input and output"
             if c.n_args != 1 or c.kwargs:
                 return f"`{c.path or '<model>'}` takes arguments besides the chain's input"
-            return self._once(c.path) or Route("whole", (c.path,))
+            return self._once(c.path, m, whole=True) or Route("whole", (c.path,))
         return "no module call contains the whole chain"
 
     def _qkv(self, m: Match) -> Route | str:
@@ -122,7 +141,7 @@ class RoutePlanner:
             c, _ = self._carrier(n, list(m.inputs[:1]))
             if c is None:
                 return f"`{n.label}` is not called as `module(x)` on the shared input"
-            if why := self._once(c.path):
+            if why := self._once(c.path, m):
                 return why
             paths.append(c.path)
             starts.append(c.start)

@@ -28,7 +28,7 @@ from opsnn_lab.fusion.match import (
     past_identities,
 )
 
-__all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "pattern_of"]
+__all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "op_name", "pattern_of"]
 
 
 # --------------------------------------------------------------------------- Conv2d -> BN -> ReLU [-> MaxPool2d]
@@ -400,6 +400,11 @@ def find_all(g: Graph, enabled=None, claims=None) -> list[Match]:
                 m.reason = f"fused: {_describe(g, m)} into {_op_for(pat, m)}"
             out.append(m)
     return out
+
+
+def op_name(m: Match) -> str:
+    """The ``opsnn_lab.ops`` class a match is fused into."""
+    return _op_for(pattern_of(m.pattern), m)
 
 
 def _op_for(pat: Pattern, m: Match) -> str:

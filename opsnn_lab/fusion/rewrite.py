@@ -199,7 +199,11 @@ def _copy_memo(model: nn.Module, fused: nn.Module) -> dict:
 def _module_rewrites(model: nn.Module, fused: nn.Module, plan: FusionPlan, decisions: list[Decision],
                      memo: dict) -> None:
     analysis = plan._analysis if plan._analysis is not None and plan._analysis.model is model else None
+    done = set()
     for d in decisions:
+        if (d.key, d.route, tuple(d.carriers)) in done:
+            continue  # a module called more than once: its one patch computes the chain at each call
+        done.add((d.key, d.route, tuple(d.carriers)))
         if analysis is not None and d.key in analysis.matches:
             m = analysis.matches[d.key]
             m = dataclasses.replace(m, params=copy.deepcopy(m.params, dict(memo)))

@@ -150,6 +150,104 @@ def test_shared_module_is_rejected_with_its_reason():
     torch.testing.assert_close(fused(seeded(2, 4)), model(seeded(2, 4)))
 
 
+class SharedLayer(nn.Module):  # ALBERT's layer: q/k/v -> attention, then Linear -> GELU -> Linear, each residual
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) * 0.25, -1) @ self.v(x)
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class SharedDepth(nn.Module):
+    """One layer called at every depth (ALBERT), in a forward torch.fx cannot trace: only module patches reach
+    the chains, and each patch of the shared layer's modules runs at both calls."""
+
+    def __init__(self, d=16, calls=2):
+        super().__init__()
+        self.inp, self.layer, self.calls = nn.Linear(d, d), SharedLayer(d), calls
+
+    def forward(self, x):
+        x = self.inp(x)
+        for _ in range(self.calls):
+            if x.sum() > -1e9:  # data-dependent control flow: not traceable
+                x = self.layer(x)
+        return x
+
+
+def _measured_saving(model, fused, x):
+    from opsnn_lab.measuring import activation_bytes
+
+    return activation_bytes(lambda: model(x)) - activation_bytes(lambda: fused(x))
+
+
+def test_a_shared_module_whose_every_call_is_the_chain_is_fused_at_every_call():
+    torch.manual_seed(0)
+    model, x = SharedDepth(), seeded(2, 6, 16)
+    fused, plan = ol.fusion.fuse(model, x)
+    for pattern, route, path in (("qkv", "module:qkv", "layer.q"), ("linear_gelu_tanh_linear", "module:chain",
+                                                                     "layer.fc1")):
+        sites = [d for d in plan.decisions if d.pattern == pattern]
+        assert len(sites) == 2 and all(d.fused and d.route == route for d in sites), sites
+        assert sites[0].reason.endswith(f"; `{path}` runs 2 times per forward, each call this chain: its one "
+                                        "rewrite serves all")
+    assert type(ol.fusion.patches(fused)["layer.fc1"]).__name__ == "ChainHead"
+    torch.manual_seed(0)
+    once = SharedDepth(calls=1)
+    fused_once, plan_once = ol.fusion.fuse(once, x)
+    assert plan.saved_bytes == 2 * plan_once.saved_bytes > 0  # each call is planned ...
+    assert _measured_saving(model, fused, x) == 2 * _measured_saving(once, fused_once, x) > 0  # ... and fused
+    _same(model, fused, x)
+
+
+def test_a_shared_module_with_a_call_outside_the_chain_says_how_to_fuse_the_chain():
+    class Untraceable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > -1e9:
+                return self.fc2(self.act(self.fc1(x))) + self.act(x)  # act's second call is no chain
+            return x
+
+    (d,) = ol.fusion.analyze(Untraceable(), seeded(2, 4)).decisions
+    assert not d.fused and d.reason.startswith(
+        "cannot be rewritten: `act` runs 2 times per forward, 1 of them in this chain, and a module-level rewrite "
+        "changes every call; to fuse this call site alone, make `<model>`.forward traceable by torch.fx (its "
+        "rewrite goes call by call) or call opsnn_lab.ops.FusedLinearGELUDropoutLinear there"), d.reason
+
+
+@pytest.mark.parametrize("traceable", [False, True])
+def test_a_shared_norm_declined_at_one_call_is_fused_at_none(traceable):
+    """A rewrite serves every call site of its module (a patch) or of its key (fx): a LayerNorm worth fusing
+    before a Linear but declined before a Dropout is fused nowhere, so the plan's saving is what a step saves."""
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc, self.drop = nn.LayerNorm(16), nn.Linear(16, 16), nn.Dropout(0.0)
+
+        def forward(self, x):
+            if not traceable and x.sum() < -1e9:
+                return x
+            return self.drop(self.ln(self.fc(self.ln(x))))
+
+    torch.manual_seed(0)
+    model, x = Twice(), seeded(2, 6, 16, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model, x)
+    first, second = [d for d in plan.decisions if d.pattern == "layer_norm"]
+    assert second.saved_bytes < 0.1 * 2 * 6 * 16 * 4  # before the Dropout: declined for its bytes
+    for d in (first, second):  # traceable: the fx route would fuse the declined call too, so it is not taken
+        assert not d.fused, d
+        assert d.reason.startswith("cannot be rewritten: `ln` runs 2 times per forward and its rewrite (module:chain) "
+                                   "changes every call, but one is not fused (not fused: saves "), d.reason
+        assert d.reason.endswith("; to fuse the others alone, call opsnn_lab.ops.FusedLayerNorm there")
+    assert _measured_saving(model, fused, x) == plan.saved_bytes
+    _same(model, fused, x)
+
+
 def test_hooks_outside_chains_fire_and_signature_is_kept():
     torch.manual_seed(0)
     model = Net()

@@ -192,3 +192,21 @@ def test_a_node_two_planned_matches_could_take_is_rewritten_once():
     # the plan's saving is what a step saves (it measured 2,112 bytes less before: the dead LayerNorm's)
     assert activation_bytes(lambda: model(x)) - activation_bytes(lambda: fused(x)) == plan.saved_bytes
     _assert_same(model, fused, (x,))
+
+
+def test_one_linear_at_both_ends_of_a_chain_fuses_in_traced_code():
+    """``shared(gelu(shared(x)))``: the fused op reads one weight twice; its two gradients add up as eager's do."""
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.shared = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.shared(torch.nn.functional.gelu(self.shared(self.inp(x))))
+
+    torch.manual_seed(0)
+    model, x = Twice(), seeded(2, 5, 16)
+    fused, plan = ol.fusion.fuse(model, x)
+    (d,) = plan.decisions
+    assert d.fused and d.route == "fx:<model>" and d.modules == ["shared", "shared"], d.reason
+    _assert_same(model, fused, (x,))
