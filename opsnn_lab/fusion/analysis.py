@@ -91,6 +91,11 @@ class Analysis:
                         self.fx_routes.setdefault(m.key, f"fx:{r.path or '<model>'}")
         for k, label in self.fx_routes.items():
             self.rewritable.setdefault(k, label)
+        for k, why in self.why_not.items():
+            if k not in self.rewritable and (box := _container_across(self.regions, self.matches[k])):
+                self.why_not[k] = (f"{why}; its steps run in different children of `{box.path or '<model>'}`, which "
+                                   "runs its children in turn, so fx does not rewrite it (a fused op registered there "
+                                   "would become one more step)")
         self.costs: dict[tuple, tuple[int, int, int]] = {}  # match site -> saved, traffic, eager bytes
         for m in viable:
             if m.key in self.rewritable:
@@ -179,6 +184,17 @@ class Analysis:
         total = sum(dict((k, b) for _, k, b in self.trace.saved).values())
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
                           graph=graph_data(self.trace), _analysis=self)
+
+
+def _container_across(regions: list[Region], m: Match) -> Region | None:
+    """The innermost region routed "container" (regions.py: an nn.Sequential) whose children hold ``m``'s steps
+    between them, more than one; None if the chain sits inside one of its children or in no container."""
+    places = [n.module or n.scope for n in m.nodes if n.kind in ("module", "function")]
+    for r in sorted((r for r in regions if r.route == "container"), key=lambda r: -len(r.path)):
+        pre = f"{r.path}." if r.path else ""
+        if all(p.startswith(pre) for p in places) and len({p[len(pre):].split(".")[0] for p in places}) > 1:
+            return r
+    return None
 
 
 def _sites_by_key(decisions: list[Decision]) -> dict[tuple, list[Decision]]:

@@ -6,6 +6,10 @@ on its proxies. Two things widen what traces here: (1) a plain helper function t
 real tensors in the rewritten model; (2) non-tensor arguments seen on the example call (``mask=None``,
 flags) are specialised, and the rewritten forward guards on them at run time (fallback: original code).
 When a module still fails, its children are tried; the reason is kept for the plan.
+
+A module whose forward runs its children in turn (``nn.Sequential``, or any forward looping over
+``self.children()``) is not a region even when it traces: the rewrite registers each fused op as a child of
+its region (``rewrite.FusedSlot``), which there would become one more step. Its children are tried instead.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ _SCALARS = (type(None), bool, int, float, str)
 @dataclass
 class Region:
     path: str
-    route: str  # "fx" | "untraceable"
+    route: str  # "fx" | "untraceable" | "container" (it runs its children in turn: they are the regions)
     reason: str = ""  # why torch.fx failed here ('' for fx regions)
     concrete: dict = field(default_factory=dict)  # specialised non-tensor arguments
     wrapped: list[str] = field(default_factory=list)  # helper functions kept opaque
@@ -101,6 +105,27 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) 
             m.training = flag
 
 
+_PROBE_CHILD = "_opsnn_probe_child"
+
+
+def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wrapped) -> bool:
+    """True when ``module``'s forward would see a child registered after the trace (it calls, counts or
+    indexes its children: ``nn.Sequential``, a loop over ``self.children()``), found by tracing it once more
+    with an ``nn.Identity`` registered, then removed."""
+    if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        return True
+    if not module._modules:
+        return False
+    module.add_module(_PROBE_CHILD, nn.Identity())
+    try:
+        probed, _ = trace_region(module, concrete, True, wrapped)
+        return probed.code != gm.code
+    except Exception:  # noqa: BLE001 - it traced without the extra child: the child is what stops it
+        return True
+    finally:
+        del module._modules[_PROBE_CHILD]
+
+
 def _reason(exc: BaseException) -> str:
     """The error and the line of model code that stopped the tracer (the last frame outside torch)."""
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -122,10 +147,16 @@ def find_regions(model: nn.Module, calls: dict) -> list[Region]:
             concrete = concrete_args(module, calls[path][0])
             try:
                 gm, wrapped = trace_region(module, concrete, True)
-                regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped], fx_graph(gm, path)))
-                return
             except Exception as exc:  # noqa: BLE001
                 regions.append(Region(path, "untraceable", _reason(exc), concrete))
+            else:
+                if not _runs_its_children(module, gm, concrete, wrapped):
+                    regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped],
+                                          fx_graph(gm, path)))
+                    return
+                regions.append(Region(path, "container", f"`{type(module).__name__}` runs its children in turn: a "
+                                      "fused op registered on it would become one more step, so its children are "
+                                      "rewritten instead", concrete))
         for name, child in module.named_children():
             visit(f"{path}.{name}" if path else name, child)
 

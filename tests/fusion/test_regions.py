@@ -48,7 +48,7 @@ def test_untraceable_module_descends_to_children():
     trace = trace_runtime(model, (seeded(2, 4),))
     regions = {r.path: r for r in find_regions(model, trace.calls)}
     assert regions[""].route == "untraceable" and "control flow" in regions[""].reason
-    assert regions["inner"].route == "fx"
+    assert regions["inner"].route == "container"  # tried, and it traces, but it is an nn.Sequential: see below
     assert "out" not in regions  # a leaf module needs no tracing
 
 
@@ -64,3 +64,26 @@ def test_fx_graph_speaks_the_same_op_names_as_the_run():
     assert ops == ["gelu", "view", "mul", "softmax"]  # shape arithmetic is not part of the dataflow
     run = trace_runtime(M(), (seeded(2, 3),)).graph
     assert [n.op for n in run.nodes if n.kind == "function"] == ops
+
+
+def test_a_module_that_runs_its_children_in_turn_is_a_container_not_a_region():
+    class Steps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), Branchy().inner
+
+        def forward(self, x):
+            for step in self.children():
+                x = step(x)
+            return x
+
+    for model in (Steps(), nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.GELU()))):
+        names = [n for n, _ in model.named_modules()]
+        trace = trace_runtime(model, (seeded(2, 4),))
+        regions = {r.path: r for r in find_regions(model, trace.calls)}
+        assert regions[""].route == "container" and "would become one more step" in regions[""].reason
+        assert regions["b" if isinstance(model, Steps) else "1"].route == "container"  # an inner nn.Sequential
+        assert [n for n, _ in model.named_modules()] == names  # the probe's extra child is gone
+    model = EncoderLayer(EncoderConfig.tiny())  # calls its children, but not by iterating them: a region
+    trace = trace_runtime(model, (seeded(1, 4, 64),))
+    assert find_regions(model, trace.calls)[0].route == "fx"

@@ -210,3 +210,77 @@ def test_one_linear_at_both_ends_of_a_chain_fuses_in_traced_code():
     (d,) = plan.decisions
     assert d.fused and d.route == "fx:<model>" and d.modules == ["shared", "shared"], d.reason
     _assert_same(model, fused, (x,))
+
+
+class _Block(nn.Module):
+    """A traceable residual block: ``ln(x + fc2(gelu(fc1(x))))`` fuses as linear_gelu_linear + add_layer_norm."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc1, self.fc2, self.ln = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.ln(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+class _Steps(nn.Module):
+    """Not an nn.Sequential, but its forward runs its children in turn all the same."""
+
+    def __init__(self, *steps):
+        super().__init__()
+        for i, step in enumerate(steps):
+            self.add_module(f"s{i}", step)
+
+    def forward(self, x):
+        for step in self.children():
+            x = step(x)
+        return x
+
+
+def _containers():
+    torch.manual_seed(0)
+    block = _Block()
+    return {"nested": nn.Sequential(_Block(), nn.Sequential(_Block(), nn.Linear(16, 16))),
+            "one block twice": nn.Sequential(block, block, nn.Linear(16, 8)),
+            "loop over children": _Steps(_Block(), _Block(), nn.Linear(16, 8))}
+
+
+@pytest.mark.parametrize("case", ["nested", "one block twice", "loop over children"])
+def test_a_container_keeps_its_steps_and_its_blocks_fuse(case):
+    """The whole model traces, but a fused op registered on a container would become one more of its steps
+    (apply raised "module is not installed as a submodule"): its blocks are the regions instead."""
+    model, x = _containers()[case], seeded(2, 5, 16)
+    fused, plan = ol.fusion.fuse(model, x)
+    routes = {r["path"]: r for r in plan.routes}
+    assert routes[""]["route"] == "container" and "runs its children in turn" in routes[""]["reason"]
+    fx = {d.route for d in plan.fused if d.route.startswith("fx:")}
+    assert fx == {"nested": {"fx:0", "fx:1.0"}, "one block twice": {"fx:0"},
+                  "loop over children": {"fx:s0", "fx:s1"}}[case], plan.decisions
+    assert {d.pattern for d in plan.fused} == {"linear_gelu_linear", "add_layer_norm"}
+    assert len(plan.fused) == 4  # one block twice: each key fused at both of its call sites
+    assert [type(m) for m in fused.children()] == [type(m) for m in model.children()]
+    assert not any(isinstance(m, ol.fusion.FusedSlot) for m in fused.children())
+    _assert_same(model, fused, (x,))
+    fused.eval()
+    model.eval()
+    _assert_same(model, fused, (x,))
+
+
+def test_a_chain_across_a_containers_steps_says_why_it_is_not_rewritten():
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Residual(), nn.LayerNorm(16), nn.Linear(16, 8)), seeded(2, 5, 16)
+    fused, plan = ol.fusion.fuse(model, x)
+    d = next(d for d in plan.decisions if d.pattern == "add_layer_norm")
+    assert not d.fused and "its steps run in different children of `<model>`, which runs its children in turn" \
+        in d.reason, d.reason
+    assert next(d for d in plan.decisions if d.pattern == "layer_norm").fused  # the LayerNorm alone still fuses
+    assert len(fused) == 3
+    _assert_same(model, fused, (x,))
