@@ -99,8 +99,7 @@ class Analysis:
         self.costs: dict[tuple, tuple[int, int, int]] = {}  # match site -> saved, traffic, eager bytes
         for m in viable:
             if m.key in self.rewritable:
-                self.costs[_site(m)] = (self.cost.saved_bytes(m), self.cost.traffic_bytes(m),
-                                        self.cost.eager_bytes(m))
+                self.costs[_site(m)] = self.cost.site(m)
         self.trace.tensors.clear()  # activations (and the autograd graph holding them) are no longer needed
         self.trace.output = None
 
@@ -136,6 +135,9 @@ class Analysis:
                 d.fused, d.reason = False, why
                 return d
             d.route = rewritable[m.key]
+            if d.saved_bytes < 0:  # a pattern fused for time (qkv: one GEMM) may keep more than eager does
+                d.reason += (f"; keeps {-d.saved_bytes:,} activation bytes more than eager here: what reads its "
+                             "outputs saves views of them, which keep the op's whole output buffer alive")
             route = self.routes.get(m.key) if d.route.startswith("module:") else None
             if route is not None:
                 d.carriers, d.first, d.ops = list(route.carriers), route.first, [act_kind(n) for n in m.nodes]
@@ -182,8 +184,9 @@ class Analysis:
                                 f"fuse the others alone, call opsnn_lab.ops.{op_name(m)} there")
             decisions = self._decide(patterns, rewritable, why_not)
         total = sum(dict((k, b) for _, k, b in self.trace.saved).values())
+        together = total - self.cost.fused_total([(d.key, tuple(d.nodes)) for d in decisions if d.fused])
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
-                          graph=graph_data(self.trace), _analysis=self)
+                          graph=graph_data(self.trace), saved_together=together, _analysis=self)
 
 
 def _container_across(regions: list[Region], m: Match) -> Region | None:

@@ -10,7 +10,19 @@ saves, parameters left out), at the shapes seen on the example inputs:
   to the model's storages (an op that saves its input costs nothing when the model saves that input
   anyway). One run per distinct (pattern, shapes, module config): BERT-base's 12 layers cost three.
 
-saved = eager share - fused share, i.e. |outside U chain| - |outside U op| in unique bytes.
+saved = eager share - fused share, i.e. |outside U chain| - |outside' U op| in unique bytes, where outside' is
+what the rest of the model saves once the op runs: the same tensors, but a saved view of a chain output now
+views the op's output storage. Where the op returns its outputs as views of one buffer (FusedQKV: q, k and v
+are column slices of one GEMM result), a consumer saving any of them (SDPA saves v; a hand-written attention
+saves v for ``p @ v``) keeps the whole buffer alive: the op's share counts that buffer, less the eager output
+storages those consumers kept before. For an op returning storages of eager's sizes the two cancel. The shape
+ops after an output are replayed on the op's output layout: where eager's copied (a transpose + reshape of a
+contiguous attention output) and the op's is a view, the copy's storage is the op's output storage too.
+
+Savings of several chains do not add up where they share storages: two LayerNorms reading one tensor each
+save it, so fusing either alone frees nothing of it and fusing both frees it; a chain whose outputs a fused
+norm reads no longer has them kept alive by an eager norm. ``fused_total`` counts the model with a set of chains
+rewritten together, from what each site recorded (``site``): the plan's total is that, exactly.
 
 Traffic avoided (an estimate, not a measurement): every intermediate the chain no longer materialises is
 written and read once in forward and once (as a gradient) in backward: 4 x its bytes. QKV instead reads
@@ -21,13 +33,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
+from opsnn_lab.fusion.graph import Ref
 from opsnn_lab.fusion.patterns import Match
 from opsnn_lab.fusion.runtime import RuntimeTrace, _storage_key
 
 __all__ = ["CostModel"]
+
+
+@dataclass
+class SiteCost:
+    """What one call site of a chain needs to be counted with others after the trace's tensors are released."""
+
+    nodes: frozenset  # the chain's node names
+    ins: list  # (model storage key, its bytes) of each input
+    moved: dict  # eager storage -> the op's output storage (group) holding that tensor once the op runs
+    saved: list  # the op's saved storages, as (role, bytes) (CostModel._measure)
+    out_storages: dict  # group -> bytes of the op's output storages
 
 
 class CostModel:
@@ -35,12 +60,15 @@ class CostModel:
         self.trace = trace
         self.build = build  # Match -> fused nn.Module
         self.cache: dict = {}
+        self.sites: dict[tuple, SiteCost] = {}  # (match key, node names) -> what fused_total needs
         self.by_node: dict[str, dict] = {}
         for node, key, nbytes in trace.saved:
             self.by_node.setdefault(node, {})[key] = nbytes
         self.saved_by: dict = {}  # storage key -> nodes that saved it
-        for node, key, _ in trace.saved:
+        self.nbytes: dict = {}  # storage key -> bytes
+        for node, key, nbytes in trace.saved:
             self.saved_by.setdefault(key, set()).add(node)
+            self.nbytes[key] = nbytes
 
     def _saved_outside(self, key, names: set) -> bool:
         return bool(self.saved_by.get(key, set()) - names)
@@ -54,27 +82,61 @@ class CostModel:
         return sum(b for k, b in own.items() if not self._saved_outside(k, names))
 
     def fused_bytes(self, m: Match) -> int:
-        """Bytes the op saves that nothing outside the chain saves too (its inputs and outputs included)."""
+        """Bytes the op saves that nothing outside the chain saves too (its inputs and outputs included), plus the
+        growth of what outside nodes keep alive through views of its outputs (see the module docstring)."""
+        saved, out_storages, layouts = self._entry(m)
+        names = {n.name for n in m.nodes}
+        ins = {("in", i): self.trace.storage_of(name) for i, name in enumerate(m.inputs)}
+        held: dict = {}  # key -> bytes: model storages for the op's inputs, the op's own ("out", g) / ("new", n)
+        for role, nbytes in saved:
+            key = ins.get(role, role)
+            if role[0] != "in" or not self._saved_outside(key, names):
+                held.setdefault(key, nbytes)
+        kept_before: dict = {}  # eager storages outside nodes saved that are the op's output storage once it runs
+        for key, group in self._moved(m, out_storages, layouts).items():
+            if self._saved_outside(key, names):
+                kept_before[key] = self.nbytes[key]
+                held.setdefault(("out", group), dict(out_storages)[group])
+        return sum(held.values()) - sum(kept_before.values())
+
+    def _entry(self, m: Match):
         sig = (m.pattern, tuple(self._signature(i) for i in m.inputs), tuple(map(str, m.params.values())))
         if sig not in self.cache:
             self.cache[sig] = self._measure(m)
-        names = {n.name for n in m.nodes}
-        roles = {("in", i): self.trace.storage_of(name) for i, name in enumerate(m.inputs)}
-        roles.update({("out", j): self.trace.storage_of(o.name) for j, o in enumerate(m.outputs)})
-        total, seen = 0, set()
-        for role, nbytes in self.cache[sig]:
-            key = roles.get(role, role)
-            if key not in seen and not self._saved_outside(key, names):
-                seen.add(key)
-                total += nbytes
-        return total
+        return self.cache[sig]
+
+    def _moved(self, m: Match, out_storages: list, layouts: list) -> dict:
+        """Eager storage -> the op output storage (group) that holds that tensor once the op runs: each output's,
+        and those of the shape ops after it that copied in eager but view the op's output (the attention op's
+        output is laid out (B, T, heads, d): ``o.transpose(1, 2).reshape(B, T, -1)`` copied eager's, not the op's)."""
+        moved, names = {}, {n.name for n in m.nodes}
+        for o, (group, _), layout in zip(m.outputs, out_storages, layouts):
+            key = self.trace.storage_of(o.name)
+            if key is None:
+                continue
+            moved[key] = group
+            shape, stride, offset, numel, dtype = layout
+            base = torch.empty(numel, dtype=dtype)
+            todo = [(o, base.as_strided(shape, stride, offset))]
+            while todo:
+                n, t = todo.pop()
+                for u in self.trace.graph.users.get(n.name, []):
+                    v = _replay_view(u, n, t)
+                    if u.name in names or v is None or v.untyped_storage().data_ptr() != base.data_ptr():
+                        continue  # not a shape op, or a copy with the op's output too
+                    if self.trace.storage_of(u.name) not in (None, key):
+                        moved.setdefault(self.trace.storage_of(u.name), group)  # a copy in eager only
+                    todo.append((u, v))
+        return moved
 
     def _signature(self, name: str):
         t = self.trace.tensors.get(name)
         return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
 
-    def _measure(self, m: Match) -> list[tuple[tuple, int]]:
-        """Run the op once on copies of the chain's inputs; each saved storage as (role, bytes)."""
+    def _measure(self, m: Match) -> tuple[list, list, list]:
+        """Run the op once on copies of the chain's inputs: each saved storage as (role, bytes); each output's
+        storage as (group, bytes), outputs sharing one storage sharing a group (their role is ("out", group)); each
+        output's layout (shape, stride, offset, storage elements, dtype)."""
         # The op is built on copies of the chain's modules: building may repack weights (FusedQKV), and
         # the analysed model must not change.
         mods = copy.deepcopy({k: v for k, v in m.params.items() if isinstance(v, torch.nn.Module)})  # one memo:
@@ -95,11 +157,50 @@ class CostModel:
             out = op(*xs)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         roles = {_storage_key(x): ("in", i) for i, x in enumerate(xs)}
-        roles.update({_storage_key(o): ("out", j) for j, o in enumerate(outs)})
-        return [(roles.get(k, ("new", n)), b) for n, (k, b) in enumerate(seen.items()) if k not in params]
+        groups = [next(i for i, p in enumerate(outs) if _storage_key(p) == _storage_key(o)) for o in outs]
+        roles.update({_storage_key(o): ("out", g) for o, g in zip(outs, groups)})
+        saved = [(roles.get(k, ("new", n)), b) for n, (k, b) in enumerate(seen.items()) if k not in params]
+        layouts = [(tuple(o.shape), o.stride(), o.storage_offset(), o.untyped_storage().nbytes() // o.element_size(),
+                    o.dtype) for o in outs]
+        return saved, [(g, o.untyped_storage().nbytes()) for o, g in zip(outs, groups)], layouts
 
     def saved_bytes(self, m: Match) -> int:
         return self.eager_bytes(m) - self.fused_bytes(m)
+
+    def site(self, m: Match) -> tuple[int, int, int]:
+        """``(saved, traffic, eager)`` bytes of one call site, kept for ``fused_total`` (while the tensors exist)."""
+        costs = self.saved_bytes(m), self.traffic_bytes(m), self.eager_bytes(m)
+        saved, out_storages, layouts = self._entry(m)
+        ins = []
+        for name in m.inputs:
+            t = self.trace.tensors.get(name)
+            ins.append((self.trace.storage_of(name), t.untyped_storage().nbytes() if t is not None else 0))
+        self.sites[(m.key, tuple(n.name for n in m.nodes))] = SiteCost(
+            frozenset(n.name for n in m.nodes), ins, self._moved(m, out_storages, layouts), saved, dict(out_storages))
+        return costs
+
+    def fused_total(self, sites) -> int:
+        """Activation bytes of the model with the chains at ``sites`` (keys of ``self.sites``) rewritten together:
+        the nodes outside them save what they saved, a view of a chain output now viewing the op's output storage;
+        each op saves what it saved when measured, its inputs being the model's (or another op's output)."""
+        recs = [self.sites[s] for s in sites]
+        inside = frozenset().union(*(r.nodes for r in recs))
+        moved = {}  # eager output storage -> (the op's output storage, its bytes)
+        for k, r in enumerate(recs):
+            for key, group in r.moved.items():
+                moved[key] = (("op", k, "out", group), r.out_storages[group])
+        held: dict = {}
+        for node, key, nbytes in self.trace.saved:
+            if node not in inside:
+                held.setdefault(*moved.get(key, (key, nbytes)))
+        for k, r in enumerate(recs):
+            for role, nbytes in r.saved:
+                if role[0] == "in":
+                    key, model_bytes = r.ins[role[1]]
+                    held.setdefault(*moved.get(key, (key, model_bytes or nbytes)))
+                else:
+                    held.setdefault(("op", k, *role), nbytes)
+        return sum(held.values())
 
     def traffic_bytes(self, m: Match) -> int:
         if m.pattern == "qkv":
@@ -107,3 +208,21 @@ class CostModel:
             return 4 * (x.nbytes if x is not None else 0)
         outs = {o.name for o in m.outputs}
         return 4 * sum(n.nbytes for n in m.nodes if n.name not in outs)
+
+
+# Shape ops whose result may be a view of their input or a copy, depending on its strides.
+_SHAPE_OPS = frozenset({"view", "reshape", "transpose", "permute", "flatten", "unflatten", "contiguous", "squeeze",
+                        "unsqueeze", "t", "narrow", "view_as", "reshape_as", "swapaxes", "movedim"})
+
+
+def _replay_view(u, n, t: torch.Tensor) -> torch.Tensor | None:
+    """``u`` (a shape op reading only ``n``'s tensor, recorded with constant arguments) run on ``t``; else None."""
+    if u.op not in _SHAPE_OPS or u.inputs != [n.name] or not u.args or u.args[0] != Ref(n.name):
+        return None
+    rest = [*u.args[1:], *u.kwargs.values()]
+    if any(isinstance(a, (Ref, str, torch.Tensor)) for a in rest):
+        return None
+    try:
+        return getattr(torch.Tensor, u.op)(t, *u.args[1:], **u.kwargs)
+    except (RuntimeError, TypeError, AttributeError):
+        return None

@@ -15,7 +15,7 @@ class Decision:
     modules: list[str]  # qualified module names (attention: its scope first)
     fused: bool
     reason: str  # always set: what was fused into which op, or why not
-    saved_bytes: int = 0  # activation bytes saved per training step, at the example shapes
+    saved_bytes: int = 0  # activation bytes this chain alone saves per training step, at the example shapes
     traffic_bytes: int = 0  # estimated memory traffic avoided per step (forward + backward)
     route: str = ""  # "module:chain" | "module:qkv" | "module:whole" | "fx:<region>" ('' when not rewritten)
     carriers: list[str] = field(default_factory=list)  # module routes: the modules whose forward is patched
@@ -44,6 +44,9 @@ class FusionPlan:
     model: str = ""
     analysis_seconds: float = 0.0
     graph: dict = field(default_factory=dict, repr=False)  # nodes + edges of the run-time trace, for views
+    # what the fused chains save together (cost.CostModel.fused_total); per-decision savings do not add up where
+    # chains share storages (two norms reading one tensor). None: a plan from older JSON, which sums them.
+    saved_together: int | None = None
     _analysis: object = field(default=None, repr=False, compare=False)
 
     # -- totals --------------------------------------------------------------------------------------------
@@ -53,7 +56,7 @@ class FusionPlan:
 
     @property
     def saved_bytes(self) -> int:
-        return sum(d.saved_bytes for d in self.fused)
+        return self.saved_together if self.saved_together is not None else sum(d.saved_bytes for d in self.fused)
 
     @property
     def traffic_bytes(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import opsnn_lab as ol
 from opsnn_lab.bench import activation_bytes
@@ -55,3 +57,94 @@ def test_per_decision_costs_are_from_shapes():
     rejected = [d for d in small.decisions if not d.fused and d not in declined]
     assert rejected and all(d.saved_bytes == 0 and d.traffic_bytes == 0 for d in rejected)
     assert small.traffic_bytes == sum(d.traffic_bytes for d in small.fused)
+
+
+class _Attention(nn.Module):
+    """q/k/v Linears into SDPA or a hand-written softmax attention; ``kv_heads < heads``: GQA (narrower k/v,
+    repeated to the query heads); ``heads=0``: no head split (q/k/v read as they come out of the Linears)."""
+
+    def __init__(self, d=32, heads=4, kv_heads=4, sdpa=True, transposed_input=False):
+        super().__init__()
+        self.heads, self.kv_heads, self.sdpa, self.transposed_input = heads, kv_heads, sdpa, transposed_input
+        dk = d if not heads else d // heads * kv_heads
+        self.ln = nn.LayerNorm(d)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d), nn.Linear(d, dk), nn.Linear(d, dk),
+                                                              nn.Linear(d, d))
+
+    def _heads(self, t, n):
+        return t if not self.heads else t.view(*t.shape[:2], n, -1).transpose(1, 2)
+
+    def forward(self, x):
+        h = self.ln(x).transpose(0, 1) if self.transposed_input else self.ln(x)
+        q = self._heads(self.q_proj(h), self.heads)
+        k, v = self._heads(self.k_proj(h), self.kv_heads), self._heads(self.v_proj(h), self.kv_heads)
+        if self.heads and self.kv_heads != self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, 1) for t in (k, v))
+        if self.sdpa:
+            o = F.scaled_dot_product_attention(q, k, v)
+        else:
+            o = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
+        o = o.transpose(1, 2).flatten(2) if self.heads else o
+        return x + self.o_proj(o.transpose(0, 1) if self.transposed_input else o)
+
+
+ATTENTION = {
+    "sdpa": {}, "sdpa, no head split": {"heads": 0}, "sdpa, GQA": {"kv_heads": 2}, "sdpa, one kv head": {"kv_heads": 1},
+    "hand-written": {"sdpa": False}, "hand-written, no head split": {"sdpa": False, "heads": 0},
+    "hand-written, GQA": {"sdpa": False, "kv_heads": 2},
+    # each eager Linear saves its own contiguous copy of a transposed input, the fused GEMM one: it saves bytes
+    "sdpa, transposed input": {"transposed_input": True},
+    "hand-written, transposed input": {"sdpa": False, "transposed_input": True},
+    "sdpa, GQA, transposed input": {"kv_heads": 2, "transposed_input": True},
+    "sdpa, no head split, transposed input": {"heads": 0, "transposed_input": True},
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION))
+def test_qkv_planned_bytes_are_measured_bytes(case):
+    """q/k/v come out of FusedQKV as column views of one (M, q + k + v) buffer: a consumer saving one of them keeps
+    the whole buffer alive. Before, the plan counted only what the op itself saves: SDPA without a head split
+    planned 0 bytes and kept 4,096 more; GQA's repeated k/v leave q's view alone holding the buffer (planned 0,
+    -2,048 measured; from a transposed input 4,096 planned, 2,048 measured). Now planned == measured, byte for byte."""
+    torch.manual_seed(0)
+    model, x = _Attention(**ATTENTION[case]).train(), seeded(2, 8, 32)
+    fused, plan = ol.fusion.fuse(model, x, patterns=["qkv"])
+    (d,) = plan.fused
+    before, after = _measured(model, fused, (x,))
+    assert d.saved_bytes == before - after, (d.saved_bytes, before - after)
+    if d.saved_bytes < 0:
+        assert f"keeps {-d.saved_bytes:,} activation bytes more than eager here" in d.reason, d.reason
+    else:
+        assert "more than eager" not in d.reason
+    torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+class _TwoReaders(nn.Module):
+    """GPT-NeoX's parallel block: two LayerNorms read one tensor; q/k/v feed per-head RMSNorms (Qwen3's q/k norms)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.q_norm, self.k_norm = nn.RMSNorm(8), nn.RMSNorm(8)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        q, k, v = (p(h).unflatten(-1, (4, 8)).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        a = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v)
+        return x + a.transpose(1, 2).flatten(2) + self.fc(self.ln2(x))
+
+
+def test_the_plan_counts_its_chains_together():
+    """Savings do not add up: either LayerNorm alone frees nothing of the tensor both read, the two together free
+    it; fused q/k norms stop keeping the packed q/k/v buffer alive. The plan's total is the measured one."""
+    torch.manual_seed(0)
+    model, x = _TwoReaders().train(), seeded(2, 8, 32)
+    fused, plan = ol.fusion.fuse(model, x)
+    assert {d.pattern for d in plan.fused} >= {"layer_norm", "qkv", "rms_norm"}, plan.decisions
+    before, after = _measured(model, fused, (x,))
+    assert plan.saved_bytes == before - after != sum(d.saved_bytes for d in plan.fused)
+    assert plan.estimated_activation_bytes == after
+    back = ol.fusion.FusionPlan.from_json(plan.to_json())
+    assert back.saved_bytes == plan.saved_bytes

@@ -158,6 +158,7 @@ def test_matrix(name, record_property):
     ours = activation_bytes(lambda: _call(fused, inputs), exclude=tuple(fused.parameters()))
     record_property("activation_ratio", ours / eager)
     assert ours <= eager
+    assert plan.saved_bytes == eager - ours  # the chains counted together (cost.CostModel.fused_total), exactly
     if plan.saved_bytes:  # QKV alone saves no activation bytes (the input is saved once either way)
         assert ours < eager
 
