@@ -254,3 +254,28 @@ def test_bad_input_under_autocast_still_names_the_argument():
         fused(torch.randn(3, 5))
     with torch.autocast("cpu", dtype=AMP), pytest.raises(TypeError, match="weight"):
         ol.ops.linear_cross_entropy(torch.randn(3, 4), [1, 2], torch.zeros(3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("case", ["conv_bn_relu6", "conv_bn_silu_dw", "layer_norm", "gated_mlp_silu",
+                                  "linear_gelu_tanh_dropout_linear"])
+def test_the_triton_kernels_take_autocast_operands(case, monkeypatch):
+    """The GPU route under autocast (bf16 activations, fp32 BN/norm parameters), in the Triton interpreter."""
+    from opsnn_lab.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("triton not installed")
+    monkeypatch.setenv("OPSNN_BACKEND", "triton")  # conftest runs Triton in its interpreter on CPU
+    torch.manual_seed(0)
+    eager, fused, shape = CASES[case]()
+    params = list(eager.parameters())
+    x = seeded(*shape, seed=1)
+    ref_out, ref_grads = _run(eager, x, params)
+    out, grads = _run(fused, x, params)
+    double = copy.deepcopy(eager).double()
+    out64, grads64 = _run(double, x.double(), list(double.parameters()), autocast=False)
+    assert out.dtype == ref_out.dtype
+    assert_within_eager_error(out, ref_out, out64, name=f"{case} output")
+    for i, (g, r, g64) in enumerate(zip(grads, ref_grads, grads64)):
+        assert g.dtype == r.dtype
+        assert_within_eager_error(g, r, g64, floor=torch.finfo(AMP).eps * g64.abs().max().item(),
+                                  name=f"{case} grad {i}")
