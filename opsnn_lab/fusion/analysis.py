@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sys
 import time
 
 import torch
@@ -64,8 +66,12 @@ class Analysis:
     torch.fx is asked only for the chains no module call carries (functional code inside one forward).
     """
 
-    def __init__(self, model: nn.Module, trace: RuntimeTrace, name: str):
+    def __init__(self, model: nn.Module, trace: RuntimeTrace, name: str, forwards: int = 1):
         self.model, self.trace, self.name = model, trace, name
+        where = "the analysis forward" if forwards == 1 else f"any of the {forwards} analysis forwards"
+        # modules holding parameters of which nothing ran: no candidate of theirs was seen; they run as they are
+        self.not_analysed = {p or "<model>": f"not called in {where} (skipped by layerdrop or a branch): not analysed, "
+                             "it runs unfused" for p in trace.not_called}
         self.cost = CostModel(trace, lambda m: pattern_of(m.pattern).build(m))
         viable = [m for m in find_all(trace.graph) if m.viable]
         planner = RoutePlanner(trace, viable)
@@ -186,7 +192,8 @@ class Analysis:
         total = sum(dict((k, b) for _, k, b in self.trace.saved).values())
         together = total - self.cost.fused_total([(d.key, tuple(d.nodes)) for d in decisions if d.fused])
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
-                          graph=graph_data(self.trace), saved_together=together, _analysis=self)
+                          graph=graph_data(self.trace), saved_together=together,
+                          not_analysed=dict(self.not_analysed), _analysis=self)
 
 
 def _container_across(regions: list[Region], m: Match) -> Region | None:
@@ -222,6 +229,14 @@ def graph_data(trace: RuntimeTrace) -> dict:
     return {"nodes": nodes, "edges": edges}
 
 
+def _stream_steps(model: nn.Module) -> list[int]:
+    """Where the model's own random streams are (counter-RNG modules, ``make_reproducible``'s step)."""
+    from opsnn_lab.consistency.seed_pool import counter_streams, get_step
+
+    steps = [m.rng_step for _, m in counter_streams(model)]
+    return steps + ([get_step(model)] if getattr(model, "_opsnn_reproducible", None) is not None else [])
+
+
 def _dropout_streams(model: nn.Module):
     """A function restoring where the model's dropout streams are: each counter-RNG module's seed and step,
     and the step of ``ol.consistency.make_reproducible`` (the traced forward must not advance them)."""
@@ -239,13 +254,69 @@ def _dropout_streams(model: nn.Module):
     return restore
 
 
+FORWARDS = 8  # recorded forwards at most, while a module holding parameters did not run and the RNG moved
+
+
+def _record(model: nn.Module, args, kwargs, devices, restore) -> tuple[RuntimeTrace, int]:
+    """The recorded forward in which the fewest parameters sat in modules that did not run, and how many forwards
+    were recorded: another one (buffers restored first; the random streams go on) while some module holding
+    parameters did not run and the forward drew random numbers (a layerdrop's draw; a data-dependent branch on
+    the same inputs and weights would take the same way again), ``FORWARDS`` in all."""
+    best, left = None, 0
+    for n in range(1, FORWARDS + 1):
+        before = _rng_states(devices), _stream_steps(model)
+        trace = trace_runtime(model, args, kwargs)
+        missing = sum(p.numel() for path in trace.not_called for p in model.get_submodule(path).parameters())
+        if best is None or missing < left:
+            best, left = trace, missing
+        drew = before[1] != _stream_steps(model) or \
+            not all(torch.equal(a, b) for a, b in zip(before[0], _rng_states(devices)))
+        if not missing or not drew:
+            return best, n
+        restore()
+    return best, FORWARDS
+
+
+def _rng_states(devices) -> list[torch.Tensor]:
+    """The torch RNG states a forward may draw from (CPU, the model's CUDA devices) and Python's and numpy's."""
+    import random
+
+    out = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+    out.append(torch.tensor(random.getstate()[1], dtype=torch.int64))
+    np = sys.modules.get("numpy")
+    if np is not None:
+        out.append(torch.from_numpy(np.random.get_state()[1].astype("int64")))
+    return out
+
+
+@contextlib.contextmanager
+def _host_rngs():
+    """Python's and numpy's global RNG as they were, afterwards (``torch.random.fork_rng`` does torch's)."""
+    import random
+
+    np = sys.modules.get("numpy")
+    state, np_state = random.getstate(), np.random.get_state() if np is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        if np_state is not None:
+            np.random.set_state(np_state)
+
+
 def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
-    """Trace ``model`` on ``example_inputs`` (one forward in train mode) and decide every candidate.
+    """Trace ``model`` on ``example_inputs`` (a forward in train mode) and decide every candidate.
+
+    Candidates are found in what the recorded forward ran. Where a module holding parameters did not run and the
+    forward drew random numbers (a layerdrop), another forward is recorded, ``FORWARDS`` at most, and the one
+    leaving the fewest parameters out is analysed; the modules it leaves out are listed in
+    ``FusionPlan.not_analysed`` with why (they run unfused).
 
     The model's mode flags, its buffers, its dropout streams (counter-RNG steps, the ``make_reproducible``
-    step) and the global RNG are left as they were. Called inside ``torch.autocast``, the forward is recorded
-    with autocast off (``runtime.own_dtypes``): the plan is about the model's own dtypes, the one made outside
-    autocast, and the fused ops it picks apply autocast's casts themselves when they run under it.
+    step) and the global RNGs (torch's, Python's, numpy's) are left as they were. Called inside
+    ``torch.autocast``, the forward is recorded with autocast off (``runtime.own_dtypes``): the plan is about the
+    model's own dtypes, the one made outside autocast, and the fused ops it picks apply autocast's casts
+    themselves when they run under it.
     """
     check_type("model", model, nn.Module)
     args, kwargs = split_inputs(example_inputs)
@@ -257,17 +328,21 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     streams = _dropout_streams(model)
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-    try:
-        with torch.random.fork_rng(devices=devices), own_dtypes(model, args, kwargs):
-            model.train()
-            trace = trace_runtime(model, args, kwargs)
-            analysis = Analysis(model, trace, type(model).__name__)
-    finally:
-        for m, flag in flags.items():
-            m.training = flag
+
+    def restore() -> None:
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+
+    try:
+        with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs):
+            model.train()
+            trace, forwards = _record(model, args, kwargs, devices, restore)
+            analysis = Analysis(model, trace, type(model).__name__, forwards)
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+        restore()
         streams()
     with own_dtypes(model, args, kwargs):  # ops are built (and some validated) as the chains' own dtypes run them
         plan = analysis.plan(patterns)

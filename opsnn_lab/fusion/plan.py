@@ -47,6 +47,9 @@ class FusionPlan:
     # what the fused chains save together (cost.CostModel.fused_total); per-decision savings do not add up where
     # chains share storages (two norms reading one tensor). None: a plan from older JSON, which sums them.
     saved_together: int | None = None
+    # modules holding parameters of which nothing ran in the recorded forward (layerdrop, a branch) -> why:
+    # nothing of them was analysed, they run unfused
+    not_analysed: dict = field(default_factory=dict)
     _analysis: object = field(default=None, repr=False, compare=False)
 
     # -- totals --------------------------------------------------------------------------------------------
@@ -101,8 +104,10 @@ class FusionPlan:
 
     def __repr__(self) -> str:
         s = ", ".join(f"{k}: {v['fused']} fused/{v['rejected']} rejected" for k, v in self.summary().items())
+        skipped = (f"; {len(self.not_analysed)} module{'s' if len(self.not_analysed) > 1 else ''} not analysed "
+                   f"(not called in the analysis forward): {', '.join(self.not_analysed)}") if self.not_analysed else ""
         return (f"FusionPlan({self.model or 'model'}: {s or 'no candidates'}; saves {_mib(self.saved_bytes)} of "
-                f"{_mib(self.activation_bytes)} activations)")
+                f"{_mib(self.activation_bytes)} activations{skipped})")
 
     def _repr_html_(self) -> str:
         rows = "".join(
@@ -112,7 +117,10 @@ class FusionPlan:
             for d in self.decisions)
         routes = "".join(f"<li><code>{html.escape(r['path'] or '<model>')}</code>: {html.escape(r['route'])}"
                          f"{' &mdash; ' + html.escape(r['reason']) if r['reason'] else ''}</li>" for r in self.routes)
-        return (f"<div><b>{html.escape(repr(self))}</b>"
+        skipped = "".join(f"<li><code>{html.escape(p)}</code>: {html.escape(why)}</li>"
+                          for p, why in self.not_analysed.items())
+        skipped = f"<details open><summary>not analysed</summary><ul>{skipped}</ul></details>" if skipped else ""
+        return (f"<div><b>{html.escape(repr(self))}</b>{skipped}"
                 f"<table><thead><tr><th>pattern</th><th>decision</th><th>modules</th><th>saves</th><th>reason</th>"
                 f"</tr></thead><tbody>{rows}</tbody></table>"
                 f"<details><summary>tracing routes</summary><ul>{routes}</ul></details></div>")

@@ -52,6 +52,9 @@ class RuntimeTrace:
     output: object = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # node name -> first output tensor
     module_calls: list[ModuleCall] = field(default_factory=list)  # every call of a model module, in order
+    # modules holding parameters that the forward neither called nor read a parameter of (uppermost paths):
+    # layers a layerdrop or a branch skipped; nothing of them is in the record
+    not_called: list[str] = field(default_factory=list)
 
     def calls_of(self, path: str) -> list[ModuleCall]:
         return [c for c in self.module_calls if c.path == path]
@@ -105,6 +108,12 @@ def own_dtypes(model: nn.Module, *values):
 _NO_OP_CASTS = frozenset({"to", "contiguous", "float", "type_as", "type"})
 
 
+# Calls that read a tensor's metadata, not its values (``p.device`` is ``__get__``): a module whose parameters only
+# these touched (make_reproducible looks at every parameter's device) did not run.
+_METADATA = frozenset({"__get__", "size", "dim", "numel", "stride", "is_contiguous", "data_ptr", "element_size",
+                       "nelement", "is_floating_point", "get_device", "untyped_storage", "storage_offset"})
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -124,6 +133,8 @@ class _Recorder(TorchFunctionMode):
         self.param_storages = {_storage_key(p) for p in model.parameters()}
         self.module_calls: list[ModuleCall] = []
         self.open_calls: list[tuple[int, int] | None] = []  # (index in module_calls, first node index)
+        self.called: set[int] = set()  # id of every module called, inside built-in modules too
+        self.read: set[int] = set()  # id of every Parameter a recorded function call read
 
     # -- tensors ----------------------------------------------------------------------------------------
     def _refs(self, value):
@@ -166,6 +177,11 @@ class _Recorder(TorchFunctionMode):
     # -- functions --------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _METADATA:
+            for a in (*args, *kwargs.values()):  # nn.LSTM passes its weights as a list
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if isinstance(t, nn.Parameter):
+                        self.read.add(id(t))
         if self.leaf_depth:
             return func(*args, **kwargs)
         op = canonical_function(func)
@@ -192,6 +208,7 @@ class _Recorder(TorchFunctionMode):
 
     # -- modules ----------------------------------------------------------------------------------------
     def pre_hook(self, module, args, kwargs):
+        self.called.add(id(module))
         if self.leaf_depth:
             self.leaf_depth += 1
             return
@@ -260,4 +277,28 @@ def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     graph = Graph(rec.nodes)
     graph.tensors = rec.tensors  # the same dict: cleared with trace.tensors once the analysis is done
     graph.modules = {path: m for path, m in model.named_modules()}
-    return RuntimeTrace(graph, rec.saved, rec.calls, output, rec.tensors, rec.module_calls)
+    return RuntimeTrace(graph, rec.saved, rec.calls, output, rec.tensors, rec.module_calls,
+                        _not_called(model, rec.called, rec.read))
+
+
+def _not_called(model: nn.Module, called: set[int], read: set[int]) -> list[str]:
+    """Uppermost modules holding parameters of which nothing ran: neither it nor a module inside was called,
+    and no recorded call read one of its parameters (a Parameter used functionally by its parent counts)."""
+    out: list[str] = []
+
+    def visit(path: str, module: nn.Module) -> bool:  # True: something of it ran
+        ran = id(module) in called or any(id(p) in read for p in module.parameters(recurse=False))
+        skipped = []
+        for name, child in module.named_children():
+            sub = f"{path}.{name}" if path else name
+            if visit(sub, child):
+                ran = True
+            elif any(True for _ in child.parameters()):
+                skipped.append(sub)
+        if ran:
+            out.extend(skipped)
+        return ran
+
+    if not visit("", model) and any(True for _ in model.parameters()):
+        out.append("")
+    return out

@@ -250,3 +250,116 @@ def test_reproducible_models_keep_their_patterns():
     model.eval()
     fused.eval()
     torch.testing.assert_close(fused(_ids()), model(_ids()), atol=1e-5, rtol=1e-5)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _LayerDrop(nn.Module):
+    """BART's layerdrop: in training, layer ``i`` is skipped when a uniform draw falls under ``p[i]``."""
+
+    def __init__(self, p=(0.3, 0.3, 0.3)):
+        super().__init__()
+        self.p, self.layers, self.head = p, nn.ModuleList(_Mlp() for _ in p), nn.Linear(16, 4)
+
+    def forward(self, x):
+        for p, layer in zip(self.p, self.layers):
+            if self.training and torch.rand([]) < p:
+                continue
+            x = x + layer(x)
+        return self.head(x)
+
+
+class _Branch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos, self.neg = _Mlp(), _Mlp()
+
+    def forward(self, x):
+        return self.pos(x) if x.mean() > 0 else self.neg(x)
+
+
+def _forwards(model, x, **kw):
+    """The plan, and how many forwards of ``model`` ``analyze`` ran."""
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        return ol.fusion.analyze(model, x, **kw), len(calls)
+    finally:
+        hook.remove()
+
+
+def _assert_same_step(model, fused, x, seed=1):
+    """Outputs and every gradient (the input's too), from the same layerdrop draws."""
+    results = []
+    for m in (model, fused):
+        xi = x.detach().clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        y = m(xi)
+        (y * seeded(*y.shape, seed=3)).sum().backward()
+        results.append([y.detach(), xi.grad] + [p.grad for _, p in sorted(m.named_parameters())])
+    for a, b in zip(*results):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_a_layer_a_layerdrop_skipped_is_recorded_in_another_forward():
+    """One recorded forward left the layers layerdrop skipped in it unfused, silently, and the plan depended on
+    the RNG (BART with layerdrop 0.5 fused 1, 2 or 0 of its 4 qkv at seeds 0, 1, 2). Forwards are recorded until
+    every layer ran in one of them; the caller's RNGs do not move."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model, x = _LayerDrop(), seeded(2, 5, 16)
+    torch.manual_seed(0)
+    assert bool((torch.rand(3) < 0.3).any())  # the first recorded forward skips a layer
+    torch.manual_seed(0)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    plan, forwards = _forwards(model, x)
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert (np.random.get_state()[1] == states[2]).all()
+    assert 1 < forwards <= 8 and plan.not_analysed == {}
+    assert [d.modules[0] for d in plan.fused] == [f"layers.{i}.fc1" for i in range(3)]
+    assert "not analysed" not in repr(plan)
+    fused = ol.fusion.apply(model, plan)
+    _assert_same_step(model, fused, x)
+    _assert_same_step(model.eval(), fused.eval(), x)
+
+
+def test_a_layer_no_recorded_forward_ran_is_listed_as_not_analysed():
+    torch.manual_seed(0)
+    model, x = _LayerDrop(p=(0.0, 1.0, 0.0)), seeded(2, 5, 16)
+    plan, forwards = _forwards(model, x)
+    assert forwards == 8  # the forward drew random numbers each time: it could have run layer 1, and never did
+    assert plan.not_analysed == {"layers.1": "not called in any of the 8 analysis forwards (skipped by layerdrop or "
+                                             "a branch): not analysed, it runs unfused"}
+    assert repr(plan).endswith("; 1 module not analysed (not called in the analysis forward): layers.1)")
+    assert "layers.1" in plan._repr_html_()
+    assert ol.fusion.FusionPlan.from_json(plan.to_json()).not_analysed == plan.not_analysed
+    assert [d.modules[0] for d in plan.fused] == ["layers.0.fc1", "layers.2.fc1"]
+    fused = ol.fusion.apply(model, plan)
+    _assert_same_step(model.eval(), fused.eval(), x)  # layer 1 runs too, unfused
+
+
+def test_a_branch_not_taken_is_listed_after_one_forward():
+    """A data-dependent branch takes the same way on the same inputs: one forward, and the other branch listed."""
+    torch.manual_seed(0)
+    model, x = _Branch(), seeded(2, 5, 16).abs()
+    plan, forwards = _forwards(model, x)
+    assert forwards == 1
+    assert plan.not_analysed == {"neg": "not called in the analysis forward (skipped by layerdrop or a branch): "
+                                        "not analysed, it runs unfused"}
+    assert [d.modules[0] for d in plan.fused] == ["pos.fc1"]
+    fused = ol.fusion.apply(model, plan)
+    _assert_same_step(model, fused, x)
+    _assert_same_step(model, fused, -x)  # the branch not analysed runs as it is

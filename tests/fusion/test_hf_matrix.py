@@ -123,6 +123,7 @@ def test_matrix(name, record_property):
     assert list(fused.state_dict()) == list(model.state_dict())
     counts = {p: row["fused"] + row["rejected"] for p, row in plan.summary().items()}
     assert counts == CANDIDATES[name]
+    assert plan.not_analysed == {}  # every module holding parameters ran in the recorded forward
     for d in plan.decisions:
         assert d.fused or ALLOWED.search(d.reason), (d.pattern, d.modules, d.reason)
         # the MLPs (gated or not) and the norms without a visible residual add fuse on every model

@@ -69,3 +69,21 @@ def test_casts_that_return_their_input_are_not_a_second_producer():
     (add,) = [n for n in g.nodes if n.op == "add"]
     assert add.inputs == ["input0", "input0"]  # the add reads the input itself, not a no-op cast of it
     assert [n.op for n in g.nodes if n.kind == "function"] == ["add", "float"]
+
+
+def test_modules_of_which_nothing_ran_are_listed_uppermost():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.functional = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.idle = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+            self.looked_at = nn.Linear(4, 4)
+            self.mha = nn.MultiheadAttention(4, 1)  # out_proj is never called: MHA reads its weight itself
+
+        def forward(self, x):
+            assert self.looked_at.weight.device == x.device  # metadata only: looked_at does not run
+            h = torch.nn.functional.linear(self.used(x), self.functional.weight, self.functional.bias)
+            return self.mha(h, h, h)[0]
+
+    trace = trace_runtime(M(), (seeded(3, 2, 4),))
+    assert trace.not_called == ["idle", "looked_at"]
