@@ -147,6 +147,12 @@ class Analysis:
             route = self.routes.get(m.key) if d.route.startswith("module:") else None
             if route is not None:
                 d.carriers, d.first, d.ops = list(route.carriers), route.first, [act_kind(n) for n in m.nodes]
+                for label, path in zip(route.after, route.carriers):
+                    if label:
+                        d.reason += (f"; the `{label.rpartition('.')[2]}` run inline in "
+                                     f"`{label.rpartition('.')[0] or '<model>'}`.forward before `{path}` has p=0 here "
+                                     f"and runs as it is on the fused output: `{path}` checks at each call that it "
+                                     "receives the fused op's output, and raises if that dropout is given p > 0")
             if route is not None and m.key in self.shared:
                 path, n = self.shared[m.key]
                 d.reason += f"; `{path}` runs {n} times per forward, each call this chain: its one rewrite serves all"

@@ -5,7 +5,12 @@ trace saw (``runtime.ModuleCall``), in one of three ways (``Decision.route``):
 
 * ``module:chain`` (a) the chain's steps are separate module calls, one after the other, each reading the
   previous step's output: the first module's forward becomes the fused op, the others pass their input
-  through. Every module keeps its class, its parameters and buffers at their qualified names.
+  through. Every module keeps its class, its parameters and buffers at their qualified names. A step that runs
+  inline between two of them may be an identity in the recorded call: a ``dropout`` with p=0 (BART's and
+  Whisper's ``F.dropout(h, p=activation_dropout)`` between ``activation_fn`` and ``fc2``). It still runs, on the
+  fused op's output, where it must stay an identity: each pass-through checks that it receives the tensor the
+  fused op returned (``x is`` that tensor) and raises otherwise (that dropout given p > 0 later, a call or a
+  hook the analysis did not see), so a fused result never goes on wrong.
 * ``module:qkv`` (b) sibling Linears reading one tensor: a shared core runs one packed GEMM on the first
   call and the siblings read their slice, guarded by the input tensor's identity and ``_version``. A call
   the analysis did not see (another input, an in-place change in between, another order) runs the plain
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opsnn_lab.fusion._opaque import opaque_to_compile
+from opsnn_lab.fusion.graph import arg
 from opsnn_lab.fusion.patterns import Match, op_name
 from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace
 
@@ -44,6 +50,7 @@ class Route:
     kind: str  # "chain" | "qkv" | "whole"
     carriers: tuple[str, ...]  # chain: the module of each step (first gets the op); qkv: q, k, v; whole: one
     first: int = 0  # qkv: which sibling the model calls first (it runs the packed GEMM)
+    after: tuple[str, ...] = ()  # chain: per carrier, the identity op run inline just before it ('' when none)
 
     @property
     def label(self) -> str:
@@ -103,7 +110,10 @@ class RoutePlanner:
 
     def _chain(self, m: Match) -> Route | str:
         carriers, reads = [], list(m.inputs[:1])
-        for n in m.nodes:
+        for i, n in enumerate(m.nodes):
+            if carriers and i < len(m.nodes) - 1 and inline_identity(n) and n.inputs[:1] == reads:
+                reads = [n.name]  # runs in the model's own code between two steps; the next one checks it was one
+                continue
             c, why = self._carrier(n, reads)
             if c is None:
                 return why
@@ -113,7 +123,7 @@ class RoutePlanner:
             reads = [n.name]
         if len(set(carriers)) != len(carriers):
             return "one module computes two steps of the chain"
-        return Route("chain", tuple(carriers))
+        return Route("chain", tuple(carriers), after=inline_after([n.label for n in m.nodes], carriers))
 
     def _whole(self, m: Match) -> Route | str:
         names = {n.name for n in m.nodes}
@@ -166,6 +176,24 @@ class RoutePlanner:
         return whole if isinstance(whole, Route) else f"{chain}; {whole}"
 
 
+def inline_identity(n) -> bool:
+    """A dropout called inline (not as a module) with p=0 in the recorded call: it returned its input."""
+    return n.kind == "function" and n.op == "dropout" and arg(n, 1, "p", 0.5) == 0
+
+
+def inline_after(labels: list[str], carriers) -> tuple[str, ...]:
+    """Per carrier of a chain, the label of the inline step run just before it ('' when none): the chain's
+    labels that are no carrier's (``Decision.chain`` and ``Decision.carriers`` give them back from a plan)."""
+    after, pending, rest = [], "", list(carriers)
+    for label in labels:
+        if rest and label == rest[0]:
+            after.append(pending)
+            pending, rest = "", rest[1:]
+        else:
+            pending = label
+    return tuple(after) if any(after) else ()
+
+
 # --------------------------------------------------------------------------- the patches
 class Patch:
     """An instance ``forward``; ``host`` is the module it is bound on."""
@@ -187,25 +215,51 @@ def _defers(op: nn.Module, x) -> bool:
 class ChainHead(Patch):
     """The first module of a chain: runs the fused op (or, under autocast, every step's own forward)."""
 
-    def __init__(self, host: nn.Module, op: nn.Module, steps: list[nn.Module], pattern: str):
+    def __init__(self, host: nn.Module, op: nn.Module, steps: list[nn.Module], pattern: str, path: str = ""):
         super().__init__(host)
-        self.op, self.steps, self.pattern = op, steps, pattern
+        self.op, self.steps, self.pattern, self.path = op, steps, pattern, path
+        self.last = None  # weakref to the tensor the last call returned: the pass-throughs check they receive it
 
     @opaque_to_compile  # opaque to torch.compile: the op draws its dropout stream in Python
     def __call__(self, x):
         if _defers(self.op, x):
             for step in self.steps:
                 x = type(step).forward(step, x)
-            return x
-        self._sync(self.op)
-        return self.op(x)
+        else:
+            self._sync(self.op)
+            x = self.op(x)
+        self.last = weakref.ref(x) if isinstance(x, torch.Tensor) else None
+        return x
+
+    def __getstate__(self):
+        return {**self.__dict__, "last": None}  # a weakref does not pickle
 
 
 class PassThrough(Patch):
-    """A later module of a chain: its step already ran inside the fused op."""
+    """A later module of a chain: its step already ran inside the fused op, whose output it must receive."""
+
+    def __init__(self, host: nn.Module, head: ChainHead | None = None, path: str = "", after: str = ""):
+        super().__init__(host)
+        self.head, self.path, self.after = head, path, after  # after: an inline identity step run just before
 
     def __call__(self, x):
-        return x
+        if self.head is None or (not self.after and torch.compiler.is_compiling()):
+            return x  # compiled: the unchecked pass-through keeps the graph whole (no inline step to guard)
+        return self._check(x)
+
+    @opaque_to_compile
+    def _check(self, x):
+        last = self.head.last() if self.head.last is not None else None
+        if x is last:
+            return x
+        what = (f"the `{self.after.rpartition('.')[2]}` run inline in `{self.after.rpartition('.')[0] or '<model>'}`"
+                ".forward before it was an identity when the chain was fused (p=0) and is not now (p > 0?), or a "
+                "forward hook replaced an output; set that p back to 0, or" if self.after else
+                "a call the analysis did not see (this module called on its own, or a forward hook replacing an "
+                "output);")
+        raise RuntimeError(f"`{self.path}` passes on the output of the fused {self.head.pattern} chain "
+                           f"(`{self.head.path}` computes it whole), but received another tensor: {what} "
+                           "ol.fusion.revert(model) undoes the rewrite (fusing again plans it anew)")
 
 
 class WholeForward(Patch):
@@ -281,9 +335,10 @@ def install(model: nn.Module, route: Route, op: nn.Module, pattern: str) -> None
         if isinstance(mod.__dict__.get("forward"), Patch):
             raise ValueError(f"module {route.carriers[mods.index(mod)]!r} is already rewritten by another chain")
     if route.kind == "chain":
-        mods[0].__dict__["forward"] = ChainHead(mods[0], op, mods, pattern)
-        for mod in mods[1:]:
-            mod.__dict__["forward"] = PassThrough(mod)
+        head = mods[0].__dict__["forward"] = ChainHead(mods[0], op, mods, pattern, route.carriers[0])
+        after = route.after or ("",) * len(mods)
+        for mod, path, inline in zip(mods[1:], route.carriers[1:], after[1:]):
+            mod.__dict__["forward"] = PassThrough(mod, head, path, inline)
     elif route.kind == "whole":
         mods[0].__dict__["forward"] = WholeForward(mods[0], op, pattern)
     elif route.kind == "qkv":

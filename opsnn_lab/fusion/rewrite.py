@@ -23,7 +23,7 @@ from torch import nn
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
-from opsnn_lab.fusion.patch import Patch, Route, install, revert
+from opsnn_lab.fusion.patch import Patch, Route, inline_after, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
@@ -174,13 +174,19 @@ def _rebuild(model: nn.Module, d: Decision) -> Match:
         raise ValueError(f"plan decision {d.pattern} names modules missing here ({exc}); "
                          "was the plan made for this model?") from exc
     nodes, prev = [Node("x", "input", "input")], "x"
-    ops = d.ops if len(d.ops) == len(mods) else [canonical_module(mod) for mod in mods]
-    for i, (path, mod, op) in enumerate(zip(d.carriers, mods, ops)):
+    after = inline_after(d.chain, d.carriers) or ("",) * len(mods)
+    ops = [op for label, op in zip(d.chain, d.ops) if label in d.carriers] if len(d.ops) == len(d.chain) else []
+    ops = ops if len(ops) == len(mods) else [canonical_module(mod) for mod in mods]
+    for i, (path, mod, op, inline) in enumerate(zip(d.carriers, mods, ops, after)):
+        if inline:  # an inline dropout with p=0 (patch.inline_identity) between two steps
+            scope = inline.rpartition(".")[0]
+            nodes.append(Node(f"i{i}", "function", "dropout", [prev], (Ref(prev), 0.0), scope=scope))
+            prev = f"i{i}"
         nodes.append(Node(f"n{i}", "module", op, [prev], (Ref(prev),), module=path, obj=mod))
         prev = prev if kind == "qkv" else f"n{i}"
     nodes.append(Node("out", "output", "output", [n.name for n in nodes[1:]] if kind == "qkv" else [prev]))
     found = [m for m in pattern_of(d.pattern).find(Graph(nodes))
-             if m.ok and m.pattern == d.pattern and [n.module for n in m.nodes] == list(d.carriers)]
+             if m.ok and m.pattern == d.pattern and [n.module for n in m.nodes if n.kind == "module"] == [*d.carriers]]
     if not found:
         raise ValueError(f"plan decision {d.pattern} on {d.modules} does not match these modules; "
                          "was the plan made for this model?")
@@ -212,7 +218,8 @@ def _module_rewrites(model: nn.Module, fused: nn.Module, plan: FusionPlan, decis
         with torch.random.fork_rng(devices=[]):
             op = _name_stream(pattern_of(m.pattern).build(m), m)
         try:
-            install(fused, Route(d.route.removeprefix("module:"), tuple(d.carriers), d.first), op, d.pattern)
+            install(fused, Route(d.route.removeprefix("module:"), tuple(d.carriers), d.first,
+                                 inline_after(d.chain, d.carriers)), op, d.pattern)
         except AttributeError as exc:
             raise ValueError(f"plan decision {d.pattern} names modules missing here ({exc}); "
                              "was the plan made for this model?") from exc

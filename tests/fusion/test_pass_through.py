@@ -1,0 +1,142 @@
+"""patch.py's pass-throughs: a chain with an inline identity step (BART's and Whisper's p=0 ``F.dropout`` between
+``activation_fn`` and ``fc2``), and the check each pass-through makes that it receives the fused op's output."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import opsnn_lab as ol
+from opsnn_lab.fusion.patch import PassThrough
+from opsnn_lab.testing import seeded
+
+
+class BartLayer(nn.Module):
+    """BART's MLP: ``fc2(F.dropout(activation_fn(fc1(x)), p=activation_dropout))``, the dropout inline; the branch on
+    the data keeps torch.fx out, so the module-level route is the only one."""
+
+    def __init__(self, d=16, p=0.0):
+        super().__init__()
+        self.fc1, self.activation_fn, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+        self.norm, self.activation_dropout = nn.LayerNorm(d), p
+
+    def forward(self, x):
+        if x.isnan().any():
+            raise ValueError("nan input")
+        h = self.activation_fn(self.fc1(x))
+        h = F.dropout(h, p=self.activation_dropout, training=self.training)
+        return self.norm(x + self.fc2(h))
+
+
+class Bart(nn.Module):
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.layers = nn.ModuleList(BartLayer(p=p) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+X = seeded(2, 5, 16)
+
+
+def _step(model, x=X):
+    x = x.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    y = model(x)
+    (y * seeded(*y.shape, seed=3)).sum().backward()
+    return [y.detach(), x.grad] + [p.grad for _, p in sorted(model.named_parameters())]
+
+
+def _same(a, b, x=X):
+    for u, v in zip(_step(a, x), _step(b, x)):
+        torch.testing.assert_close(v, u, atol=1e-5, rtol=1e-5)
+
+
+def _set_p(model, p):
+    for layer in model.layers:
+        layer.activation_dropout = p
+
+
+def _fused(p=0.0):
+    torch.manual_seed(0)
+    model = Bart(p).train()
+    return model, *ol.fusion.fuse(model, X)
+
+
+def test_a_p0_inline_dropout_between_two_steps_is_fused_and_checked():
+    """Rejected before: "`dropout` runs inline in `layers.0`.forward, not in a module call of its own"."""
+    model, fused, plan = _fused()
+    mlps = [d for d in plan.decisions if d.pattern == "linear_gelu_dropout_linear"]
+    assert [d.fused for d in mlps] == [True, True] and all(d.route == "module:chain" for d in mlps)
+    assert mlps[0].carriers == ["layers.0.fc1", "layers.0.activation_fn", "layers.0.fc2"]
+    assert mlps[0].reason.endswith(
+        "; the `dropout` run inline in `layers.0`.forward before `layers.0.fc2` has p=0 here and runs as it is on the "
+        "fused output: `layers.0.fc2` checks at each call that it receives the fused op's output, and raises if that "
+        "dropout is given p > 0"), mlps[0].reason
+    patches = ol.fusion.patches(fused)
+    assert patches["layers.0.fc2"].after == "layers.0.dropout" and patches["layers.0.activation_fn"].after == ""
+    _same(model, fused)
+    _same(model.eval(), fused.eval())
+
+
+def test_p_set_above_0_after_fusing_raises_in_training_and_runs_in_eval():
+    model, fused, _ = _fused()
+    _set_p(model, 0.1)
+    _set_p(fused, 0.1)
+    expected = (r"`layers.0.fc2` passes on the output of the fused linear_gelu_dropout_linear chain \(`layers.0.fc1` "
+                r"computes it whole\), but received another tensor: the `dropout` run inline in `layers.0`.forward "
+                r"before it was an identity when the chain was fused \(p=0\) and is not now")
+    with pytest.raises(RuntimeError, match=expected):
+        fused(X)
+    _same(model.eval(), fused.eval())  # no dropout in eval: the chain is exact again
+    _set_p(model, 0.0)
+    _set_p(fused, 0.0)
+    _same(model.train(), fused.train())
+
+
+def test_a_p_above_0_at_analysis_keeps_the_chain_unfused():
+    model, fused, plan = _fused(p=0.1)
+    mlps = [d for d in plan.decisions if d.pattern == "linear_gelu_dropout_linear"]
+    assert not any(d.fused for d in mlps)
+    assert "`dropout` runs inline in `layers.0`.forward, not in a module call of its own" in mlps[0].reason
+    _same(model.eval(), fused.eval())
+
+
+def test_json_plan_deepcopy_and_save_keep_the_check():
+    model, fused, plan = _fused()
+    again = ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(plan.to_json()))
+    twin = copy.deepcopy(fused)
+    buf = io.BytesIO()
+    torch.save(fused, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    for other in (again, twin, loaded):
+        assert ol.fusion.patches(other)["layers.1.fc2"].after == "layers.1.dropout"
+        _same(model, other)
+        _set_p(other, 0.5)
+        with pytest.raises(RuntimeError, match="is not now"):
+            other(X)
+
+
+def test_a_pass_through_called_on_its_own_raises_instead_of_returning_its_input():
+    """It returned its input unchanged: ``fc2(h)`` gave ``h``. Every pass-through now checks."""
+    model, fused, _ = _fused()
+    fc2 = fused.layers[0].fc2
+    assert isinstance(fc2.__dict__["forward"], PassThrough)
+    with pytest.raises(RuntimeError, match="a call the analysis did not see"):
+        fused.layers[0].activation_fn(seeded(2, 64))
+    fused(X)  # the chain itself still runs
+    hook = fused.layers[0].fc1.register_forward_hook(lambda m, a, out: out * 2)
+    with pytest.raises(RuntimeError, match="a forward hook replacing an output"):
+        fused(X)
+    hook.remove()
+    _same(model, fused)
