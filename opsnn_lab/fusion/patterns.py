@@ -6,13 +6,12 @@ pattern is one function plus one ``Pattern`` row naming the op that replaces it 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from torch import nn
 
 from opsnn_lab.fusion import patterns_blocks as blocks
-from opsnn_lab.fusion.graph import Graph, Node, Probed, Ref, arg, canonical_module, is_transposed_linear
+from opsnn_lab.fusion.graph import Graph, Node, Probed, canonical_module, is_transposed_linear
 from opsnn_lab.fusion.match import (
     CONV_ACTS,
     LINEAR_ACTS,
@@ -27,6 +26,7 @@ from opsnn_lab.fusion.match import (
     op_class,
     past_identities,
 )
+from opsnn_lab.fusion.patterns_attention import build_attention, build_qkv, find_attention, find_qkv
 
 __all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "op_name", "pattern_of"]
 
@@ -116,174 +116,6 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
     return out
 
 
-# --------------------------------------------------------------------------- sibling Linear layers (QKV)
-_QKV_NAMES = (r"(q|query|q_proj|to_q|wq)", r"(k|key|k_proj|to_k|wk)", r"(v|value|v_proj|to_v|wv)")
-
-
-def _named_triple(lins: list[Node]) -> list[Node] | None:
-    """The Linears named as q, k and v (one each), in ``lins``' order; None when a role has no or two names."""
-    roles = [[n for n in lins if re.fullmatch(p, n.module.rpartition(".")[2])] for p in _QKV_NAMES]
-    if any(len(r) != 1 for r in roles):
-        return None
-    trio = {r[0].name for r in roles}
-    return [n for n in lins if n.name in trio]
-
-
-_ATTN_REACH = 64  # nodes looked at downstream of one projection (its reshapes, rotary, scaling) before giving up
-
-
-def _attention_nodes(g: Graph) -> set[str]:
-    """Where attention reads its operands: SDPA calls, softmax (q @ k^T feeds it) and the matmul reading the
-    probabilities, past a dropout or a cast (@ v)."""
-    key = "attention_nodes"
-    if key not in g.memo:
-        found = {n.name for n in g.nodes if n.op in ("scaled_dot_product_attention", "softmax")}
-        for sm in [n for n in g.nodes if n.op == "softmax"]:
-            frontier = [sm]
-            for _ in range(3):
-                frontier = [u for n in frontier for u in g.users.get(n.name, [])]
-                found.update(u.name for u in frontier if u.op == "matmul")
-        g.memo[key] = found
-    return g.memo[key]
-
-
-def _feeds_attention(g: Graph, lin: Node) -> bool:
-    """Whether ``lin``'s output reaches an attention operand without passing through another layer."""
-    targets, seen, todo = _attention_nodes(g), set(), [lin]
-    while todo and len(seen) < _ATTN_REACH:
-        n = todo.pop()
-        for u in g.users.get(n.name, []):
-            if u.name in targets:
-                return True
-            if u.name not in seen and u.kind != "output" and not _is_module(u, "linear") \
-                    and not _is_module(u, "conv2d"):
-                seen.add(u.name)
-                todo.append(u)
-    return False
-
-
-def _qkv_triple(g: Graph, sibs: list[Node]) -> tuple[list[Node] | None, str]:
-    """The q/k/v projections among the Linears reading one tensor, or None and why none three are.
-
-    Three readers are the triple; with more (GPT-J's and Phi's parallel block: the MLP's ``fc_in`` reads the
-    attention's input too), the three named q/k/v, else the only three feeding an attention."""
-    if len(sibs) == 3:
-        return sibs, ""
-    named = _named_triple(sibs)
-    if named is not None:
-        return named, ""
-    feeding = [s for s in sibs if _feeds_attention(g, s)]
-    if len(feeding) == 3:
-        return feeding, ""
-    who = ", ".join(f"`{s.module}`" for s in sibs)
-    return None, (f"{len(sibs)} Linear layers read `{g[sibs[0].inputs[0]].label}` ({who}); no three of them are "
-                  f"named q/k/v, and {len(feeding)} (not 3) feed an attention")
-
-
-def find_qkv(g: Graph) -> list[Match]:
-    out, seen, unpicked = [], set(), []
-    for x in g.nodes:
-        sibs = [u for u in g.users.get(x.name, []) if _is_module(u, "linear") and u.inputs[:1] == [x.name]]
-        if len(sibs) < 3:
-            continue
-        trio, why = _qkv_triple(g, sibs)
-        if trio is None:
-            if any(_feeds_attention(g, s) for s in sibs):  # an attention's projections among others
-                unpicked.append(Match("qkv", sibs, False, why))
-            continue
-        sibs = trio
-        seen.update(s.name for s in sibs)
-        m = Match("qkv", sibs, False, "", inputs=[x.name], outputs=list(sibs),
-                  params={"q": sibs[0].obj, "k": sibs[1].obj, "v": sibs[2].obj})
-        biases = {s.obj.bias is not None for s in sibs}
-        m.reason = _op_support("FusedQKV", build=lambda m=m: build_qkv(m, pack=False)) or _common_checks(g, sibs) or (
-            "some siblings have a bias and some do not" if len(biases) > 1 else "")
-        m.ok = not m.reason
-        out.append(m)
-    # Named q/k/v triples that do not share an input: say why they are not fused.
-    by_scope: dict[str, list[Node]] = {}
-    for n in g.nodes:
-        if _is_module(n, "linear") and n.name not in seen:
-            by_scope.setdefault(n.module.rpartition(".")[0], []).append(n)
-    for lins in by_scope.values():
-        trio = [next((n for n in lins if re.fullmatch(p, n.module.rpartition(".")[2])), None) for p in _QKV_NAMES]
-        if all(trio) and len({tuple(n.inputs[:1]) for n in trio}) > 1:
-            reads = ", ".join(f"`{n.module}` reads `{g[n.inputs[0]].label if n.inputs else '?'}`" for n in trio)
-            out.append(Match("qkv", trio, False, f"the q/k/v projections read different tensors: {reads}"))
-            seen.update(n.name for n in trio)
-    # Readers of one tensor no triple was picked from, unless a named triple above already says why.
-    return out + [m for m in unpicked if not seen & {n.name for n in m.nodes}]
-
-
-# ------------------------------------------------------------- softmax(q @ k^T * scale + mask) -> dropout -> @ v
-def find_attention(g: Graph) -> list[Match]:
-    out = []
-    for sm in g.nodes:
-        if sm.op != "softmax":
-            continue
-        m = _attention_at(g, sm)
-        if m is not None:
-            out.append(m)
-    return out
-
-
-def _attention_at(g: Graph, sm: Node) -> Match | None:
-    chain, mask, scale = [sm], None, 1.0
-    x = g.producer(sm)
-    if x is not None and x.op == "add" and len(x.inputs) == 2:
-        a, b = (g[i] for i in x.inputs)
-        s, mk = (a, b) if a.op in ("mul", "div", "matmul") else (b, a)
-        chain.insert(0, x)
-        mask, x = mk, s
-    scaled = x is not None and x.op in ("mul", "div") and len(x.inputs) == 1
-    if scaled and (x.op == "mul" or isinstance(x.args[0], Ref)):
-        c = next((a for a in x.args[:2] if not isinstance(a, Ref)), None)  # 0.125 * s or s * 0.125
-        if c is not None and not isinstance(c, (int, float)):
-            return None
-        # None: computed from shapes in the code (fx sees the formula); the run-time trace knows its value
-        scale = None if c is None else float(c) if x.op == "mul" else 1.0 / float(c)
-        chain.insert(0, x)
-        x = g.producer(x)
-    if x is None or x.op != "matmul" or len(x.inputs) != 2:
-        return None
-    chain.insert(0, x)
-    q, kt = g[x.inputs[0]], g[x.inputs[1]]
-    m = Match("attention", chain, False, "", outputs=[])
-    dim = sm.obj.dim if sm.obj is not None else arg(sm, 1, "dim", None)
-    if dim not in (-1, None if sm.shape is None else len(sm.shape) - 1):
-        m.reason = f"softmax over dim {dim}, not the last one"
-        return m
-    transposed = kt.op == "mT" or (kt.op == "transpose" and sorted(a for a in kt.args[1:3] if isinstance(a, int))
-                                   in ([-2, -1], [2, 3]))
-    if not transposed:
-        m.reason = f"the key operand of `{x.label}` is `{kt.op}`, not a transpose of the last two dims"
-        return m
-    for a, b in zip(chain, chain[1:]):
-        if reason := _consumer_reason(g, a, b):
-            m.reason = reason
-            return m
-    tail, drop = sm, None
-    nxt = g.only_user(sm)
-    if nxt is not None and nxt.op == "dropout":
-        drop, tail = nxt, nxt
-        chain.append(drop)
-    pv = next((u for u in g.users.get(tail.name, []) if u.op == "matmul"), None)
-    if pv is not None and (reason := _consumer_reason(g, tail, pv)):
-        m.reason = reason
-        return m
-    if pv is None or pv.inputs[:1] != [tail.name]:
-        users = ", ".join(f"`{u.label}`" for u in g.users.get(tail.name, []))
-        m.reason = f"the attention probabilities go to {users or 'nothing'}, not straight into `@ v`"
-        return m
-    chain.append(pv)
-    p = _dropout_module(drop).p if drop is not None else 0.0
-    m.inputs = [q.name, kt.inputs[0], pv.inputs[1]] + ([mask.name] if mask is not None else [])
-    m.outputs, m.params = [pv], {"scale": scale, "dropout_p": p}
-    m.reason = _op_support("FusedAttention", build=lambda: build_attention(m)) or _common_checks(g, chain)
-    m.ok = not m.reason
-    return m
-
-
 # --------------------------------------------------------------------------- the ops that replace them
 def _conv_op(variant: str) -> str:
     """ReLU chains keep their seed-named op; every other activation goes to the general one."""
@@ -308,17 +140,6 @@ def build_linear_gelu_dropout(m: Match) -> nn.Module:
     if p["linear2"] is not None:
         return op.from_modules(p["linear"], p["gelu"], p["dropout"], p["linear2"], register_second=False)
     return op.from_modules(p["linear"], p["gelu"], p["dropout"])
-
-
-def build_qkv(m: Match, pack: bool = True) -> nn.Module:
-    # pack=True moves the three weights into one buffer (values and Parameter identity kept): done on the
-    # model apply() returns, never on the model being analysed (validation builds with pack=False).
-    return op_class("FusedQKV").from_modules(m.params["q"], m.params["k"], m.params["v"], pack=pack,
-                                             register=False)
-
-
-def build_attention(m: Match) -> nn.Module:
-    return op_class("FusedAttention")(scale=m.params["scale"], dropout_p=m.params["dropout_p"])
 
 
 @dataclass(frozen=True)
