@@ -153,7 +153,9 @@ def build_gated_mlp(m: Match) -> nn.Module:
 _NORM_OPS = frozenset({"to", "float", "type_as", "pow", "mul", "mean", "add", "rsqrt", "sqrt", "div", "reciprocal",
                        "sub", "var", "square", "layer_norm", "rms_norm", "var_mean", "neg", "half", "bfloat16",
                        "double", "type"})
-_TOL = {torch.float32: 1e-4, torch.float64: 1e-7, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+# how close a norm's output must be to the formula in its input's dtype (fp64: far below fp32's rounding, so an
+# fp64 module that computes in fp32 inside, as Hugging Face's RMSNorms do, is told apart)
+_TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 def _recorded_eps(nodes: list[Node]) -> float | None:
@@ -212,8 +214,9 @@ def _norm_form(module: nn.Module, x: torch.Tensor, eps_candidates, inner=()) -> 
                     name = "RMSNorm" if kind == "rms" else "LayerNorm"
                     return (f"it casts to {str(lower).replace('torch.', '')} inside and computes {name} there, which "
                             f"differs from {name} of its {str(x.dtype).replace('torch.', '')} input by more than "
-                            f"{str(x.dtype).replace('torch.', '')} rounding; Fused{name} computes in float32 and "
-                            "rounds once to the input dtype")
+                            f"{str(x.dtype).replace('torch.', '')} rounding; Fused{name} computes in "
+                            f"{'float64' if x.dtype == torch.float64 else 'float32'} and rounds once to the input "
+                            "dtype")
     return "its output is neither RMSNorm nor LayerNorm of its input with its weight"
 
 

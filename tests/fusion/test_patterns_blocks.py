@@ -247,6 +247,21 @@ def test_a_norm_without_parameters_computing_in_a_coarser_dtype_is_refused_with_
                         "float32 and rounds once to the input dtype")
 
 
+def test_an_fp64_norm_that_computes_in_fp32_inside_is_refused_and_an_fp64_one_fuses():
+    """Hugging Face's RMSNorms cast to fp32 inside: in an fp64 model the fused op (fp64) would change the result."""
+    torch.manual_seed(0)
+    (d,) = ol.fusion.analyze(Net(Normalizer(16)).double(), seeded(3, 7, 16, dtype=torch.float64)).decisions
+    assert d.pattern == "rms_norm" and not d.fused
+    assert d.reason == ("`norm`: it casts to float32 inside and computes RMSNorm there, which differs from RMSNorm "
+                        "of its float64 input by more than float64 rounding; FusedRMSNorm computes in float64 and "
+                        "rounds once to the input dtype")
+    model = Net(PyLayerNorm(16)).double()
+    x = seeded(3, 7, 16, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model, x)
+    assert [d.fused for d in plan.decisions] == [True]
+    _same(model, fused, x, dtype=torch.float64)
+
+
 def test_a_module_that_only_looks_like_a_norm_is_no_candidate():
     torch.manual_seed(0)
     assert ol.fusion.analyze(Net(NotANorm(16)), seeded(3, 16)).decisions == []
