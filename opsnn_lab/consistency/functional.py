@@ -172,7 +172,7 @@ class GlobalGenerators:
 
     def enter(self, seed: int) -> None:
         cuda = [i for i in self.cuda_devices if torch.cuda.is_available()]
-        self.saved = (torch.get_rng_state(), [(i, torch.cuda.get_rng_state(i)) for i in cuda], _foreign_states())
+        self.saved = (torch.get_rng_state(), [(i, torch.cuda.get_rng_state(i)) for i in cuda], foreign_states())
         torch.default_generator.manual_seed(seed)
         for i in cuda:
             torch.cuda.default_generators[i].manual_seed(seed)
@@ -186,11 +186,11 @@ class GlobalGenerators:
         torch.set_rng_state(cpu)
         for i, state in cuda:
             torch.cuda.set_rng_state(state, i)
-        now = _foreign_states()
-        return [name for name in foreign if not _same_state(foreign[name], now.get(name))]
+        return moved_foreign(foreign, foreign_states())
 
 
-def _foreign_states() -> dict:
+def foreign_states() -> dict:
+    """The global generators no torch generator controls: Python's ``random`` and, once imported, numpy's."""
     import random
     import sys
 
@@ -199,6 +199,20 @@ def _foreign_states() -> dict:
     if np is not None:
         states["numpy"] = np.random.get_state(legacy=False)
     return states
+
+
+def restore_foreign_states(states: dict) -> None:
+    import random
+    import sys
+
+    random.setstate(states["random"])
+    if "numpy" in states:
+        sys.modules["numpy"].random.set_state(states["numpy"])
+
+
+def moved_foreign(before: dict, after: dict) -> list[str]:
+    """The generators of ``before`` (``foreign_states()``) that drew since: ``"random"``, ``"numpy"``."""
+    return [name for name in before if not _same_state(before[name], after.get(name))]
 
 
 def _same_state(a, b) -> bool:

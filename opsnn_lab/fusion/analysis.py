@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 import time
 
 import torch
@@ -275,39 +274,36 @@ def _record(model: nn.Module, args, kwargs, devices, restore) -> tuple[RuntimeTr
         missing = sum(p.numel() for path in trace.not_called for p in model.get_submodule(path).parameters())
         if best is None or missing < left:
             best, left = trace, missing
-        drew = before[1] != _stream_steps(model) or \
-            not all(torch.equal(a, b) for a, b in zip(before[0], _rng_states(devices)))
+        drew = before[1] != _stream_steps(model) or _drew(before[0], _rng_states(devices))
         if not missing or not drew:
             return best, n
         restore()
     return best, FORWARDS
 
 
-def _rng_states(devices) -> list[torch.Tensor]:
-    """The torch RNG states a forward may draw from (CPU, the model's CUDA devices) and Python's and numpy's."""
-    import random
+def _rng_states(devices) -> tuple[list[torch.Tensor], dict]:
+    """The torch RNG states a forward may draw from (CPU, the model's CUDA devices), and Python's and numpy's."""
+    from opsnn_lab.consistency.functional import foreign_states
 
-    out = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
-    out.append(torch.tensor(random.getstate()[1], dtype=torch.int64))
-    np = sys.modules.get("numpy")
-    if np is not None:
-        out.append(torch.from_numpy(np.random.get_state()[1].astype("int64")))
-    return out
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)], foreign_states()
+
+
+def _drew(before, after) -> bool:
+    from opsnn_lab.consistency.functional import moved_foreign
+
+    return not all(torch.equal(a, b) for a, b in zip(before[0], after[0])) or bool(moved_foreign(before[1], after[1]))
 
 
 @contextlib.contextmanager
 def _host_rngs():
     """Python's and numpy's global RNG as they were, afterwards (``torch.random.fork_rng`` does torch's)."""
-    import random
+    from opsnn_lab.consistency.functional import foreign_states, restore_foreign_states
 
-    np = sys.modules.get("numpy")
-    state, np_state = random.getstate(), np.random.get_state() if np is not None else None
+    states = foreign_states()
     try:
         yield
     finally:
-        random.setstate(state)
-        if np_state is not None:
-            np.random.set_state(np_state)
+        restore_foreign_states(states)
 
 
 def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:

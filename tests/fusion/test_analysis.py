@@ -336,6 +336,32 @@ def test_a_layer_a_layerdrop_skipped_is_recorded_in_another_forward():
     _assert_same_step(model.eval(), fused.eval(), x)
 
 
+def test_a_layerdrop_drawn_from_numpy_is_recorded_again_and_numpy_left_where_it_was():
+    """numpy's Mersenne Twister regenerates its key only every 624 draws: a draw moves its position alone, which
+    the analysis must see (and put back) as well."""
+    import numpy as np
+
+    class NumpyDrop(_LayerDrop):
+        def forward(self, x):
+            for p, layer in zip(self.p, self.layers):
+                if not (self.training and np.random.rand() < p):
+                    x = x + layer(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model, x = NumpyDrop(), seeded(2, 5, 16)
+    np.random.seed(3)
+    np.random.rand()  # the key is generated: the forward's draws move the position only
+    skipped = (np.random.rand(3) < 0.3).any()
+    np.random.seed(3)
+    np.random.rand()
+    before = np.random.get_state(legacy=False)
+    plan, forwards = _forwards(model, x)
+    after = np.random.get_state(legacy=False)
+    assert skipped and forwards > 1  # one forward before: numpy's key had not moved
+    assert after["state"]["pos"] == before["state"]["pos"] and (after["state"]["key"] == before["state"]["key"]).all()
+
+
 def test_a_layer_no_recorded_forward_ran_is_listed_as_not_analysed():
     torch.manual_seed(0)
     model, x = _LayerDrop(p=(0.0, 1.0, 0.0)), seeded(2, 5, 16)
