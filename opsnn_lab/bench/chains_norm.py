@@ -124,7 +124,8 @@ def _lce_chain(s, device, dtype, name):
     from opsnn_lab import ops
     from opsnn_lab.bench.ops import Chain
 
-    p = LCE_QUICK if s["hidden"] < 256 else LCE_FULL
+    p = dict(LCE_QUICK if s["hidden"] < 256 else LCE_FULL)
+    p["tokens"] *= s.get("batch_scale", 1)
     dtype = torch.bfloat16 if name.endswith("[bf16]") else dtype
     head = nn.Linear(p["hidden"], p["vocab"], bias=False).to(device, dtype)
     with torch.no_grad():

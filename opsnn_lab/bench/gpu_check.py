@@ -3,7 +3,12 @@
 1. ``pytest -m gpu`` (Triton kernels and fused ops against the reference on the device);
 2. achieved GB/s of each Triton kernel (bytes each kernel must move, over its median time) against the
    device's copy bandwidth measured in the same run (and its nominal peak when the model is known);
-3. the ops benchmark (``python -m opsnn_lab.bench ops``) on the GPU: fused vs eager vs torch.compile.
+3. the ops benchmark (``python -m opsnn_lab.bench ops``) on the GPU: fused vs eager vs torch.compile, at the
+   CPU-sized shapes and again with ``--batch-scale`` (16 by default), where the kernels rather than their
+   launches take the time;
+4. a kernel profile of each row (:func:`kernel_profile`) at the CPU-sized shapes, or with ``--batch-scale``
+   where one is given: kernels launched per step, the GPU's busy time against the step's wall time, and the
+   fused step's costliest kernels.
 
 Writes ``build/bench/gpu_check.json``. On a machine without CUDA it says so and exits 0.
 """
@@ -20,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from opsnn_lab.bench.common import machine_line, median_time, write_json
+from opsnn_lab.bench.common import format_table, machine_line, median_time, sync, write_json
 
-__all__ = ["main", "kernel_bandwidth", "GPU_TEST_PATHS"]
+__all__ = ["main", "kernel_bandwidth", "kernel_profile", "GPU_TEST_PATHS"]
 
 NOMINAL_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0, "L4": 300.0}
 
@@ -78,6 +83,57 @@ def kernel_bandwidth(device="cuda", shapes=((1024, 3072), (16384, 3072)),
     return rows
 
 
+_HOST_SYNCS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item")  # reads that wait for the device
+
+
+def _profiled(step, device, steps: int):
+    """``(kernels, host syncs, busy ms, wall ms, {kernel: busy ms})`` per step of ``step``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.device(device).type == "cuda"
+    step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        wall = time.perf_counter() - t0
+    want = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    # a CPU run counts the top-level aten calls (what a launch is on the GPU)
+    events = [e for e in prof.events() if e.device_type == want and (on_gpu or e.cpu_parent is None)]
+    per_kernel: dict[str, float] = {}
+    for e in events:
+        per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
+    busy = sum(per_kernel.values())
+    syncs = sum(e.name in _HOST_SYNCS for e in prof.events() if e.device_type == DeviceType.CPU)
+    return len(events) / steps, syncs / steps, busy, wall * 1e3 / steps, per_kernel
+
+
+def kernel_profile(chains, device="cuda", steps: int = 5, top: int = 5) -> list[dict]:
+    """Per ``ops`` row (a :class:`~opsnn_lab.bench.ops.Chain`) and variant: kernels per forward+backward step, host
+    syncs (``.item()``, ``nonzero``) per step, GPU busy ms (kernel time summed), wall ms, and the fused step's
+    ``top`` costliest kernels. A step whose busy time
+    is well under its wall time is bound by launches and Python, not by the kernels. On a CPU it counts aten
+    calls instead of kernels (so the function is tested without a GPU)."""
+    from opsnn_lab.bench.ops import _outputs, _step
+
+    rows = []
+    for chain in chains:
+        grads = [torch.randn_like(o) for o in _outputs(chain.eager(*chain.inputs))]
+        row = {"chain": chain.name}
+        for variant in ("eager", "fused"):
+            n, syncs, busy, wall, per_kernel = _profiled(_step(getattr(chain, variant), chain.inputs, grads), device,
+                                                         steps)
+            row.update({f"{variant}_kernels": n, f"{variant}_syncs": syncs, f"{variant}_busy_ms": busy,
+                        f"{variant}_wall_ms": wall})
+        worst = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+        row["fused_top"] = [[name[:80], round(ms, 4)] for name, ms in worst]
+        rows.append(row)
+    return rows
+
+
 # Where the tests marked gpu live (tests/bench/test_ops_bench.py keeps this list whole). Collecting only these
 # lets a bare CUDA image without the notebook and widget stack (nbformat, plotly, anywidget) run them.
 GPU_TEST_PATHS = ("tests/kernels", "tests/ops", "tests/consistency", "tests/test_memory.py")
@@ -96,11 +152,12 @@ def _pytest(timeout: int) -> dict:
         return {"returncode": None, "summary": f"timed out after {timeout} s", "seconds": timeout}
 
 
-def _ops_bench(no_compile: bool) -> dict:
+def _ops_bench(no_compile: bool, batch_scale: int = 1) -> dict:
     from opsnn_lab.bench import ops
 
     with tempfile.TemporaryDirectory() as tmp:
-        argv = ["--device", "cuda", "--out", tmp] + (["--no-compile"] if no_compile else [])
+        argv = ["--device", "cuda", "--out", tmp, "--batch-scale", str(batch_scale)]
+        argv += ["--no-compile"] if no_compile else []
         code = ops.main(argv)
         data = json.loads((Path(tmp) / "ops.json").read_text())
     return {"returncode": code, "rows": data["rows"], "skipped": data["skipped"]}
@@ -111,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
     ap.add_argument("--no-compile", action="store_true", help="ops benchmark without the torch.compile column")
     ap.add_argument("--test-timeout", type=int, default=180)
+    ap.add_argument("--batch-scale", type=int, default=16,
+                    help="second ops run with every batch this many times larger (default 16; 1: no second run)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-row kernel profile")
     ap.add_argument("--out", default=None, help="directory for gpu_check.json (default build/bench)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -129,7 +189,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['kernel']:28s} {str(row['shape']):14s} {row['dtype']:9s} {row['gbs']:8.1f} GB/s "
               f"({row['of_copy']:.0%} of copy {result['copy_gbs']:.0f} GB/s)")
     result["ops"] = _ops_bench(args.no_compile)
+    write_json("gpu_check", result, args.out)  # each stage's results are kept even if a later one fails
+    if args.batch_scale > 1:
+        result["ops_scaled"] = {"batch_scale": args.batch_scale, **_ops_bench(args.no_compile, args.batch_scale)}
+        write_json("gpu_check", result, args.out)
+    if not args.no_profile:
+        from opsnn_lab.bench.ops import FULL, build_chains, scaled
+
+        result["profile"] = kernel_profile(build_chains(scaled(FULL, args.batch_scale), "cuda")[0])
+        cols = ["chain", "eager_kernels", "fused_kernels", "fused_syncs", "eager_busy_ms", "eager_wall_ms",
+                "fused_busy_ms", "fused_wall_ms"]
+        print(format_table(result["profile"], cols))
+        for row in result["profile"]:
+            print(row["chain"], row["fused_top"])
     path = write_json("gpu_check", result, args.out)
     print(f"wrote {path}")
-    failed = result.get("tests", {"returncode": 0})["returncode"] != 0 or result["ops"]["returncode"] != 0
+    codes = [result["ops"]["returncode"], result.get("ops_scaled", {"returncode": 0})["returncode"]]
+    failed = result.get("tests", {"returncode": 0})["returncode"] != 0 or any(codes)
     return 1 if failed else 0

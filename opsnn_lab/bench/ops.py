@@ -5,7 +5,9 @@ layer fused by hand): forward+backward time ratio (interleaved medians, one proc
 saved for backward (``activation_bytes``), for rows that give their parameters the peak bytes of forward+backward
 (``peak_bytes``, the parameters' ``.grad`` included), and first-call latency (torch.compile compiles there; the
 fused ops do not). BERT-base shapes by default (8 x 128 tokens, 768 -> 3072, 12 heads; stem 8 x 3 x 224 x
-224); ``--quick`` uses CI-sized shapes. Writes ``build/bench/ops.json``.
+224); ``--quick`` uses CI-sized shapes; ``--batch-scale K`` multiplies every row's batch (and the head +
+cross-entropy's tokens) by K, for a GPU, where the CPU-sized steps of 0.1-1 ms measure launch overhead rather
+than the kernels. Writes ``build/bench/ops.json``.
 
 The run keeps freed memory in the process and makes 512 MB of free heap resident (32 MB with ``--quick``)
 before each row's timed rounds (``--allocator steady``, :mod:`opsnn_lab.bench.allocator`) unless ``--allocator
@@ -39,8 +41,8 @@ from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_thre
 from opsnn_lab.bench.machine import emulated_note
 from opsnn_lab.measuring import activation_bytes, peak_bytes
 
-__all__ = ["main", "build_chains", "measure", "emulated_rows", "FusedEncoderLayer", "CHAINS", "ROW_DTYPES", "FULL",
-           "QUICK"]
+__all__ = ["main", "build_chains", "measure", "emulated_rows", "scaled", "FusedEncoderLayer", "CHAINS", "ROW_DTYPES",
+           "FULL", "QUICK"]
 
 FULL = dict(batch=8, tokens=128, hidden=768, inter=3072, heads=12, image=224, channels=64, p=0.1)
 QUICK = dict(batch=2, tokens=16, hidden=64, inter=256, heads=4, image=32, channels=8, p=0.1)
@@ -213,6 +215,13 @@ def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str
     return chains, skipped
 
 
+def scaled(shapes: dict, batch_scale: int) -> dict:
+    """``shapes`` with the batch (and, through ``batch_scale``, the head + cross-entropy's tokens) times K."""
+    if not isinstance(batch_scale, int) or batch_scale < 1:
+        raise ValueError(f"batch_scale must be a positive int, got {batch_scale!r}")
+    return {**shapes, "batch": shapes["batch"] * batch_scale, "batch_scale": batch_scale}
+
+
 # --------------------------------------------------------------------------- measuring
 def _first_call(fn: Callable[[], None], device) -> float:
     sync(device)
@@ -294,6 +303,8 @@ def _args(argv):
     ap.add_argument("--warmup", type=int, default=None, help="untimed rounds per variant (default 2, quick 1)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads for the run (1 gives steadier ratios on a shared, loaded CPU)")
+    ap.add_argument("--batch-scale", type=int, default=1,
+                    help="multiply every row's batch (and the head + cross-entropy's tokens) by this (default 1)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--allocator", choices=("steady", "system"), default="steady",
                     help="steady (default): glibc keeps freed memory, so no variant pays for page faults the "
@@ -315,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     allocator = steady() if args.allocator == "steady" else "system"
-    shapes = QUICK if args.quick else FULL
+    if args.batch_scale < 1:
+        raise SystemExit(f"--batch-scale must be >= 1, got {args.batch_scale}")
+    shapes = scaled(QUICK if args.quick else FULL, args.batch_scale)
     repeat = _default(args.repeat, 5 if args.quick else 7)
     only, skipped = args.chains, []
     if not only:  # rows the user named run whatever their cost

@@ -168,3 +168,27 @@ def test_gpu_check_collects_every_test_marked_gpu():
     assert ids, proc.stdout[-2000:]
     outside = sorted({i for i in ids if not i.startswith(gpu_check.GPU_TEST_PATHS)})
     assert not outside, f"tests marked gpu outside GPU_TEST_PATHS: {outside}"
+
+
+def test_batch_scale_multiplies_every_batch_and_the_head_tokens():
+    big = ops.scaled(ops.QUICK, 3)
+    assert big["batch"] == 3 * ops.QUICK["batch"] and big["hidden"] == ops.QUICK["hidden"]
+    assert ops.scaled(ops.QUICK, 1)["batch"] == ops.QUICK["batch"]
+    (conv, lce), _ = ops.build_chains(big, only=["conv_bn_silu", "linear_cross_entropy"])
+    (conv1, lce1), _ = ops.build_chains(ops.QUICK, only=["conv_bn_silu", "linear_cross_entropy"])
+    assert conv.inputs[0].shape[0] == 3 * conv1.inputs[0].shape[0]
+    assert lce.inputs[0].shape[0] == 3 * lce1.inputs[0].shape[0]
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="batch_scale"):
+            ops.scaled(ops.QUICK, bad)
+
+
+def test_kernel_profile_counts_calls_and_time_per_step():
+    (chain,), _ = ops.build_chains(ops.QUICK, only=["gated_mlp_silu"])
+    (row,) = gpu_check.kernel_profile([chain], "cpu", steps=2, top=3)
+    assert row["chain"] == "gated_mlp_silu"
+    for variant in ("eager", "fused"):
+        assert row[f"{variant}_kernels"] >= 3  # three GEMMs forward at least
+        assert 0 < row[f"{variant}_busy_ms"] and 0 < row[f"{variant}_wall_ms"]
+    assert row["fused_kernels"] < row["eager_kernels"]  # one packed gate/up GEMM and one activation op
+    assert 1 <= len(row["fused_top"]) <= 3 and all(ms > 0 for _, ms in row["fused_top"])
