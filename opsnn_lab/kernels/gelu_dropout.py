@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from opsnn_lab._checks import check_choice, check_range, check_tensor
 from opsnn_lab.kernels._dispatch import backend_for, calculate_settings
+from opsnn_lab.kernels.column_sum import column_sum
 from opsnn_lab.kernels.rng import dropout_mask, keep_threshold, seed_keys
 
 try:
@@ -242,23 +243,6 @@ if triton is not None:
         if WANT_BIAS:
             tl.store(PARTIAL + pid_m.to(tl.int64) * N + cols, acc, mask=cmask)
 
-    @triton.jit
-    def _column_sum_kernel(
-        PARTIAL,  # pointer to the (R, N) fp32 partial sums
-        OUT,  # pointer to the (N,) result, in the bias dtype
-        R,  # rows of partials
-        N,  # columns
-        BLOCK_N: tl.constexpr,  # columns per program
-    ):
-        # Second stage: fixed row order, so the bias gradient is the same bits on every run.
-        # Bytes: reads 4 * R * N, writes N * s.
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N
-        acc = tl.full([BLOCK_N], 0.0, tl.float32)  # not tl.zeros: a @jit helper, see tests
-        for r in range(R):
-            acc += tl.load(PARTIAL + r * N + cols, mask=cmask, other=0.0)
-        tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=cmask)
-
 
 def _rng_args(p, seed, offset):
     s1, s2 = seed_keys(seed) if p > 0 else (0, 0)
@@ -286,7 +270,7 @@ def _bwd_triton(grad_out, h, p, seed, offset, act, want_bias, want_out):
     m, n = h.shape
     grad_h = torch.empty_like(h)
     out = torch.empty_like(h) if want_out else None
-    grad_bias = torch.zeros(n, dtype=h.dtype, device=h.device) if want_bias else None
+    grad_bias = (torch.empty if m else torch.zeros)(n, dtype=h.dtype, device=h.device) if want_bias else None
     if h.numel():
         grid, block_n, warps = _grid(m, n)
         partial = torch.empty(grid[0], n, dtype=torch.float32, device=h.device) if want_bias else grad_h
@@ -295,7 +279,7 @@ def _bwd_triton(grad_out, h, p, seed, offset, act, want_bias, want_out):
             DROPOUT=p > 0, ACT=ACTS.index(act), WANT_OUT=want_out, WANT_BIAS=want_bias,
             ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
         if want_bias:
-            _column_sum_kernel[(grid[1],)](partial, grad_bias, grid[0], n, BLOCK_N=block_n, num_warps=warps)
+            column_sum(partial, grad_bias)
     return grad_h, grad_bias, out
 
 

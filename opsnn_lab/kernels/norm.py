@@ -18,6 +18,7 @@ import torch
 
 from opsnn_lab._checks import check_tensor
 from opsnn_lab.kernels._dispatch import _MAX_BLOCK, backend_for, calculate_settings
+from opsnn_lab.kernels.column_sum import column_sum
 
 try:
     import triton
@@ -270,22 +271,6 @@ if triton is not None:
         if HAS_B:
             tl.store(DB_PART + pid.to(tl.int64) * N + cols, db, mask=cmask)
 
-    @triton.jit
-    def _column_sum_kernel(
-        PARTIAL,  # pointer to the (R, N) fp32 partial sums
-        OUT,  # pointer to the (N,) result, in the parameter dtype
-        R,  # rows of partials
-        N,  # columns
-        BLOCK_N: tl.constexpr,  # columns per program
-    ):
-        # Second stage, fixed row order: the parameter gradient is the same bits on every run.
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N
-        acc = tl.full([BLOCK_N], 0.0, tl.float32)
-        for r in range(R):
-            acc += tl.load(PARTIAL + r * N + cols, mask=cmask, other=0.0)
-        tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=cmask)
-
 
 def _fwd_triton(x, weight, bias, residual, eps, rms, weight_offset):
     m, n = x.shape
@@ -309,9 +294,9 @@ def _bwd_triton(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, gra
     m, n = s.shape
     grad_s = torch.empty_like(s)
     want_w = weight is not None and want_weight
-    grad_w = torch.zeros(n, dtype=weight.dtype, device=s.device) if want_w else None
-    grad_b = torch.zeros(n, dtype=weight.dtype if weight is not None else s.dtype,
-                         device=s.device) if has_bias else None
+    new = torch.empty if m else torch.zeros  # column_sum writes every column of a non-empty batch
+    grad_w = new(n, dtype=weight.dtype, device=s.device) if want_w else None
+    grad_b = new(n, dtype=weight.dtype if weight is not None else s.dtype, device=s.device) if has_bias else None
     if s.numel():
         block, warps = calculate_settings(n)
         groups = triton.cdiv(m, _ROWS)
@@ -322,11 +307,9 @@ def _bwd_triton(grad_y, s, mean, rstd, weight, rms, weight_offset, has_bias, gra
             bias if bias is not None else s, mean if mean is not None else rstd, rstd, grad_s, dw, db, m, n,
             float(weight_offset), HAS_DSUM=grad_sum is not None, HAS_W=weight is not None, HAS_B=has_bias, RMS=rms,
             FROM_Y=from_y, SUB_B=from_y and bias is not None, ROWS=_ROWS, BLOCK=block, num_warps=warps)
-        col_block, col_warps = calculate_settings(min(n, 1024))
         for part, out in ((dw, grad_w), (db, grad_b)):
             if out is not None:
-                _column_sum_kernel[(triton.cdiv(n, col_block),)](part, out, groups, n, BLOCK_N=col_block,
-                                                                num_warps=col_warps)
+                column_sum(part, out)
     return grad_s, grad_w, grad_b
 
 
