@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["backend_for", "calculate_settings", "triton_available"]
+__all__ = ["backend_for", "backend_for_device", "calculate_settings", "triton_available"]
 
 _MAX_BLOCK = 65536 // 4  # elements per program: 64 KiB of fp32, the most one block keeps in registers
 
@@ -32,12 +32,20 @@ def _interpreting() -> bool:
 
 def backend_for(*tensors: torch.Tensor) -> str:
     """``"triton"`` or ``"torch"`` for an op over ``tensors``."""
+    return _choose(any(t is not None and t.is_cuda for t in tensors))
+
+
+def backend_for_device(device) -> str:
+    """``"triton"`` or ``"torch"`` for an op that makes a new tensor on ``device`` (a draw) from no tensor."""
+    return _choose(torch.device(device).type == "cuda")
+
+
+def _choose(on_cuda: bool) -> str:
     choice = os.environ.get("OPSNN_BACKEND", "auto").lower()
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"OPSNN_BACKEND must be auto, torch or triton, got {choice!r}")
     if choice == "torch":
         return "torch"
-    on_cuda = any(t is not None and t.is_cuda for t in tensors)
     if choice == "triton":
         if not triton_available():
             raise RuntimeError("OPSNN_BACKEND=triton but triton is not installed (pip install opsnn-lab[triton])")

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from opsnn_lab._checks import check_range, check_type
+from opsnn_lab.kernels._dispatch import backend_for_device, calculate_settings
 
 try:  # Triton is optional: the torch path below is the CPU implementation and the test oracle.
     import triton
@@ -212,6 +213,11 @@ def dropout_mask(seed: int, offset: int, shape: Sequence[int] | int, p: float, d
     if thr == 65536:
         return torch.zeros(shape, dtype=dtype, device=device)
     out = torch.empty(numel, dtype=dtype, device=device)
+    if backend_for_device(device) == "triton":  # one pass writing the mask, not the torch path's ~10 on a GPU
+        block, warps = calculate_settings(min(numel, 1024))
+        _keep_kernel[(triton.cdiv(numel, block),)](out.view(torch.uint8) if dtype == torch.bool else out, offset,
+                                                   *seed_keys(seed), thr, numel, BLOCK=block, num_warps=warps)
+        return out.view(shape)
     with _serial(device, numel):
         return torch.ge(_signed16(seed, offset, numel, device), thr - 32768, out=out).view(shape)
 
@@ -287,10 +293,24 @@ if triton is not None:
         tl.store(OUT + idx, counter_bits16(OFFSET + idx, S1, S2), mask=idx < NUMEL)
 
 
+    @triton.jit
+    def _keep_kernel(
+        OUT,  # pointer to the mask, numel values: 1 / 0 in its dtype (a bool mask as uint8)
+        OFFSET,  # counter of element 0
+        S1,  # seed word 1 (seed_keys)
+        S2,  # seed word 2
+        THRESHOLD,  # keep_threshold(p)
+        NUMEL,  # number of values
+        BLOCK: tl.constexpr,  # values per program
+    ):
+        # Bytes: writes 1-4 per value, reads nothing.
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = tl.where(dropout_keep(OFFSET + idx, S1, S2, THRESHOLD), 1.0, 0.0)  # via fp32: the interpreter
+        tl.store(OUT + idx, keep.to(OUT.dtype.element_ty), mask=idx < NUMEL)  # casts int1 -> bf16 bitwise
+
+
 def random_bits16_triton(seed: int, offset: int, numel: int, device="cpu") -> torch.Tensor:
     """``random_bits16`` computed by the Triton helper (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
-    from opsnn_lab.kernels import calculate_settings
-
     _check_draw(offset, numel)
     s1, s2 = seed_keys(seed)
     out = torch.empty(numel, dtype=torch.int32, device=device)

@@ -51,6 +51,24 @@ def test_gpu_kernel_and_gpu_torch_path_give_the_same_bits(seed, offset, numel):
     spec = rng._words_reference(seed, offset, numel)
     assert torch.equal(rng.random_bits16_triton(seed, offset, numel, "cuda").long().cpu(), spec)
     assert torch.equal(rng.random_bits16(seed, offset, numel, "cuda").long().cpu(), spec)
+    for dtype in (torch.bool, torch.float32, torch.bfloat16):
+        mask = rng.dropout_mask(seed, offset, numel, 0.1, "cuda", dtype=dtype)  # the Triton mask kernel
+        assert torch.equal(mask.cpu(), rng.dropout_mask(seed, offset, numel, 0.1, dtype=dtype))
+
+
+@pytest.mark.parametrize("seed, offset, numel", DRAWS)
+@pytest.mark.parametrize("p, dtype", [(0.1, torch.bool), (0.5, torch.float32), (0.9, torch.bfloat16),
+                                      (0.3, torch.float16)])
+def test_triton_mask_kernel_gives_the_torch_paths_mask(interpreted, monkeypatch, seed, offset, numel, p, dtype):
+    """On a GPU ``dropout_mask`` writes the mask in one Triton pass; CPU and GPU masks stay the same bits."""
+    monkeypatch.setenv("OPSNN_BACKEND", "torch")
+    want = interpreted.dropout_mask(seed, offset, (numel,), p, dtype=dtype)
+    monkeypatch.setenv("OPSNN_BACKEND", "triton")
+    got = interpreted.dropout_mask(seed, offset, (numel,), p, dtype=dtype)
+    assert got.dtype == dtype and got.shape == (numel,)
+    assert torch.equal(got, want)
+    bits = interpreted._words_reference(seed, offset, numel)
+    assert torch.equal(got.bool(), bits >= interpreted.keep_threshold(p))
 
 
 def test_mask_depends_only_on_seed_and_offset():
