@@ -13,19 +13,21 @@ __all__ = ["bn_act_forward_triton", "bn_act_backward_triton"]
 
 _CHUNK = 1024  # elements of one channel per program in the reductions (stage 1 of the two-stage sums)
 tl = None  # triton.language, bound on first kernel build so importing this file never imports triton
-_act_fwd = _act_grad = None  # the jitted helpers below, bound on first kernel build
+_act_fwd = _act_grad = _store_affine = None  # the jitted helpers below, bound on first kernel build
+_EXACT = {"enable_fp_fusion": False}  # the [C]-sized kernels round each product and sum once, as torch ops do
 
 
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """The jitted kernels; built per interpreter mode because triton picks the mode at decoration time."""
-    global tl, _act_fwd, _act_grad
+    global tl, _act_fwd, _act_grad, _store_affine
     import triton
     import triton.language as language
 
     tl = language
     _act_fwd, _act_grad = triton.jit(_act_fwd_src), triton.jit(_act_grad_src)
-    fns = (_stats_partial_kernel, _stats_finalize_kernel, _sum_chunks_kernel, _bn_act_fwd_kernel,
+    _store_affine = triton.jit(_store_affine_src)
+    fns = (_stats_partial_kernel, _stats_finalize_kernel, _affine_kernel, _grad_coef_kernel, _bn_act_fwd_kernel,
            _bn_act_pool_fwd_kernel, _bn_act_bwd_kernel)
     return {f.__name__: triton.jit(f) for f in fns}
 
@@ -102,14 +104,20 @@ def _stats_partial_kernel(
 
 def _stats_finalize_kernel(
     PMEAN, PM2, PCOUNT,  # pointers to fp32 [C, NUM_CHUNKS] partials from stage 1
-    MEAN, INVSTD, VAR,  # pointers to fp32 [C] outputs: batch mean, 1/sqrt(biased var + eps), unbiased var
+    MEAN, INVSTD,  # pointers to fp32 [C] outputs: batch mean, 1/sqrt(biased var + eps)
+    W, B, SCALE, SHIFT,  # pointers to the [C] weight and bias (when HAS_W / HAS_B) and the fp32 folded affine
+    RMEAN, RVAR,  # pointers to the [C] running statistics, updated in place when RUNNING
     NUM_CHUNKS,  # chunks per channel
     M,  # elements per channel
     eps,  # BatchNorm epsilon
+    momentum, keep,  # running-statistics momentum and 1 - momentum (as the torch path rounds it)
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, RUNNING: tl.constexpr,
     BLOCK_P: tl.constexpr,  # partials merged per step
 ):
-    # Stage 2: Chan's parallel merge in a fixed order (no atomics, so bit-identical run to run).
-    # Reads 3 * C * NUM_CHUNKS fp32 twice, writes 3 * C fp32.
+    # Stage 2: Chan's parallel merge in a fixed order (no atomics, so bit-identical run to run), then what
+    # the torch path did in ~13 launches of [C]-sized ops: the folded affine and the running statistics.
+    # Launched with enable_fp_fusion=False: every product and sum rounded once, as those torch ops round them.
+    # Reads 3 * C * NUM_CHUNKS fp32 twice, writes 4-6 * C values.
     c = tl.program_id(0)
     base = c * NUM_CHUNKS
     acc = tl.zeros([BLOCK_P], dtype=tl.float32)
@@ -125,24 +133,72 @@ def _stats_finalize_kernel(
         d = tl.load(PMEAN + base + j, mask=jm, other=0.0) - mean
         acc += tl.load(PM2 + base + j, mask=jm, other=0.0) + tl.load(PCOUNT + base + j, mask=jm, other=0.0) * d * d
     m2 = tl.sum(acc, axis=0)
+    invstd = 1.0 / tl.sqrt(m2 / M + eps)
     tl.store(MEAN + c, mean)
-    tl.store(INVSTD + c, 1.0 / tl.sqrt(m2 / M + eps))
-    tl.store(VAR + c, m2 / tl.maximum(M - 1, 1))
+    tl.store(INVSTD + c, invstd)
+    _store_affine(W, B, SCALE, SHIFT, c, mean, invstd, HAS_W, HAS_B)
+    if RUNNING:
+        var = m2 / tl.maximum(M - 1, 1)
+        rm = tl.load(RMEAN + c).to(tl.float32)
+        rv = tl.load(RVAR + c).to(tl.float32)
+        tl.store(RMEAN + c, (mean * momentum + rm * keep).to(RMEAN.dtype.element_ty))
+        tl.store(RVAR + c, (var * momentum + rv * keep).to(RVAR.dtype.element_ty))
 
 
-def _sum_chunks_kernel(
-    P,  # pointer to fp32 [C, NUM_CHUNKS] partial sums
-    OUT,  # pointer to fp32 [C] totals
+def _store_affine_src(W, B, SCALE, SHIFT, c, mean, invstd, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """``scale = invstd * w``, ``shift = b - mean * scale`` for channel ``c``, rounded as ``scale_shift``."""
+    scale = invstd
+    if HAS_W:
+        scale = scale * tl.load(W + c).to(tl.float32)
+    shift = tl.load(B + c).to(tl.float32) if HAS_B else 0.0
+    shift = shift - mean * scale
+    tl.store(SCALE + c, scale)
+    tl.store(SHIFT + c, shift)
+
+
+def _affine_kernel(
+    W, B, MEAN, INVSTD,  # pointers to the [C] weight, bias (when HAS_W / HAS_B) and fp32 statistics
+    SCALE, SHIFT,  # pointers to the fp32 [C] folded affine (written)
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+):
+    # The folded affine the forward used, for the backward (same formula, same roundings: fp fusion off).
+    c = tl.program_id(0)
+    _store_affine(W, B, SCALE, SHIFT, c, tl.load(MEAN + c), tl.load(INVSTD + c), HAS_W, HAS_B)
+
+
+def _grad_coef_kernel(
+    PG, PGX,  # pointers to fp32 [C, NUM_CHUNKS] partial sums of g and g * xhat (backward phase 0)
+    W, INVSTD,  # pointers to the [C] weight (when HAS_W) and fp32 1/std
+    GB, GW, CA, CB, CD,  # pointers to fp32 [C] outputs: bias and weight gradients, phase 1's coefficients
     NUM_CHUNKS,  # chunks per channel
+    M,  # elements per channel
+    HAS_W: tl.constexpr, TRAINING: tl.constexpr,
     BLOCK_P: tl.constexpr,  # partials summed per step
 ):
-    # Stage 2 of the BN weight/bias gradients: fixed-order sum. Reads C * NUM_CHUNKS fp32, writes C fp32.
+    # Stage 2 of the BN weight/bias gradients (fixed-order sums, no atomics) and the coefficients of
+    # gy = CA * g + CB * xhat + CD: CA = invstd * w; in training CB = -CA * gw / M and CD = -CA * gb / M.
     c = tl.program_id(0)
-    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_P], dtype=tl.float32)
+    acc_gx = tl.zeros([BLOCK_P], dtype=tl.float32)
     for j0 in range(0, NUM_CHUNKS, BLOCK_P):
         j = j0 + tl.arange(0, BLOCK_P)
-        acc += tl.load(P + c * NUM_CHUNKS + j, mask=j < NUM_CHUNKS, other=0.0)
-    tl.store(OUT + c, tl.sum(acc, axis=0))
+        jm = j < NUM_CHUNKS
+        acc_g += tl.load(PG + c * NUM_CHUNKS + j, mask=jm, other=0.0)
+        acc_gx += tl.load(PGX + c * NUM_CHUNKS + j, mask=jm, other=0.0)
+    gb = tl.sum(acc_g, axis=0)
+    gw = tl.sum(acc_gx, axis=0)
+    tl.store(GB + c, gb)
+    tl.store(GW + c, gw)
+    a = tl.load(INVSTD + c)
+    if HAS_W:
+        a = a * tl.load(W + c).to(tl.float32)
+    tl.store(CA + c, a)
+    if TRAINING:
+        tl.store(CB + c, -a * gw / M)
+        tl.store(CD + c, -a * gb / M)
+    else:
+        tl.store(CB + c, 0.0)
+        tl.store(CD + c, 0.0)
 
 
 def _bn_act_fwd_kernel(
@@ -303,8 +359,9 @@ def _pool_consts(pool: PoolSpec | None) -> dict:
     return {"KH": k[0], "KW": k[1], "SH": s[0], "SW": s[1], "PH": p[0], "PW": p[1]}
 
 
-def _batch_stats(k, y: torch.Tensor, eps: float):
-    """Two-stage per-channel mean, 1/std and unbiased variance of ``y`` (fp32 [C] each)."""
+def _batch_stats(k, y: torch.Tensor, eps: float, weight, bias, running_mean, running_var, momentum: float):
+    """Two-stage per-channel mean and 1/std of ``y`` (fp32 [C] each) and the folded (scale, shift); updates
+    the running statistics in place when given. Two launches."""
     n, c, h, w = y.shape
     m = n * h * w
     block, warps = calculate_settings(min(m, _CHUNK))
@@ -312,11 +369,28 @@ def _batch_stats(k, y: torch.Tensor, eps: float):
     part = torch.empty(3, c, chunks, device=y.device, dtype=torch.float32)
     k["_stats_partial_kernel"][(c, chunks)](y, part[0], part[1], part[2], c, h, w, m, *_strides4(y), chunks,
                                            BLOCK=block, num_warps=warps)
-    stats = torch.empty(3, c, device=y.device, dtype=torch.float32)
+    stats = torch.empty(2, c, device=y.device, dtype=torch.float32)  # saved for backward: nothing more in it
+    affine = torch.empty(2, c, device=y.device, dtype=torch.float32)
     block_p, warps_p = calculate_settings(min(chunks, _CHUNK))
-    k["_stats_finalize_kernel"][(c,)](part[0], part[1], part[2], stats[0], stats[1], stats[2], chunks, m, eps,
-                                      BLOCK_P=block_p, num_warps=warps_p)
-    return stats[0], stats[1], stats[2]
+    k["_stats_finalize_kernel"][(c,)](
+        part[0], part[1], part[2], stats[0], stats[1], _or(weight, stats), _or(bias, stats), affine[0], affine[1],
+        _or(running_mean, stats), _or(running_var, stats), chunks, m, eps, momentum, 1 - momentum,
+        HAS_W=weight is not None, HAS_B=bias is not None, RUNNING=running_mean is not None, BLOCK_P=block_p,
+        num_warps=warps_p, **_EXACT)
+    return stats[0], stats[1], affine[0], affine[1]
+
+
+def _or(t, fallback):
+    """A pointer argument for an optional tensor (the kernel reads it only when its flag says so)."""
+    return fallback if t is None else t
+
+
+def _affine(k, weight, bias, mean, invstd, c, device):
+    """The folded fp32 (scale, shift) as the forward computed them, in one launch (mean, invstd given)."""
+    out = torch.empty(2, c, device=device, dtype=torch.float32)
+    k["_affine_kernel"][(c,)](_or(weight, out), _or(bias, out), mean, invstd, out[0], out[1],
+                              HAS_W=weight is not None, HAS_B=bias is not None, num_warps=1, **_EXACT)
+    return out[0], out[1]
 
 
 def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act: Act = RELU,
@@ -328,14 +402,11 @@ def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, trainin
     k = _kernels(_interpreting())
     n, c, h, w = y.shape
     if training:
-        mean, invstd, var = _batch_stats(k, y, eps)
-        if running_mean is not None:
-            running_mean.copy_(mean * momentum + running_mean.float() * (1 - momentum))
-            running_var.copy_(var * momentum + running_var.float() * (1 - momentum))
+        mean, invstd, scale, shift = _batch_stats(k, y, eps, weight, bias, running_mean, running_var, momentum)
     else:
         mean = running_mean
         invstd = None if running_var is None else torch.rsqrt(running_var.float() + eps)
-    scale, shift = scale_shift(c, weight, bias, mean, invstd, y.device)
+        scale, shift = scale_shift(c, weight, bias, mean, invstd, y.device)
     if pool is None:
         out = torch.empty_like(y)
         block, warps = calculate_settings(min(n * h * w, _CHUNK))
@@ -363,10 +434,12 @@ def bn_act_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, trai
     n, c, h, w = tuple(y.shape) if y is not None else tuple(in_shape)
     m = n * h * w
     dev = grad_out.device
-    scale, shift = scale_shift(c, weight, bias, mean, invstd, dev)
-    zero = torch.zeros(c, device=dev, dtype=torch.float32)
-    mean32 = zero if mean is None else mean.float()
-    inv32 = torch.ones_like(zero) if invstd is None else invstd.float()
+    if mean is not None and invstd is not None and mean.dtype == invstd.dtype == torch.float32:
+        scale, shift = _affine(k, weight, bias, mean, invstd, c, dev)  # one launch for the usual case
+    else:
+        scale, shift = scale_shift(c, weight, bias, mean, invstd, dev)
+    mean32 = torch.zeros(c, device=dev, dtype=torch.float32) if mean is None else mean.float()
+    inv32 = torch.ones(c, device=dev, dtype=torch.float32) if invstd is None else invstd.float()
     dead = pool is not None and act.has_dead_zone
     need_y = y is not None and (not dead or training or output_mask[1])
     if y is None and not dead:
@@ -391,16 +464,17 @@ def bn_act_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, trai
 
     gw = gb = None
     if training or (weight is not None and any(output_mask[1:])):
-        launch(0, zero, zero, zero)
-        sums = torch.empty(2, c, device=dev, dtype=torch.float32)
+        launch(0, scale, scale, scale)  # phase 0 reads no coefficient
+        coef = torch.empty(5, c, device=dev, dtype=torch.float32)
         block_p, warps_p = calculate_settings(min(chunks, _CHUNK))
-        for i in range(2):
-            k["_sum_chunks_kernel"][(c,)](part[i], sums[i], chunks, BLOCK_P=block_p, num_warps=warps_p)
-        gb, gw = sums[0], sums[1]
-    a_coef = inv32 * (1.0 if weight is None else weight.float())
-    if training:
-        launch(1, a_coef, -a_coef * gw / m, -a_coef * gb / m)
+        k["_grad_coef_kernel"][(c,)](part[0], part[1], _or(weight, inv32), inv32, *coef, chunks, m,
+                                     HAS_W=weight is not None, TRAINING=training, BLOCK_P=block_p,
+                                     num_warps=warps_p, **_EXACT)
+        gb, gw = coef[0], coef[1]
+        launch(1, coef[2], coef[3], coef[4])
     else:
+        a_coef = inv32 * (1.0 if weight is None else weight.float())
+        zero = torch.zeros_like(a_coef)
         launch(1, a_coef, zero, zero)
 
     def cast(t, on):
