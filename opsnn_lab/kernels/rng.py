@@ -48,6 +48,7 @@ __all__ = [
     "random_bits16",
     "uniform",
     "dropout_mask",
+    "dropout_mul",
     "counter_bits16",
     "dropout_keep",
 ]
@@ -222,6 +223,32 @@ def dropout_mask(seed: int, offset: int, shape: Sequence[int] | int, p: float, d
         return torch.ge(_signed16(seed, offset, numel, device), thr - 32768, out=out).view(shape)
 
 
+def dropout_mul(x: torch.Tensor, seed: int, offset: int, p: float, scale: float = 1.0,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x * keep * scale`` with ``keep = dropout_mask(seed, offset, x.shape, p)`` (row-major counters), into
+    ``out`` (``x`` itself for in place) or a new tensor: the same bits as multiplying by the float mask, then by
+    ``scale`` (zeros keep their sign, NaN stays NaN). On a GPU one pass that never writes the mask, for a
+    contiguous fp32/fp16/bf16 ``x``; otherwise the mask is made first."""
+    check_type("x", x, torch.Tensor)
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(f"out must match x's shape, dtype and device, got {tuple(out.shape)} {out.dtype} "
+                         f"{out.device} for {tuple(x.shape)} {x.dtype} {x.device}")
+    numel = x.numel()
+    _check_draw(offset, numel)
+    thr = keep_threshold(p)
+    dst = torch.empty_like(x) if out is None else out
+    fast = (backend_for_device(x.device) == "triton" and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and x.is_contiguous() and dst.is_contiguous() and 0 < thr < 65536 and numel > 0)
+    if not fast:
+        keep = dropout_mask(seed, offset, x.shape, p, x.device, dtype=x.dtype)
+        torch.mul(x, keep, out=dst)
+        return dst if scale == 1.0 else dst.mul_(scale)
+    block, warps = calculate_settings(min(numel, 1024))
+    _dropout_mul_kernel[(triton.cdiv(numel, block),)](x, dst, offset, *seed_keys(seed), thr, float(scale), numel,
+                                                      BLOCK=block, num_warps=warps)
+    return dst
+
+
 def _words_reference(seed: int, offset: int, numel: int) -> torch.Tensor:
     """Specification: ``u16`` values by int64 arithmetic masked to 32 bits (slow; tests only)."""
     s1, s2 = seed_keys(seed)
@@ -307,6 +334,27 @@ if triton is not None:
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         keep = tl.where(dropout_keep(OFFSET + idx, S1, S2, THRESHOLD), 1.0, 0.0)  # via fp32: the interpreter
         tl.store(OUT + idx, keep.to(OUT.dtype.element_ty), mask=idx < NUMEL)  # casts int1 -> bf16 bitwise
+
+
+    @triton.jit
+    def _dropout_mul_kernel(
+        X,  # pointer to the contiguous input, numel values
+        OUT,  # pointer to the contiguous output (X itself for in place)
+        OFFSET,  # counter of element 0
+        S1,  # seed word 1 (seed_keys)
+        S2,  # seed word 2
+        THRESHOLD,  # keep_threshold(p)
+        SCALE,  # applied after the mask, as a second multiply (the torch path's rounding)
+        NUMEL,  # number of values
+        BLOCK: tl.constexpr,  # values per program
+    ):
+        # Bytes: reads and writes numel values once; the mask is never stored.
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = idx < NUMEL
+        x = tl.load(X + idx, mask=valid, other=0.0).to(tl.float32)
+        keep = tl.where(dropout_keep(OFFSET + idx, S1, S2, THRESHOLD), 1.0, 0.0)
+        y = (x * keep).to(OUT.dtype.element_ty).to(tl.float32) * SCALE  # x * 0 keeps the sign of zero, NaN
+        tl.store(OUT + idx, y.to(OUT.dtype.element_ty), mask=valid)
 
 
 def random_bits16_triton(seed: int, offset: int, numel: int, device="cpu") -> torch.Tensor:

@@ -51,9 +51,10 @@ def _probs(q3, k3, scale, mask, batch):
     return torch.softmax(s, dim=-1)
 
 
-def _keep(probs, batch, p, seed, offset):
-    shape = (*batch, *probs.shape[1:])
-    return rng.dropout_mask(seed, offset, shape, p, probs.device, dtype=probs.dtype).view(probs.shape)
+def _drop(t, p, seed, offset, out=None):
+    """``t * keep`` for a (batch, Tq, Tk) tensor whose row-major order is the probabilities' (counters from
+    ``offset``); on a GPU one pass that never writes the mask."""
+    return rng.dropout_mul(t, seed, offset, p, out=out)
 
 
 class AttentionDropoutFunction(torch.autograd.Function):
@@ -68,7 +69,7 @@ class AttentionDropoutFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, scale, p, seed, offset):
         batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
         probs = _probs(q3, k3, scale, add_mask, batch)
-        probs.mul_(_keep(probs, batch, p, seed, offset))
+        _drop(probs, p, seed, offset, out=probs)
         out = torch.bmm(probs, v3).mul_(_keep_scale(p))
         ctx.save_for_backward(q, k, v, mask)
         ctx.cfg = (scale, p, seed, offset)
@@ -83,11 +84,11 @@ class AttentionDropoutFunction(torch.autograd.Function):
         batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
         g3 = grad.reshape(-1, *grad.shape[-2:])
         probs = _probs(q3, k3, scale, add_mask, batch)
-        keep = _keep(probs, batch, p, seed, offset)
-        grad_v = torch.bmm(torch.mul(probs, keep).transpose(1, 2), g3).mul_(ks)
+        grad_v = torch.bmm(_drop(probs, p, seed, offset).transpose(1, 2), g3).mul_(ks)
         # dS = softmax_backward(dropout(dO v^T), P); the 1 / (1 - p) of dropout moves onto dq, dk and dmask.
-        ds = torch._softmax_backward_data(torch.bmm(g3, v3.transpose(1, 2)).mul_(keep), probs, -1, probs.dtype)
-        del probs, keep
+        dp = torch.bmm(g3, v3.transpose(1, 2))
+        ds = torch._softmax_backward_data(_drop(dp, p, seed, offset, out=dp), probs, -1, probs.dtype)
+        del probs, dp
         grad_q = torch.bmm(ds, k3).mul_(scale * ks) if ctx.needs_input_grad[0] else None
         grad_k = torch.bmm(ds.transpose(1, 2), q3).mul_(scale * ks) if ctx.needs_input_grad[1] else None
         grad_mask = None

@@ -125,8 +125,7 @@ def _scale(p: float) -> float:
 
 def apply_mask(x: torch.Tensor, p: float, seed: int, offset: int) -> torch.Tensor:
     """``x * keep / (1 - p)`` with the counter-based keep-mask of ``x``'s shape (a new tensor)."""
-    keep = rng.dropout_mask(seed, offset, x.shape, p, x.device, dtype=x.dtype)
-    return torch.mul(x, keep).mul_(_scale(p))
+    return rng.dropout_mul(x, seed, offset, p, _scale(p))
 
 
 class DropoutFunction(torch.autograd.Function):

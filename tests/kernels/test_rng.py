@@ -54,6 +54,10 @@ def test_gpu_kernel_and_gpu_torch_path_give_the_same_bits(seed, offset, numel):
     for dtype in (torch.bool, torch.float32, torch.bfloat16):
         mask = rng.dropout_mask(seed, offset, numel, 0.1, "cuda", dtype=dtype)  # the Triton mask kernel
         assert torch.equal(mask.cpu(), rng.dropout_mask(seed, offset, numel, 0.1, dtype=dtype))
+        if dtype != torch.bool:
+            x = torch.randn(numel, dtype=dtype)
+            assert torch.equal(rng.dropout_mul(x.cuda(), seed, offset, 0.1, 1 / 0.9).cpu(),
+                               rng.dropout_mul(x, seed, offset, 0.1, 1 / 0.9))  # randn: no NaN
 
 
 @pytest.mark.parametrize("seed, offset, numel", DRAWS)
@@ -69,6 +73,46 @@ def test_triton_mask_kernel_gives_the_torch_paths_mask(interpreted, monkeypatch,
     assert torch.equal(got, want)
     bits = interpreted._words_reference(seed, offset, numel)
     assert torch.equal(got.bool(), bits >= interpreted.keep_threshold(p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 1 / 0.9])
+def test_dropout_mul_kernel_gives_the_mask_paths_bits(interpreted, monkeypatch, dtype, scale):
+    """x * keep * scale in one pass (the GPU path) = multiplying by the float mask, then by scale, bit for bit:
+    signed zeros, NaN and inf included; in place too."""
+    x = torch.randn(3, 5, 67).to(dtype)
+    x.view(-1)[:4] = torch.tensor([-0.0, float("nan"), float("inf"), -1e-30])
+
+    def bits(t):
+        return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+    monkeypatch.setenv("OPSNN_BACKEND", "torch")
+    want = interpreted.dropout_mul(x, 7, 2**33 - 11, 0.3, scale)
+    assert torch.equal(bits(want), bits(x * interpreted.dropout_mask(7, 2**33 - 11, x.shape, 0.3, dtype=dtype) * scale))
+    monkeypatch.setenv("OPSNN_BACKEND", "triton")
+    got = interpreted.dropout_mul(x, 7, 2**33 - 11, 0.3, scale)
+    if dtype == torch.bfloat16 and scale != 1.0:  # the interpreter rounds fp32 -> bf16 toward zero (GPU: to nearest,
+        diff = (bits(got).int() - bits(want).int()).abs()  # checked bit for bit in the GPU test below)
+        assert int(diff.max()) <= 1 and torch.equal(got.isnan(), want.isnan())
+    else:
+        assert torch.equal(bits(got), bits(want))  # bit for bit: -0.0, NaN
+    inplace = x.clone()
+    assert interpreted.dropout_mul(inplace, 7, 2**33 - 11, 0.3, scale, out=inplace) is inplace
+    assert torch.equal(bits(inplace), bits(got))
+    strided = x.transpose(0, 2)  # not contiguous: the mask path, the same counters over the row-major order
+    assert torch.equal(interpreted.dropout_mul(strided, 7, 5, 0.3, scale).nan_to_num(),
+                       (strided * interpreted.dropout_mask(7, 5, strided.shape, 0.3, dtype=dtype) * scale).nan_to_num())
+
+
+def test_dropout_mul_bad_arguments():
+    x = torch.ones(4, 4)
+    with pytest.raises(TypeError, match="x must be"):
+        rng.dropout_mul([1.0], 0, 0, 0.5)
+    with pytest.raises(ValueError, match="out must match"):
+        rng.dropout_mul(x, 0, 0, 0.5, out=torch.empty(4, 5))
+    with pytest.raises(ValueError, match="p"):
+        rng.dropout_mul(x, 0, 0, 1.5)
+    assert torch.equal(rng.dropout_mul(x, 0, 0, 0.0, 2.0), x * 2) and rng.dropout_mul(x[:0], 0, 0, 0.5).numel() == 0
 
 
 def test_mask_depends_only_on_seed_and_offset():
