@@ -8,7 +8,10 @@
    launches take the time;
 4. a kernel profile of each row (:func:`kernel_profile`) at the CPU-sized shapes, or with ``--batch-scale``
    where one is given: kernels launched per step, the GPU's busy time against the step's wall time, and the
-   fused step's costliest kernels.
+   fused step's costliest kernels;
+5. whole models (:mod:`opsnn_lab.bench.gpu_models`: a Llama-style decoder with the fused head + loss, BERT-base,
+   MobileNetV2, EfficientNet-B0): a training step fused/eager in time and activation bytes, fp32 and under bf16
+   autocast.
 
 Writes ``build/bench/gpu_check.json``. On a machine without CUDA it says so and exits 0.
 """
@@ -136,7 +139,8 @@ def kernel_profile(chains, device="cuda", steps: int = 5, top: int = 5) -> list[
 
 # Where the tests marked gpu live (tests/bench/test_ops_bench.py keeps this list whole). Collecting only these
 # lets a bare CUDA image without the notebook and widget stack (nbformat, plotly, anywidget) run them.
-GPU_TEST_PATHS = ("tests/kernels", "tests/ops", "tests/consistency", "tests/test_memory.py")
+GPU_TEST_PATHS = ("tests/kernels", "tests/ops", "tests/consistency", "tests/test_memory.py",
+                  "tests/fusion/test_gpu_models.py")
 
 
 def _pytest(timeout: int) -> dict:
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-scale", type=int, default=16,
                     help="second ops run with every batch this many times larger (default 16; 1: no second run)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-row kernel profile")
+    ap.add_argument("--no-models", action="store_true", help="skip the whole-model training steps")
     ap.add_argument("--out", default=None, help="directory for gpu_check.json (default build/bench)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -202,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(result["profile"], cols))
         for row in result["profile"]:
             print(row["chain"], row["fused_top"])
+    if not args.no_models:
+        from opsnn_lab.bench.gpu_models import model_rows
+
+        write_json("gpu_check", result, args.out)
+        result["models"] = model_rows("cuda")
+        print(format_table(result["models"], ["model", "precision", "fused", "candidates", "time fused/eager",
+                                              "eager ms", "bytes fused/eager", "loss rel diff", "error"]))
     path = write_json("gpu_check", result, args.out)
     print(f"wrote {path}")
     codes = [result["ops"]["returncode"], result.get("ops_scaled", {"returncode": 0})["returncode"]]

@@ -192,3 +192,18 @@ def test_kernel_profile_counts_calls_and_time_per_step():
         assert 0 < row[f"{variant}_busy_ms"] and 0 < row[f"{variant}_wall_ms"]
     assert row["fused_kernels"] < row["eager_kernels"]  # one packed gate/up GEMM and one activation op
     assert 1 <= len(row["fused_top"]) <= 3 and all(ms > 0 for _, ms in row["fused_top"])
+
+
+def test_model_rows_time_bytes_and_loss_per_precision():
+    """gpu_check's whole-model rows, on the zoo's tiny models and a CPU: fused/eager for fp32 and bf16 autocast."""
+    pytest.importorskip("transformers")
+    from opsnn_lab.bench.gpu_models import model_rows
+
+    rows = model_rows("cpu", names=("llama", "mobilenet_v2"), quick=True, repeat=1)
+    assert [(r["model"], r["precision"]) for r in rows] == [
+        ("llama", "fp32"), ("llama", "bf16 autocast"), ("mobilenet_v2", "fp32"), ("mobilenet_v2", "bf16 autocast")]
+    for r in rows:
+        assert r["fused"] > 0 and 0 < r["bytes fused/eager"] < 1 and r["time fused/eager"] > 0, r
+        assert r["loss rel diff"] < (1e-5 if r["precision"] == "fp32" else 2e-2), r
+    (bad,) = model_rows("cpu", names=("no_such_model",), quick=True)
+    assert bad["model"] == "no_such_model" and "ValueError" in bad["error"]
