@@ -150,8 +150,9 @@ def _pytest(timeout: int) -> dict:
                                "no:cacheprovider", *GPU_TEST_PATHS], capture_output=True, text=True, timeout=timeout)
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         tail = [ln for ln in lines if ln.startswith(("FAILED", "ERROR", "E  "))][:40] + lines[-3:]
-        return {"returncode": proc.returncode, "summary": tail[-1] if tail else "", "tail": tail,
-                "seconds": time.perf_counter() - t0}
+        summary = tail[-1] if tail else ""
+        print(f"pytest -m gpu: {summary}")
+        return {"returncode": proc.returncode, "summary": summary, "tail": tail, "seconds": time.perf_counter() - t0}
     except subprocess.TimeoutExpired:
         return {"returncode": None, "summary": f"timed out after {timeout} s", "seconds": timeout}
 
@@ -171,9 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench gpu_check", description=__doc__.splitlines()[0])
     ap.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
     ap.add_argument("--no-compile", action="store_true", help="ops benchmark without the torch.compile column")
-    ap.add_argument("--test-timeout", type=int, default=180)
+    ap.add_argument("--test-timeout", type=int, default=300)
     ap.add_argument("--batch-scale", type=int, default=16,
                     help="second ops run with every batch this many times larger (default 16; 1: no second run)")
+    ap.add_argument("--no-base-ops", action="store_true", help="skip the ops run at the CPU-sized shapes")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-row kernel profile")
     ap.add_argument("--no-models", action="store_true", help="skip the whole-model training steps")
     ap.add_argument("--out", default=None, help="directory for gpu_check.json (default build/bench)")
@@ -185,37 +187,46 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_line())
     name = torch.cuda.get_device_name()
     result = {"device": name, "copy_gbs": _copy_gbs("cuda"), "nominal_gbs": _nominal(name)}
-    if not args.skip_tests:
-        result["tests"] = _pytest(args.test_timeout)
-        print(f"pytest -m gpu: {result['tests']['summary']}")
-    result["kernels"] = kernel_bandwidth("cuda")
-    for row in result["kernels"]:
-        row["of_copy"] = row["gbs"] / result["copy_gbs"]
-        print(f"{row['kernel']:28s} {str(row['shape']):14s} {row['dtype']:9s} {row['gbs']:8.1f} GB/s "
-              f"({row['of_copy']:.0%} of copy {result['copy_gbs']:.0f} GB/s)")
-    result["ops"] = _ops_bench(args.no_compile)
-    write_json("gpu_check", result, args.out)  # each stage's results are kept even if a later one fails
-    if args.batch_scale > 1:
-        result["ops_scaled"] = {"batch_scale": args.batch_scale, **_ops_bench(args.no_compile, args.batch_scale)}
-        write_json("gpu_check", result, args.out)
-    if not args.no_profile:
-        from opsnn_lab.bench.ops import FULL, build_chains, scaled
-
-        result["profile"] = kernel_profile(build_chains(scaled(FULL, args.batch_scale), "cuda")[0])
-        cols = ["chain", "eager_kernels", "fused_kernels", "fused_syncs", "eager_busy_ms", "eager_wall_ms",
-                "fused_busy_ms", "fused_wall_ms"]
-        print(format_table(result["profile"], cols))
-        for row in result["profile"]:
-            print(row["chain"], row["fused_top"])
-    if not args.no_models:
-        from opsnn_lab.bench.gpu_models import model_rows
-
-        write_json("gpu_check", result, args.out)
-        result["models"] = model_rows("cuda")
-        print(format_table(result["models"], ["model", "precision", "fused", "candidates", "time fused/eager",
-                                              "eager ms", "bytes fused/eager", "loss rel diff", "error"]))
-    path = write_json("gpu_check", result, args.out)
+    stages = [("tests", not args.skip_tests, lambda: _pytest(args.test_timeout)),
+              ("kernels", True, lambda: _bandwidth(result["copy_gbs"])),
+              ("ops", not args.no_base_ops, lambda: _ops_bench(args.no_compile)),
+              ("ops_scaled", args.batch_scale > 1,
+               lambda: {"batch_scale": args.batch_scale, **_ops_bench(args.no_compile, args.batch_scale)}),
+              ("models", not args.no_models, _models),
+              ("profile", not args.no_profile, lambda: _profile(args.batch_scale))]
+    for key, wanted, run in stages:  # the JSON is written after each stage: a later failure loses nothing
+        if wanted:
+            result[key] = run()
+            path = write_json("gpu_check", result, args.out)
     print(f"wrote {path}")
-    codes = [result["ops"]["returncode"], result.get("ops_scaled", {"returncode": 0})["returncode"]]
-    failed = result.get("tests", {"returncode": 0})["returncode"] != 0 or any(codes)
-    return 1 if failed else 0
+    codes = [result.get(k, {"returncode": 0})["returncode"] for k in ("tests", "ops", "ops_scaled")]
+    return 1 if any(code != 0 for code in codes) else 0  # None: the tests timed out
+
+
+def _bandwidth(copy_gbs: float) -> list[dict]:
+    rows = kernel_bandwidth("cuda")
+    for row in rows:
+        row["of_copy"] = row["gbs"] / copy_gbs
+        print(f"{row['kernel']:28s} {str(row['shape']):14s} {row['dtype']:9s} {row['gbs']:8.1f} GB/s "
+              f"({row['of_copy']:.0%} of copy {copy_gbs:.0f} GB/s)")
+    return rows
+
+
+def _models() -> list[dict]:
+    from opsnn_lab.bench.gpu_models import model_rows
+
+    rows = model_rows("cuda")
+    print(format_table(rows, ["model", "precision", "fused", "candidates", "time fused/eager", "eager ms",
+                              "bytes fused/eager", "loss rel diff", "error"]))
+    return rows
+
+
+def _profile(batch_scale: int) -> list[dict]:
+    from opsnn_lab.bench.ops import FULL, build_chains, scaled
+
+    rows = kernel_profile(build_chains(scaled(FULL, batch_scale), "cuda")[0])
+    print(format_table(rows, ["chain", "eager_kernels", "fused_kernels", "fused_syncs", "eager_busy_ms",
+                              "eager_wall_ms", "fused_busy_ms", "fused_wall_ms"]))
+    for row in rows:
+        print(row["chain"], row["fused_top"])
+    return rows

@@ -207,3 +207,30 @@ def test_model_rows_time_bytes_and_loss_per_precision():
         assert r["loss rel diff"] < (1e-5 if r["precision"] == "fp32" else 2e-2), r
     (bad,) = model_rows("cpu", names=("no_such_model",), quick=True)
     assert bad["model"] == "no_such_model" and "ValueError" in bad["error"]
+
+
+def test_gpu_check_runs_its_stages_in_order_and_keeps_each_result(tmp_path, monkeypatch):
+    """The stages as a GPU run takes them (stubbed here): the JSON holds every stage that ran, a failing test
+    run or a timed-out one makes the exit code 1."""
+    import json
+
+    ran = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(gpu_check, "machine_line", lambda: "machine")
+    monkeypatch.setattr(gpu_check, "_copy_gbs", lambda device: 1000.0)
+    outcome = {"returncode": 0}
+    monkeypatch.setattr(gpu_check, "_pytest", lambda timeout: ran.append("tests") or dict(outcome))
+    monkeypatch.setattr(gpu_check, "_bandwidth", lambda gbs: ran.append("kernels") or [])
+    monkeypatch.setattr(gpu_check, "_ops_bench", lambda nc, scale=1: ran.append(f"ops x{scale}") or
+                        {"returncode": 0, "rows": [], "skipped": []})
+    monkeypatch.setattr(gpu_check, "_models", lambda: ran.append("models") or [{"model": "llama"}])
+    monkeypatch.setattr(gpu_check, "_profile", lambda scale: ran.append(f"profile x{scale}") or [])
+    assert gpu_check.main(["--out", str(tmp_path), "--no-base-ops", "--batch-scale", "8"]) == 0
+    assert ran == ["tests", "kernels", "ops x8", "models", "profile x8"]
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["device"] == "NVIDIA H200" and data["ops_scaled"]["batch_scale"] == 8 and "ops" not in data
+    assert data["models"] == [{"model": "llama"}]
+    for code in (1, None):
+        outcome["returncode"] = code
+        assert gpu_check.main(["--out", str(tmp_path), "--no-models", "--no-profile", "--batch-scale", "1"]) == 1
