@@ -49,6 +49,7 @@ __all__ = [
     "uniform",
     "dropout_mask",
     "dropout_mul",
+    "fuses_dropout_mul",
     "counter_bits16",
     "dropout_keep",
 ]
@@ -223,6 +224,14 @@ def dropout_mask(seed: int, offset: int, shape: Sequence[int] | int, p: float, d
         return torch.ge(_signed16(seed, offset, numel, device), thr - 32768, out=out).view(shape)
 
 
+def fuses_dropout_mul(x: torch.Tensor) -> bool:
+    """Whether :func:`dropout_mul` applies the mask to ``x`` in one pass without making it (a contiguous
+    fp32/fp16/bf16 tensor where the Triton kernels run); callers that apply one mask to several tensors make
+    it once with :func:`dropout_mask` otherwise."""
+    return (x.dtype in (torch.float32, torch.float16, torch.bfloat16) and x.is_contiguous()
+            and backend_for_device(x.device) == "triton")
+
+
 def dropout_mul(x: torch.Tensor, seed: int, offset: int, p: float, scale: float = 1.0,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``x * keep * scale`` with ``keep = dropout_mask(seed, offset, x.shape, p)`` (row-major counters), into
@@ -237,9 +246,7 @@ def dropout_mul(x: torch.Tensor, seed: int, offset: int, p: float, scale: float 
     _check_draw(offset, numel)
     thr = keep_threshold(p)
     dst = torch.empty_like(x) if out is None else out
-    fast = (backend_for_device(x.device) == "triton" and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and x.is_contiguous() and dst.is_contiguous() and 0 < thr < 65536 and numel > 0)
-    if not fast:
+    if not (fuses_dropout_mul(x) and dst.is_contiguous() and 0 < thr < 65536 and numel > 0):
         keep = dropout_mask(seed, offset, x.shape, p, x.device, dtype=x.dtype)
         torch.mul(x, keep, out=dst)
         return dst if scale == 1.0 else dst.mul_(scale)

@@ -51,10 +51,21 @@ def _probs(q3, k3, scale, mask, batch):
     return torch.softmax(s, dim=-1)
 
 
-def _drop(t, p, seed, offset, out=None):
-    """``t * keep`` for a (batch, Tq, Tk) tensor whose row-major order is the probabilities' (counters from
-    ``offset``); on a GPU one pass that never writes the mask."""
-    return rng.dropout_mul(t, seed, offset, p, out=out)
+class _Dropout:
+    """``t * keep`` for the step's (batch, Tq, Tk) tensors (row-major counters from ``offset``): on a GPU one pass
+    per tensor that never writes the mask; elsewhere the mask is made once and reused."""
+
+    def __init__(self, probs, batch, p, seed, offset):
+        self.args = (seed, offset, p)
+        self.keep = None
+        if not rng.fuses_dropout_mul(probs):
+            shape = (*batch, *probs.shape[1:])
+            self.keep = rng.dropout_mask(seed, offset, shape, p, probs.device, dtype=probs.dtype).view(probs.shape)
+
+    def __call__(self, t, out=None):
+        if self.keep is None:
+            return rng.dropout_mul(t, *self.args, out=out)
+        return torch.mul(t, self.keep) if out is None else out.mul_(self.keep)
 
 
 class AttentionDropoutFunction(torch.autograd.Function):
@@ -69,7 +80,7 @@ class AttentionDropoutFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, scale, p, seed, offset):
         batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
         probs = _probs(q3, k3, scale, add_mask, batch)
-        _drop(probs, p, seed, offset, out=probs)
+        _Dropout(probs, batch, p, seed, offset)(probs, out=probs)
         out = torch.bmm(probs, v3).mul_(_keep_scale(p))
         ctx.save_for_backward(q, k, v, mask)
         ctx.cfg = (scale, p, seed, offset)
@@ -84,11 +95,12 @@ class AttentionDropoutFunction(torch.autograd.Function):
         batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
         g3 = grad.reshape(-1, *grad.shape[-2:])
         probs = _probs(q3, k3, scale, add_mask, batch)
-        grad_v = torch.bmm(_drop(probs, p, seed, offset).transpose(1, 2), g3).mul_(ks)
+        drop = _Dropout(probs, batch, p, seed, offset)
+        grad_v = torch.bmm(drop(probs).transpose(1, 2), g3).mul_(ks)
         # dS = softmax_backward(dropout(dO v^T), P); the 1 / (1 - p) of dropout moves onto dq, dk and dmask.
         dp = torch.bmm(g3, v3.transpose(1, 2))
-        ds = torch._softmax_backward_data(_drop(dp, p, seed, offset, out=dp), probs, -1, probs.dtype)
-        del probs, dp
+        ds = torch._softmax_backward_data(drop(dp, out=dp), probs, -1, probs.dtype)
+        del probs, dp, drop
         grad_q = torch.bmm(ds, k3).mul_(scale * ks) if ctx.needs_input_grad[0] else None
         grad_k = torch.bmm(ds.transpose(1, 2), q3).mul_(scale * ks) if ctx.needs_input_grad[1] else None
         grad_mask = None
