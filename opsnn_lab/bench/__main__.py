@@ -9,8 +9,7 @@ import sys
 import opsnn_lab.bench as _bench
 
 # modules the benchmarks share (no ``main``): measuring helpers and the row builders of ``ops``
-_NOT_BENCHMARKS = {"allocator", "chains_conv", "chains_mlp", "chains_norm", "common", "gpu_models", "machine",
-                   "memory"}
+_NOT_BENCHMARKS = {"allocator", "chains_conv", "chains_mlp", "chains_norm", "common", "machine", "memory"}
 
 
 def available() -> list[str]:

@@ -9,7 +9,7 @@
 4. a kernel profile of each row (:func:`kernel_profile`) at the CPU-sized shapes, or with ``--batch-scale``
    where one is given: kernels launched per step, the GPU's busy time against the step's wall time, and the
    fused step's costliest kernels;
-5. whole models (:mod:`opsnn_lab.bench.gpu_models`: a Llama-style decoder with the fused head + loss, BERT-base,
+5. whole models (:mod:`opsnn_lab.bench.models`: a Llama-style decoder with the fused head + loss, BERT-base,
    MobileNetV2, EfficientNet-B0): a training step fused/eager in time and activation bytes, fp32 and under bf16
    autocast.
 
@@ -213,11 +213,10 @@ def _bandwidth(copy_gbs: float) -> list[dict]:
 
 
 def _models() -> list[dict]:
-    from opsnn_lab.bench.gpu_models import model_rows
+    from opsnn_lab.bench.models import COLUMNS, model_rows
 
     rows = model_rows("cuda")
-    print(format_table(rows, ["model", "precision", "fused", "candidates", "time fused/eager", "eager ms",
-                              "bytes fused/eager", "loss rel diff", "error"]))
+    print(format_table(rows, COLUMNS))
     return rows
 
 

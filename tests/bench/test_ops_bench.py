@@ -197,7 +197,7 @@ def test_kernel_profile_counts_calls_and_time_per_step():
 def test_model_rows_time_bytes_and_loss_per_precision():
     """gpu_check's whole-model rows, on the zoo's tiny models and a CPU: fused/eager for fp32 and bf16 autocast."""
     pytest.importorskip("transformers")
-    from opsnn_lab.bench.gpu_models import model_rows
+    from opsnn_lab.bench.models import model_rows
 
     rows = model_rows("cpu", names=("llama", "mobilenet_v2"), quick=True, repeat=1)
     assert [(r["model"], r["precision"]) for r in rows] == [
@@ -234,3 +234,17 @@ def test_gpu_check_runs_its_stages_in_order_and_keeps_each_result(tmp_path, monk
     for code in (1, None):
         outcome["returncode"] = code
         assert gpu_check.main(["--out", str(tmp_path), "--no-models", "--no-profile", "--batch-scale", "1"]) == 1
+
+
+def test_models_benchmark_writes_its_rows(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import json
+
+    from opsnn_lab.bench import models
+
+    assert models.main(["--device", "cpu", "--quick", "--models", "gpt2", "--repeat", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "models.json").read_text())
+    assert {r["model"] for r in data["rows"]} == {"gpt2"} and data["rows"][0]["precision"] == "fp32"
+    assert "time fused/eager" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        models.main(["--models", "gpt2"])  # a zoo model, but not one of the sized ones
