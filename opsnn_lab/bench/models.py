@@ -24,7 +24,7 @@ import copy
 import torch
 
 import opsnn_lab as ol
-from opsnn_lab.bench.common import format_table, interleaved_medians, machine_line, write_json
+from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_threads, machine_line, write_json
 from opsnn_lab.measuring import activation_bytes
 
 __all__ = ["main", "model_rows", "MODELS", "SIZES"]
@@ -124,7 +124,9 @@ COLUMNS = ["model", "precision", "fused", "candidates", "time fused/eager", "eag
            "loss rel diff", "error"]
 
 
+@keeps_threads
 def main(argv: list[str] | None = None) -> int:
+    from opsnn_lab.bench.allocator import steady
     from opsnn_lab.bench.machine import emulated_note
 
     ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench models", description=__doc__.splitlines()[0])
@@ -132,23 +134,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="*", default=list(MODELS),
                     help=f"of {', '.join(MODELS)} (with --quick: any model of opsnn_lab.demos.zoo)")
     ap.add_argument("--quick", action="store_true", help="the test zoo's tiny models")
-    ap.add_argument("--repeat", type=int, default=None, help="timed rounds per variant (default 10, CPU 5)")
+    ap.add_argument("--repeat", type=int, default=None, help="timed rounds per variant (default 10, CPU 7)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads for the run (1 gives steadier ratios on a shared, loaded CPU)")
     ap.add_argument("--out", default=None, help="directory for models.json (default build/bench)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from opsnn_lab.demos import zoo
 
     known = zoo.MODELS if args.quick else MODELS
     if unknown := [m for m in args.models if m not in known]:
         ap.error(f"--models must name models of {sorted(known)}, got {unknown}")
     on_cpu = torch.device(args.device).type == "cpu"
+    allocator = steady() if on_cpu else "cuda caching allocator"  # no variant pays for the other's page faults
     why = emulated_note(torch.bfloat16) if on_cpu else None
     if why:
         print(f"bf16 autocast rows left out: {why}")
-    repeat = args.repeat or (5 if on_cpu else 10)
+    repeat = args.repeat or (7 if on_cpu else 10)
     rows = model_rows(args.device, args.models, quick=args.quick, repeat=repeat, bf16=why is None)
     print(machine_line())
     print(format_table(rows, [c for c in COLUMNS if any(c in r for r in rows)]))
-    path = write_json("models", {"device": args.device, "quick": args.quick, "repeat": repeat, "rows": rows,
-                                 "skipped": [why] if why else []}, args.out)
+    print(f"allocator: {allocator}")
+    path = write_json("models", {"device": args.device, "quick": args.quick, "repeat": repeat,
+                                 "threads": torch.get_num_threads(), "rows": rows,
+                                 "allocator": allocator, "skipped": [why] if why else []}, args.out)
     print(f"wrote {path}")
     return 1 if any("error" in r for r in rows) else 0
