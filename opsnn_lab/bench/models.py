@@ -66,9 +66,9 @@ def _loss(model, inputs: dict, head_loss: bool):
     if head_loss:  # the fused head + cross-entropy: the logits are never held
         ids = inputs["input_ids"]
         return ol.ops.lm_head_loss(model, ids, inputs["labels"], attention_mask=inputs["attention_mask"])
-    out = model(**inputs)
-    loss = getattr(out, "loss", None)
-    return loss if loss is not None else out.to_tuple()[0].float().square().mean()
+    from opsnn_lab.demos.zoo import training_loss
+
+    return training_loss(model(**inputs))
 
 
 def _row(name: str, model, inputs: dict, device, repeat: int, precisions) -> list[dict]:

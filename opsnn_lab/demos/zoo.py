@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "build", "EXPECTED", "TIMM_MODELS", "build_timm"]
+__all__ = ["MODELS", "build", "training_loss", "EXPECTED", "TIMM_MODELS", "build_timm"]
 
 _TEXT = ("bert", "roberta", "gpt2", "llama")
 
@@ -138,6 +138,13 @@ def build(name: str, size: str = "tiny", dropout: float | None = None, batch: in
     torch.manual_seed(0)
     model, inputs = MODELS[name](name, size, dropout, batch, seq)
     return model, inputs
+
+
+def training_loss(out) -> torch.Tensor:
+    """A scalar to train a zoo model's output on: its own loss when it computes one (labels given), else the
+    mean square of its first output in fp32 (a base model's hidden states)."""
+    loss = getattr(out, "loss", None)
+    return loss if loss is not None else out.to_tuple()[0].float().square().mean()
 
 
 # timm's models (not a dependency of opsnn_lab): BatchNormAct2d in the EfficientNet/MobileNet/RegNet families,

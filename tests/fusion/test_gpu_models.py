@@ -13,14 +13,11 @@ import pytest
 import torch
 
 import opsnn_lab as ol
+from opsnn_lab.demos.zoo import training_loss as _loss
 from opsnn_lab.measuring import activation_bytes
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def _loss(out):
-    return out.loss if getattr(out, "loss", None) is not None else out.to_tuple()[0].float().square().mean()
 
 
 def _grads(model, inputs, amp):

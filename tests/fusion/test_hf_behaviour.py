@@ -116,12 +116,9 @@ def test_fused_model_under_autocast_keeps_its_memory_win_and_eager_accuracy(name
     model, inputs = zoo.build(name, dropout=0.0)
     kw = inputs if isinstance(inputs, dict) else None
 
-    def loss(out):
-        return out.loss if getattr(out, "loss", None) is not None else out.to_tuple()[0].float().square().mean()
-
     def run(m):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return loss(m(**kw) if kw else m(*inputs))
+            return zoo.training_loss(m(**kw) if kw else m(*inputs))
 
     fused, plan = ol.fusion.fuse(copy.deepcopy(model).train(), kw or inputs)
     assert any(d.fused for d in plan.decisions)
@@ -134,7 +131,7 @@ def test_fused_model_under_autocast_keeps_its_memory_win_and_eager_accuracy(name
     double = copy.deepcopy(model).double()
     double.zero_grad()
     cast = {k: v.double() if v.is_floating_point() else v for k, v in kw.items()} if kw else None
-    loss(double(**cast) if kw else double(*[x.double() for x in inputs])).backward()
+    zoo.training_loss(double(**cast) if kw else double(*[x.double() for x in inputs])).backward()
     for k, p in double.named_parameters():
         if p.grad is None:
             continue
