@@ -216,9 +216,8 @@ def dropout_mask(seed: int, offset: int, shape: Sequence[int] | int, p: float, d
         return torch.zeros(shape, dtype=dtype, device=device)
     out = torch.empty(numel, dtype=dtype, device=device)
     if backend_for_device(device) == "triton":  # one pass writing the mask, not the torch path's ~10 on a GPU
-        block, warps = calculate_settings(min(numel, 1024))
-        _keep_kernel[(triton.cdiv(numel, block),)](out.view(torch.uint8) if dtype == torch.bool else out, offset,
-                                                   *seed_keys(seed), thr, numel, BLOCK=block, num_warps=warps)
+        _launch(_keep_kernel, numel, out.view(torch.uint8) if dtype == torch.bool else out, offset,
+                *seed_keys(seed), thr, numel)
         return out.view(shape)
     with _serial(device, numel):
         return torch.ge(_signed16(seed, offset, numel, device), thr - 32768, out=out).view(shape)
@@ -250,9 +249,7 @@ def dropout_mul(x: torch.Tensor, seed: int, offset: int, p: float, scale: float 
         keep = dropout_mask(seed, offset, x.shape, p, x.device, dtype=x.dtype)
         torch.mul(x, keep, out=dst)
         return dst if scale == 1.0 else dst.mul_(scale)
-    block, warps = calculate_settings(min(numel, 1024))
-    _dropout_mul_kernel[(triton.cdiv(numel, block),)](x, dst, offset, *seed_keys(seed), thr, float(scale), numel,
-                                                      BLOCK=block, num_warps=warps)
+    _launch(_dropout_mul_kernel, numel, x, dst, offset, *seed_keys(seed), thr, float(scale), numel)
     return dst
 
 
@@ -370,6 +367,11 @@ def random_bits16_triton(seed: int, offset: int, numel: int, device="cpu") -> to
     s1, s2 = seed_keys(seed)
     out = torch.empty(numel, dtype=torch.int32, device=device)
     if numel:
-        block, warps = calculate_settings(min(numel, 1024))
-        _bits16_kernel[(triton.cdiv(numel, block),)](out, offset, s1, s2, numel, BLOCK=block, num_warps=warps)
+        _launch(_bits16_kernel, numel, out, offset, s1, s2, numel)
     return out
+
+
+def _launch(kernel, numel: int, *args) -> None:
+    """One program per 1024 counters (fewer for a short draw): the launch of every kernel in this module."""
+    block, warps = calculate_settings(min(numel, 1024))
+    kernel[(triton.cdiv(numel, block),)](*args, BLOCK=block, num_warps=warps)
