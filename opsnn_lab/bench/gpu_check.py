@@ -117,9 +117,9 @@ def _profiled(step, device, steps: int):
 def kernel_profile(chains, device="cuda", steps: int = 5, top: int = 5) -> list[dict]:
     """Per ``ops`` row (a :class:`~opsnn_lab.bench.ops.Chain`) and variant: kernels per forward+backward step, host
     syncs (``.item()``, ``nonzero``) per step, GPU busy ms (kernel time summed), wall ms, and the fused step's
-    ``top`` costliest kernels. A step whose busy time
-    is well under its wall time is bound by launches and Python, not by the kernels. On a CPU it counts aten
-    calls instead of kernels (so the function is tested without a GPU)."""
+    ``top`` costliest kernels. A step whose busy time is well under its wall time is bound by launches and Python,
+    not by the kernels. On a CPU it counts aten calls instead of kernels (so the function is tested without a
+    GPU)."""
     from opsnn_lab.bench.ops import _outputs, _step
 
     rows = []

@@ -76,10 +76,11 @@ def _row(name: str, model, inputs: dict, device, repeat: int, precisions) -> lis
     inputs = {k: v.to(device) for k, v in inputs.items()}
     fused, plan = ol.fusion.fuse(copy.deepcopy(model), inputs)
     head_loss = ol.ops.lm_head_kind(fused)[0] is not None and "labels" in inputs and "input_ids" in inputs
+    kind = torch.device(device).type
     rows = []
     for amp in precisions:
         def step(m, fused_side, amp=amp):
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
+            with torch.autocast(kind, dtype=torch.bfloat16, enabled=amp):
                 loss = _loss(m, inputs, head_loss and fused_side)
             loss.backward()
             return loss
@@ -87,7 +88,7 @@ def _row(name: str, model, inputs: dict, device, repeat: int, precisions) -> lis
         losses = [float(step(m, side).detach()) for m, side in ((model, False), (fused, True))]
         times = interleaved_medians({"eager": lambda: step(model, False), "fused": lambda: step(fused, True)},
                                     warmup=2, repeat=repeat, device=device)
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
+        with torch.autocast(kind, dtype=torch.bfloat16, enabled=amp):
             eager_b = activation_bytes(lambda: _loss(model, inputs, False), exclude=tuple(model.parameters()))
             fused_b = activation_bytes(lambda: _loss(fused, inputs, head_loss), exclude=tuple(fused.parameters()))
         rows.append({"model": name, "precision": "bf16 autocast" if amp else "fp32", "fused": len(plan.fused),
