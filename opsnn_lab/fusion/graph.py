@@ -115,7 +115,14 @@ def is_leaf_module(module: nn.Module) -> bool:
     if Probed.leaf(module):  # one op by what it computes (probe.py)
         return True
     builtin = mod.startswith("torch.nn") or mod.startswith("torch.ao.nn") or mod.startswith("opsnn_lab.ops")
-    return builtin and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+    return builtin and not isinstance(module, _COMPOSITES)
+
+
+# Built-in modules whose forward calls their children's forwards: their Linears, norms and activations are the
+# model's, so the tracer looks into them as into user code. (nn.MultiheadAttention is not one: it reads its
+# out_proj's weight without calling it.)
+_COMPOSITES = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Transformer, nn.TransformerEncoder,
+               nn.TransformerDecoder, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 @dataclass(frozen=True)

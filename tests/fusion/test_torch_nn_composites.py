@@ -1,0 +1,94 @@
+"""torch.nn's own transformer modules (``nn.Transformer``, ``nn.TransformerEncoder``/``Decoder`` and their
+layers) call their children's forwards: the analysis looks into them as into user code, so the norms, the
+residual adds and the MLPs of a model built from them are candidates like anyone else's. Fused, the model
+gives eager's outputs and gradients in train and eval, with and without masks, and in eval the encoder's
+fast path (``torch._transformer_encoder_layer_fwd``, which reads the parameters directly) still runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import opsnn_lab as ol
+from opsnn_lab.bench import activation_bytes
+from opsnn_lab.fusion.graph import is_leaf_module
+
+D, HEADS, FF = 32, 4, 64
+
+
+def _encoder(norm_first: bool) -> nn.Module:
+    layer = nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, activation="gelu", batch_first=True,
+                                       norm_first=norm_first)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def _grads(model, *args, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(*args, **kwargs)
+    out.sin().sum().backward()
+    return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _assert_same(model, fused, *args, **kwargs):
+    out_a, grads_a = _grads(model, *args, **kwargs)
+    out_b, grads_b = _grads(fused, *args, **kwargs)
+    torch.testing.assert_close(out_b, out_a, rtol=1e-12, atol=1e-12)
+    assert grads_a.keys() == grads_b.keys()
+    for key, g in grads_a.items():
+        torch.testing.assert_close(grads_b[key], g, rtol=1e-10, atol=1e-12, msg=key)
+
+
+def test_composites_are_looked_into_and_multihead_attention_stays_one_op():
+    composites = (nn.Transformer(D, HEADS, 1, 1, FF, batch_first=True), _encoder(False),
+                  nn.TransformerDecoderLayer(D, HEADS, FF))
+    for module in composites:
+        assert not is_leaf_module(module)
+    assert is_leaf_module(nn.MultiheadAttention(D, HEADS))  # reads out_proj's weight without calling it
+    assert is_leaf_module(nn.LayerNorm(D))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_transformer_encoder_fuses_its_norms_and_says_why_not_its_mlp(norm_first):
+    torch.manual_seed(0)
+    model = _encoder(norm_first).double()
+    x = torch.randn(2, 7, D, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    summary = plan.summary()
+    assert summary["layer_norm"]["fused"] == 2  # the norm whose output a Linear (or the attention) reads
+    mlp = [d for d in plan.decisions if d.pattern == "linear_gelu_dropout_linear"]
+    assert len(mlp) == 2 and not any(d.fused for d in mlp)
+    # the GELU is a function called inline in the layer's forward, which fx cannot trace (shape checks)
+    assert all("`gelu` runs inline" in d.reason for d in mlp), [d.reason for d in mlp]
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    _assert_same(model, fused, x)
+    _assert_same(model, fused, x, src_key_padding_mask=pad)
+    model.eval()
+    fused.eval()
+    _assert_same(model, fused, x, src_key_padding_mask=pad)
+    with torch.no_grad():  # eval without grad: the fast path of nn.TransformerEncoderLayer
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_transformer_decoder_layers_fuse_their_mlp_and_residual_norms():
+    torch.manual_seed(0)
+    model = nn.Transformer(D, HEADS, 1, 1, FF, dropout=0.0, batch_first=True).double()
+    src = torch.randn(2, 8, D, dtype=torch.float64)
+    tgt = torch.randn(2, 5, D, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model.train(), (src, tgt))
+    done = [(d.pattern, d.modules[-1]) for d in plan.decisions if d.fused]
+    assert ("linear_relu_dropout_linear", "decoder.layers.0.linear2") in done
+    assert [m for p, m in done if p == "add_layer_norm"] == ["decoder.layers.0.norm2", "decoder.layers.0.norm3"]
+    mask = nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
+    _assert_same(model, fused, src, tgt)
+    _assert_same(model, fused, src, tgt, tgt_mask=mask, tgt_is_causal=True)
+    model.eval()
+    fused.eval()
+    _assert_same(model, fused, src, tgt, tgt_mask=mask)
+    model.train()
+    fused.train()
+    eager = activation_bytes(lambda: model(src, tgt), exclude=tuple(model.parameters()))
+    ours = activation_bytes(lambda: fused(src, tgt), exclude=tuple(fused.parameters()))
+    assert ours < eager
+    assert plan.saved_bytes == eager - ours
