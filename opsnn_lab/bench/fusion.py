@@ -18,7 +18,9 @@ Writes build/bench/fusion_hf.json.
 ``--models timm``: the same columns for timm's models (``zoo.TIMM_MODELS``: ResNet, EfficientNet, MobileNet
 v2/v3, LCNet, RegNet with its ``BatchNormAct2d``, ViT), built without weights, 2x3x96x96, training. timm is
 not a dependency (it needs torchvision); without it the command says so and returns 2.
-Writes build/bench/fusion_timm.json.
+Writes build/bench/fusion_timm.json. ``--models torchvision``: the same for ``zoo.TORCHVISION_MODELS`` (ResNet,
+MobileNetV3, EfficientNet, RegNet, ShuffleNet, MNASNet, DenseNet, GoogLeNet, ConvNeXt), built without weights;
+writes build/bench/fusion_torchvision.json.
 """
 
 from __future__ import annotations
@@ -175,26 +177,37 @@ def main_hf(args) -> int:
     return 0
 
 
-def main_timm(args) -> int:
+_LIBRARIES = {  # --models name -> (models, builder name in zoo, what to say when it is missing)
+    "timm": ("TIMM_MODELS", "build_timm", "pip install timm (it needs torchvision; install the torchvision built "
+             "for your torch first, or pip may replace your torch)"),
+    "torchvision": ("TORCHVISION_MODELS", "build_torchvision", "install the torchvision built for your torch "
+                    "(pip may otherwise replace your torch)"),
+}
+
+
+def main_library(args, library: str) -> int:
+    """One row per model of a model library opsnn_lab does not depend on; 2 with a clear line without it."""
+    import importlib
     import warnings
 
     from opsnn_lab.demos import zoo
 
+    names, builder, hint = _LIBRARIES[library]
     try:
-        import timm  # noqa: F401 - only to say clearly when it is missing
+        lib = importlib.import_module(library)
     except ImportError:
-        print("--models timm needs timm, which is not installed: pip install timm (it needs torchvision; "
-              "install the torchvision built for your torch first, or pip may replace your torch)")
+        print(f"--models {library} needs {library}, which is not installed: {hint}")
         return 2
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name in tqdm(zoo.TIMM_MODELS, desc="timm models"):
-            rows.append(_row(name, *zoo.build_timm(name)))
+        for name in tqdm(getattr(zoo, names), desc=f"{library} models"):
+            rows.append(_row(name, *getattr(zoo, builder)(name)))
     print(machine_line())
     print(format_table(rows, ["model", "candidates", "fused", "rejected", "activation fused/eager",
                               "bf16 autocast fused/eager", "analysis s", "top rejections"]))
-    path = write_json("fusion_timm", {"rows": rows, "timm": timm.__version__, "args": vars(args)}, args.out)
+    path = write_json(f"fusion_{library}", {"rows": rows, library: getattr(lib, "__version__", "?"),
+                                            "args": vars(args)}, args.out)
     print(f"wrote {path}")
     return 0
 
@@ -206,17 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--no-measure", action="store_true", help="time the analysis only (skip apply + measure)")
     p.add_argument("--out", default=None, help="directory for fusion.json (default build/bench)")
-    p.add_argument("--models", choices=("embedded", "hf", "timm"), default="embedded",
+    p.add_argument("--models", choices=("embedded", "hf", *_LIBRARIES), default="embedded",
                    help="hf: the Hugging Face model matrix (tiny configs) and HF BERT-base analysis time; "
-                        "timm: timm's CNNs and ViT from their configs (needs timm installed)")
+                        "timm / torchvision: their CNNs (and timm's ViT) from their configs (needs the library)")
     p.add_argument("--no-base", action="store_true", help="with --models hf: skip the BERT-base timing")
     p.add_argument("--no-lm", action="store_true",
                    help="with --models hf: skip the Llama-style decoder trained with the fused head + loss")
     args = p.parse_args(argv)
     if args.models == "hf":
         return main_hf(args)
-    if args.models == "timm":
-        return main_timm(args)
+    if args.models in _LIBRARIES:
+        return main_library(args, args.models)
     rows = []
     for name, (make, inputs) in tqdm(_cases(args).items(), desc="fusion bench"):
         rows.append({"model": name, **_run(make, inputs, not args.no_measure)})

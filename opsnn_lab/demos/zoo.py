@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "build", "training_loss", "EXPECTED", "TIMM_MODELS", "build_timm"]
+__all__ = ["MODELS", "build", "training_loss", "EXPECTED", "TIMM_MODELS", "build_timm", "TORCHVISION_MODELS",
+           "build_torchvision"]
 
 _TEXT = ("bert", "roberta", "gpt2", "llama")
 
@@ -160,4 +161,21 @@ def build_timm(name: str, batch: int = 2, size: int = 96) -> tuple[nn.Module, tu
     torch.manual_seed(0)
     extra = {"img_size": size} if name.startswith("vit") else {}
     model = timm.create_model(name, pretrained=False, num_classes=10, drop_path_rate=0.0, **extra)
+    return model, (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)),)
+
+
+# torchvision's classification models (not a dependency either): Conv2dNormActivation blocks with ReLU, ReLU6,
+# Hardswish and SiLU, squeeze-excitation, channel shuffles, dense concatenations, inception branches, ConvNeXt.
+TORCHVISION_MODELS = ("resnet18", "resnet50", "mobilenet_v3_small", "mobilenet_v3_large", "efficientnet_b0",
+                      "regnet_y_400mf", "shufflenet_v2_x0_5", "mnasnet0_5", "densenet121", "googlenet",
+                      "convnext_tiny")
+
+
+def build_torchvision(name: str, batch: int = 2, size: int = 96) -> tuple[nn.Module, tuple]:
+    """A torchvision model without weights (``weights=None``: no download), 10 classes, no auxiliary heads."""
+    import torchvision
+
+    torch.manual_seed(0)
+    extra = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
+    model = torchvision.models.get_model(name, weights=None, num_classes=10, **extra)
     return model, (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)),)

@@ -44,11 +44,43 @@ def test_fusion_bench_hf_matrix(tmp_path, capsys):
     assert "activation fused/eager" in out and "EfficientNet activation bytes fused/eager" in out
 
 
-def test_fusion_bench_timm_says_clearly_when_timm_is_missing(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "timm", None)  # import timm raises ImportError
-    assert fusion.main(["--models", "timm", "--out", str(tmp_path)]) == 2
-    assert "pip install timm" in capsys.readouterr().out
-    assert not (tmp_path / "fusion_timm.json").exists()
+@pytest.mark.parametrize("library, hint", [("timm", "pip install timm"), ("torchvision", "built for your torch")])
+def test_fusion_bench_says_clearly_when_a_model_library_is_missing(tmp_path, capsys, monkeypatch, library, hint):
+    monkeypatch.setitem(sys.modules, library, None)  # import raises ImportError
+    assert fusion.main(["--models", library, "--out", str(tmp_path)]) == 2
+    assert f"--models {library} needs {library}" in capsys.readouterr().out
+    assert not (tmp_path / f"fusion_{library}.json").exists()
+
+
+def test_fusion_bench_torchvision_rows_from_the_library_builder(tmp_path, capsys, monkeypatch):
+    """The torchvision rows with a stand-in library (torchvision is not a dependency): the builder is asked for
+    each listed model without weights and 10 classes, and each row holds its plan and measured ratio."""
+    import types
+
+    from torch import nn
+
+    from opsnn_lab.demos import zoo
+
+    asked = []
+
+    def get_model(name, weights, num_classes, **extra):
+        asked.append((name, weights, num_classes, extra))
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Hardswish(), nn.Conv2d(8, num_classes, 1))
+
+    fake = types.ModuleType("torchvision")
+    fake.models = types.SimpleNamespace(get_model=get_model)
+    fake.__version__ = "0.0-test"
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    monkeypatch.setattr(zoo, "TORCHVISION_MODELS", ("mobilenet_v3_small", "googlenet"))
+    assert fusion.main(["--models", "torchvision", "--out", str(tmp_path)]) == 0
+    assert asked == [("mobilenet_v3_small", None, 10, {}),
+                     ("googlenet", None, 10, {"aux_logits": False, "init_weights": True})]
+    data = json.loads((tmp_path / "fusion_torchvision.json").read_text())
+    assert data["torchvision"] == "0.0-test"
+    for row in data["rows"]:
+        assert row["summary"] == {"conv_bn_hardswish": {"fused": 1, "rejected": 0}}
+        assert 0 < row["activation fused/eager"] < 1
+    assert "mobilenet_v3_small" in capsys.readouterr().out
 
 
 @pytest.mark.slow
