@@ -75,7 +75,7 @@ def _consumer_reason(g: Graph, node: Node, nxt: Node) -> str:
 
 
 # Activations each chain family names (DESIGN.md); whether an op fuses one is the op's own answer.
-CONV_ACTS = frozenset({"relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu"})
+CONV_ACTS = frozenset({"relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu", "gelu_tanh"})
 LINEAR_ACTS = frozenset({"gelu", "gelu_tanh", "quick_gelu", "silu", "relu"})
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from opsnn_lab.fusion import patterns_blocks as blocks
-from opsnn_lab.fusion.graph import Graph, Node, Probed, canonical_module, is_transposed_linear
+from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, Probed, canonical_module, is_transposed_linear
 from opsnn_lab.fusion.match import (
     CONV_ACTS,
     LINEAR_ACTS,
@@ -48,6 +48,9 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
         if not m.reason and act is None:
             m.reason = (f"the output of `{bn.label}` goes to {', '.join(f'`{u.label}`' for u in users)}"
                         if users else f"`{bn.label}` output is unused")
+        elif not m.reason and act_kind(act) in ACTIVATIONS and act_kind(act) not in CONV_ACTS:
+            m.reason = (f"`{bn.label}` feeds `{act.label}` ({act_kind(act)}), an activation FusedConvBNAct does not "
+                        f"compute (it computes {', '.join(sorted(CONV_ACTS))})")
         elif not m.reason and act_kind(act) not in CONV_ACTS:
             m.reason = f"`{bn.label}` feeds `{act.label}` ({act.op}), not a ReLU or another activation"
         if m.reason:

@@ -103,6 +103,29 @@ def test_conv_output_read_twice():
     assert m.pattern.startswith("conv_bn_relu") and list(m.modules)[:2] == ["conv", "bn"]
 
 
+@pytest.mark.parametrize("act, pattern", [
+    (nn.GELU(approximate="tanh"), "conv_bn_gelu_tanh"), (nn.GELU(), "conv_bn_gelu"),
+    (nn.LeakyReLU(0.2), "conv_bn_leaky_relu"), (nn.Mish(), None), (nn.ELU(), None), (nn.Sigmoid(), None)])
+def test_conv_bn_activation_rows_and_the_ones_the_op_does_not_compute(act, pattern):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), act, nn.Conv2d(4, 2, 1)).double()
+    x = seeded(2, 3, 7, 6, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    (d,) = plan.decisions
+    if pattern is None:  # an activation, named as one, with the list the fused op computes
+        assert not d.fused and "an activation FusedConvBNAct does not compute (it computes gelu, gelu_tanh" in d.reason
+        return
+    assert d.fused and d.pattern == pattern
+    for mode in (True, False):
+        model.train(mode)
+        fused.train(mode)
+        want = model(x)
+        (gx_want,) = torch.autograd.grad(want.sin().sum(), x)
+        got = fused(x)
+        (gx_got,) = torch.autograd.grad(got.sin().sum(), x)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gx_got, gx_want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("variant", ["plain", "div", "mT"])
 def test_attention_forms_rewrite_equivalently(variant):
     inputs = tuple(seeded(2, 3, 5, 4, seed=i, requires_grad=True) for i in range(3)) + (seeded(2, 1, 5, 5, seed=3),)
