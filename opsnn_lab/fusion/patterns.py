@@ -212,6 +212,9 @@ def find_all(g: Graph, enabled=None, claims=None) -> list[Match]:
     out = []
     for pat in PATTERNS:
         for m in pat.find(g):
+            if m.ok and not m.inputs:  # e.g. an MLP over a position table: nothing the fused op could be fed
+                m.ok, m.reason = False, (f"`{m.nodes[0].label}` reads a parameter or buffer, not a tensor the forward "
+                                         "computes: the chain has no input a fused op could take")
             m.viable = m.ok
             clash = next((taken[n.name] for n in m.nodes if n.name in taken), None)
             if m.ok and clash is not None:

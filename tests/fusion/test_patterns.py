@@ -195,3 +195,34 @@ def test_four_readers_with_no_triple_to_pick_say_so():
     assert not d.fused and d.modules == list(names)
     assert d.reason == ("4 Linear layers read `ln` (`w0`, `w1`, `w2`, `w3`); no three of them are named q/k/v, "
                         "and 4 (not 3) feed an attention")
+
+
+class _TableReader(nn.Module):
+    """Chains whose input is a parameter or buffer (Swin-v2's position-bias MLP reads a coordinate table)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("table", seeded(9, 8, seed=1))
+        self.p = nn.Parameter(seeded(5, 8, seed=2))
+        self.img = nn.Parameter(seeded(1, 3, 6, 6, seed=3))
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.ln = nn.LayerNorm(8)
+        self.cbr = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+
+    def forward(self, x):
+        if self.kind == "mlp":
+            return x + self.mlp(self.table).sum()
+        if self.kind == "norm":
+            return x + self.ln(self.p).sum()
+        return x + self.cbr(self.img).sum()
+
+
+@pytest.mark.parametrize("kind, head", [("mlp", "mlp.0"), ("norm", "ln"), ("conv", "cbr.0")])
+def test_a_chain_reading_a_parameter_or_buffer_is_refused_with_the_reason(kind, head):
+    model = _TableReader(kind).double()
+    x = seeded(5, 8, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))  # raised TypeError in the cost model before
+    (d,) = plan.decisions
+    assert not d.fused and d.reason.startswith(f"`{head}` reads a parameter or buffer")
+    torch.testing.assert_close(fused(x), model(x), rtol=0, atol=0)
