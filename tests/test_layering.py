@@ -54,7 +54,7 @@ def pillar_files() -> list[Path]:
 def test_the_scan_sees_the_pillars_and_their_imports():
     files = pillar_files()
     assert len(files) > 20
-    seen = imported_modules(PACKAGE / "fusion" / "measure.py")
+    seen = imported_modules(PACKAGE / "fusion" / "measurement.py")
     assert "opsnn_lab.measuring" in seen and "opsnn_lab.measuring.activation_bytes" in seen
 
 

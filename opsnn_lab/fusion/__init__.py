@@ -14,9 +14,9 @@ _EXPORTS = {
     "revert": "patch",
     "patches": "patch",
     "fuse": "api",
-    "measure": "measure",
-    "Measurement": "measure",
-    "activation_bytes_by_module": "measure",
+    "measure": "measurement",  # the module is not named `measure`: importing it would shadow the function
+    "Measurement": "measurement",
+    "activation_bytes_by_module": "measurement",
     "FusionPlan": "plan",
     "Decision": "plan",
     "PATTERNS": "patterns",
