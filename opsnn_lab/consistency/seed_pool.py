@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_positive, check_type
+from opsnn_lab._hooks import passive
 from opsnn_lab.consistency.functional import FunctionalRandomness, GlobalGenerators, position
 
 __all__ = ["SeedPool", "SeedStream", "make_reproducible", "set_step", "get_step", "ROOT"]
@@ -341,8 +342,9 @@ def _install_hooks(model: nn.Module, state: _ReproducibleState) -> None:
         for name, module in model.named_modules():
             if module is model:
                 continue
-            state.handles.append(module.register_forward_pre_hook(functools.partial(state.push_hook, name)))
-            state.handles.append(module.register_forward_hook(state.pop_hook, always_call=True))
+            # passive: a fused region's fx code may inline this module (its calls are then named by the region)
+            state.handles.append(module.register_forward_pre_hook(passive(functools.partial(state.push_hook, name))))
+            state.handles.append(module.register_forward_hook(passive(state.pop_hook), always_call=True))
 
 
 def make_reproducible(model: nn.Module, seed: int | SeedPool = 0, *, functional: bool = True) -> nn.Module:

@@ -23,7 +23,7 @@ from opsnn_lab.fusion.patterns import (
     pattern_of,
 )
 from opsnn_lab.fusion.plan import Decision, FusionPlan
-from opsnn_lab.fusion.regions import Region, find_regions
+from opsnn_lab.fusion.regions import Region, find_regions, library_hooks
 from opsnn_lab.fusion.runtime import RuntimeTrace, own_dtypes, trace_runtime
 
 __all__ = ["analyze", "Analysis", "split_inputs", "check_patterns"]
@@ -337,7 +337,8 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
                 b.copy_(saved)
 
     try:
-        with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs):
+        with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs), \
+                library_hooks(model):
             model.train()
             trace, forwards = _record(model, args, kwargs, devices, restore)
             analysis = Analysis(model, trace, type(model).__name__, forwards)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_positive, check_type
+from opsnn_lab._hooks import passive
 from opsnn_lab.fusion.analysis import split_inputs
 from opsnn_lab.fusion.runtime import flatten_tensors
 from opsnn_lab.measuring import activation_bytes, interleaved_medians
@@ -93,6 +94,7 @@ def activation_bytes_by_module(model: nn.Module, example_inputs, depth: int = 2)
             out[stack[-1] or "<model>"] = out.get(stack[-1] or "<model>", 0) + t.untyped_storage().nbytes()
         return t
 
+    pre, post = passive(pre), passive(post)  # they measure the fused code as it runs: no region falls back
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre),
                                                     m.register_forward_hook(post, always_call=True))]
     try:

@@ -14,8 +14,10 @@ its region (``rewrite.FusedSlot``), which there would become one more step. Its 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import sys
 import traceback
 import types
 from dataclasses import dataclass, field
@@ -23,9 +25,10 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch import nn
 
+from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module, is_leaf_module
 
-__all__ = ["Region", "find_regions", "trace_region", "fx_graph", "concrete_args"]
+__all__ = ["Region", "find_regions", "trace_region", "fx_graph", "concrete_args", "library_hooks"]
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -75,12 +78,71 @@ def _blocker(exc: BaseException, module: nn.Module):
 
 
 class _Tracer(fx.Tracer):
-    """Keeps opsnn_lab.ops modules (e.g. the counter-based Dropout) as calls, as the run-time trace does."""
+    """Keeps opsnn_lab.ops modules (e.g. the counter-based Dropout) as calls, as the run-time trace does.
+
+    ``output_type``: the class of the value the forward returned when it is a dict subclass (a Hugging Face
+    ``ModelOutput``): fx's code returns a plain dict there, which the rewritten forward turns back into it.
+    """
+
+    output_type: type | None = None
+    _depth = 0
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        # A module already rewritten at module level (patch.py) stays a call, so its patch runs.
+        # A module already rewritten at module level (patch.py) stays a call, so its patch runs; so does one
+        # with hooks, so they fire (Hugging Face records hidden states and attentions with forward hooks).
         patched = callable(m.__dict__.get("forward"))
-        return patched or is_leaf_module(m) or super().is_leaf_module(m, module_qualified_name)
+        return patched or has_hooks(m) or is_leaf_module(m) or super().is_leaf_module(m, module_qualified_name)
+
+    def create_arg(self, a):
+        if self._depth == 0:  # the last top-level value turned into graph arguments is the forward's output
+            self.output_type = type(a) if isinstance(a, dict) and type(a) is not dict else None
+        self._depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._depth -= 1
+
+
+@contextlib.contextmanager
+def library_hooks(model: nn.Module):
+    """The hooks a library adds on first use, installed while the analysis and the rewrite look at the model,
+    then removed (they hold closures that do not pickle, and ``model`` must leave as it came): Hugging Face
+    models record ``output_hidden_states`` / ``output_attentions`` with forward hooks on their layers, installed
+    the first time a call asks for them. With them present, a region's fx code calls those layers instead of
+    inlining them, so the outputs are recorded whenever a later call asks."""
+    before = {m: {k: set(getattr(m, k)) for k in _HOOK_DICTS} for m in model.modules()}
+    flags = {}
+    try:
+        if "transformers" in sys.modules:
+            try:
+                from transformers.utils.output_capturing import maybe_install_capturing_hooks
+            except ImportError:  # another transformers version: nothing to install here
+                maybe_install_capturing_hooks = None
+            for module in model.modules() if maybe_install_capturing_hooks else ():
+                if getattr(module, "_can_record_outputs", None):
+                    flags.setdefault(module, module.__dict__.get(_HF_FLAG, _ABSENT))
+                    for inner in module.modules():
+                        flags.setdefault(inner, inner.__dict__.get(_HF_FLAG, _ABSENT))
+                    try:
+                        maybe_install_capturing_hooks(module)
+                    except Exception:  # noqa: BLE001 - a model this installer does not know: its first call will
+                        pass
+        yield
+    finally:
+        for m, kept in before.items():
+            for k, keys in kept.items():
+                hooks = getattr(m, k)
+                for key in [key for key in hooks if key not in keys]:
+                    del hooks[key]
+        for m, flag in flags.items():
+            if flag is _ABSENT:
+                m.__dict__.pop(_HF_FLAG, None)
+            else:
+                m.__dict__[_HF_FLAG] = flag
+
+
+_HF_FLAG = "_output_capturing_hooks_installed"
+_ABSENT = object()
 
 
 def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) -> tuple[fx.GraphModule, list]:
@@ -93,7 +155,9 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) 
             tracer = _Tracer(autowrap_functions=tuple(wrapped))
             try:
                 graph = tracer.trace(module, concrete_args=dict(concrete) or None)
-                return fx.GraphModule(tracer.root, graph, type(module).__name__), wrapped
+                gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
+                gm.meta["output_type"] = tracer.output_type
+                return gm, wrapped
             except Exception as exc:  # noqa: BLE001 - any tracer failure sends us one level down
                 fn = _blocker(exc, module)
                 if fn is None or fn in wrapped:
@@ -139,10 +203,12 @@ def _reason(exc: BaseException) -> str:
 def find_regions(model: nn.Module, calls: dict) -> list[Region]:
     """Largest traceable modules, top-down; an untraceable module is recorded with why, then its children."""
     regions: list[Region] = []
+    seen: set[str] = set()
 
     def visit(path: str, module: nn.Module) -> None:
-        if is_leaf_module(module):
+        if is_leaf_module(module) or path in seen:
             return
+        seen.add(path)
         if path in calls:
             concrete = concrete_args(module, calls[path][0])
             try:
@@ -153,6 +219,9 @@ def find_regions(model: nn.Module, calls: dict) -> list[Region]:
                 if not _runs_its_children(module, gm, concrete, wrapped):
                     regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped],
                                           fx_graph(gm, path)))
+                    for name, inner in module.named_modules():  # kept as calls for their hooks: regions too
+                        if name and has_hooks(inner) and not is_leaf_module(inner):
+                            visit(f"{path}.{name}" if path else name, inner)
                     return
                 regions.append(Region(path, "container", f"`{type(module).__name__}` runs its children in turn: a "
                                       "fused op registered on it would become one more step, so its children are "

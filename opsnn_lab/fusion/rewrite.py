@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_type
+from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
 from opsnn_lab.fusion.patch import Patch, Route, inline_after, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
-from opsnn_lab.fusion.regions import fx_graph, trace_region
+from opsnn_lab.fusion.regions import fx_graph, library_hooks, trace_region
 from opsnn_lab.fusion.runtime import own_dtypes
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert"]
@@ -87,13 +88,19 @@ class FxForward(Patch):
     """A region's forward after an fx rewrite: the traced code in train or eval mode, the original otherwise.
 
     Bound on the instance (``region.__dict__["forward"]``), never a class made at run time, so the model
-    pickles. Arguments are bound to the original signature first and handed to the traced code by name,
-    so every keyword the original accepts (``output_hidden_states=``, ``return_dict=``) is accepted.
+    pickles. Arguments are bound to the original signature first and handed to the traced code parameter by
+    parameter (fx keeps their order but renames a specialised one: ``height`` -> ``height_1``), so every
+    keyword the original accepts (``output_hidden_states=``, ``return_dict=``) is accepted. A dict subclass
+    the original returns (a Hugging Face ``ModelOutput``), which fx's code returns as a plain dict, is rebuilt.
     """
 
     def __init__(self, host: nn.Module, variants: dict, concrete: dict):
         super().__init__(host)
         self.variants, self.concrete = variants, concrete
+        self.output_types = {k: gm.meta.get("output_type") for k, gm in variants.items()}
+        # the submodules whose forwards the traced code runs inline: if one gains hooks later (a user's, or Hugging
+        # Face's output capture installed on first use), this region runs its original forward, so they fire
+        self.inlined = {k: _inlined(host, gm) for k, gm in variants.items()}
 
     def _bound(self, args, kwargs):
         try:
@@ -109,14 +116,20 @@ class FxForward(Patch):
 
     def __call__(self, *args, **kwargs):
         gm = self.variants.get(self.host.training)
+        if gm is not None and any(has_hooks(m) for m in self.inlined[self.host.training]):
+            gm = None
         bound = None if gm is None else self._bound(args, kwargs)
         if bound is None:
             return type(self.host).forward(self.host, *args, **kwargs)
         pos, kw = [], {}
-        for name, p in list(inspect.signature(type(gm).forward).parameters.items())[1:]:
-            if name not in bound.arguments:
+        traced = list(inspect.signature(type(gm).forward).parameters.items())[1:]
+        original = list(inspect.signature(type(self.host).forward).parameters)[1:]
+        if len(original) != len(traced):
+            original = [name for name, _ in traced]
+        for source, (name, p) in zip(original, traced):
+            if source not in bound.arguments:
                 continue
-            value = bound.arguments[name]
+            value = bound.arguments[source]
             if p.kind == inspect.Parameter.VAR_POSITIONAL:
                 pos.extend(value)
             elif p.kind == inspect.Parameter.VAR_KEYWORD:
@@ -125,7 +138,26 @@ class FxForward(Patch):
                 pos.append(value)
             else:
                 kw[name] = value
-        return type(gm).forward(self.host, *pos, **kw)
+        out = type(gm).forward(self.host, *pos, **kw)
+        kind = self.output_types.get(self.host.training)
+        if kind is not None and type(out) is dict:
+            out = kind(**out) if dataclasses.is_dataclass(kind) else kind(out)
+        return out
+
+
+def _inlined(host: nn.Module, gm) -> list[nn.Module]:
+    """``host``'s submodules that ``gm``'s code does not call, nor any module it calls holds."""
+    called = {id(gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
+    out: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) not in called:
+                out.append(child)
+                walk(child)
+
+    walk(host)
+    return out
 
 
 def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> int:
@@ -246,14 +278,15 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
             by_region.setdefault(d.route.removeprefix("fx:"), {})[d.key] = d.params
     routes = {r["path"] or "<model>": r for r in plan.routes}
     slots: dict = {}
-    for region, keys in by_region.items():
-        if region not in routes:
-            raise ValueError(f"plan routes have no region {region!r}; was the plan made for this model?")
-        try:
-            _rewrite_region(fused, routes[region], keys, slots)
-        except Exception as exc:  # noqa: BLE001 - tracer errors have many types; say which plan failed
-            raise ValueError(f"plan region {region!r} cannot be rewritten in this model ({type(exc).__name__}: "
-                             f"{exc}); was the plan made for this model?") from exc
+    with library_hooks(fused):  # as the analysis traced the regions
+        for region, keys in by_region.items():
+            if region not in routes:
+                raise ValueError(f"plan routes have no region {region!r}; was the plan made for this model?")
+            try:
+                _rewrite_region(fused, routes[region], keys, slots)
+            except Exception as exc:  # noqa: BLE001 - tracer errors have many types; say which plan failed
+                raise ValueError(f"plan region {region!r} cannot be rewritten in this model ({type(exc).__name__}: "
+                                 f"{exc}); was the plan made for this model?") from exc
     missing = {d.key for d in wanted if d.route.startswith("fx:")} - set(slots)
     if missing:
         raise ValueError(f"plan decisions not found in this model: {sorted(missing)[:3]}")

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from opsnn_lab._hooks import passive
 from opsnn_lab.fusion.graph import (
     Graph,
     Node,
@@ -264,8 +265,9 @@ def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     probe_modules(model)  # before any hook: the probe runs modules, which the record must not see
     rec = _Recorder(model)
     rec.add_inputs(args, kwargs)
-    pre = [m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True) for m in model.modules()]
-    post = [m.register_forward_hook(rec.post_hook, with_kwargs=True, always_call=True) for m in model.modules()]
+    pre_hook, post_hook = passive(rec.pre_hook), passive(rec.post_hook)  # record what runs, fused regions too
+    pre = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
+    post = [m.register_forward_hook(post_hook, with_kwargs=True, always_call=True) for m in model.modules()]
     try:
         with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), rec:
             output = model(*args, **kwargs)

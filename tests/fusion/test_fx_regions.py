@@ -1,0 +1,140 @@
+"""A region rewritten by torch.fx keeps the contract of the forward it replaces: the arguments it specialised
+(fx renames them: ``height`` -> ``height_1``), the class of a dict it returns (a Hugging Face ``ModelOutput``),
+and the hooks of the submodules whose forwards its code runs inline."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import opsnn_lab as ol
+from opsnn_lab._hooks import has_hooks
+from opsnn_lab.fusion.rewrite import FxForward
+from opsnn_lab.testing import seeded
+
+
+class Out(dict):
+    """A dict subclass a forward returns (as ``ModelOutput`` is)."""
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * 0.5
+
+
+class Block(nn.Module):
+    """The residual add before the LayerNorm runs inline here, so only fx can fuse it (``add_layer_norm``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Scale()
+        self.ln = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x, height: int, width: int):
+        h = self.inner(x) * (height / width)
+        return Out(out=self.head(self.ln(x + h)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        if x.sum() > 1e9:  # data-dependent: fx cannot trace the model, so `block` is the region
+            x = x * 0.5
+        return self.block(x, 4, 2)["out"]
+
+
+def _fused(model, x):
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [d.pattern for d in plan.decisions if d.fused] == ["add_layer_norm"]
+    assert isinstance(fused.block.__dict__["forward"], FxForward)
+    return fused
+
+
+def test_specialised_arguments_reach_the_traced_code_and_the_output_keeps_its_class():
+    torch.manual_seed(0)
+    model, x = Model().double(), seeded(3, 5, 8, dtype=torch.float64)
+    fused = _fused(model, x)
+    out = fused.block(x, 4, 2)  # fx named the specialised ints height_1 / width_1: they are passed by position
+    assert type(out) is Out and list(out) == ["out"]
+    torch.testing.assert_close(out["out"], model.block(x, 4, 2)["out"], rtol=1e-12, atol=1e-12)
+    other = fused.block(x, 6, 2)  # a value it was not specialised for: the original forward
+    torch.testing.assert_close(other["out"], model.block(x, 6, 2)["out"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_hook_on_a_module_the_fx_code_would_inline_fires(when):
+    torch.manual_seed(0)
+    model, x = Model().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    seen = []
+    hook = lambda m, i, o: seen.append(o.detach().clone())  # noqa: E731
+    if when == "before":  # the analysis sees it: the traced code calls `inner` instead of inlining it
+        model.block.inner.register_forward_hook(hook)
+    fused = _fused(model, x)
+    forward = fused.block.__dict__["forward"]
+    if when == "after":  # inlined by the traced code: the region runs its original forward from now on
+        assert fused.block.inner in forward.inlined[True]
+        fused.block.inner.register_forward_hook(hook)
+    else:
+        assert fused.block.inner not in forward.inlined[True]
+    seen.clear()
+    got = fused(x)
+    (grad_got,) = torch.autograd.grad(got.sum(), x)
+    assert len(seen) == 1
+    want = model.block.inner(x)
+    torch.testing.assert_close(seen[0], want.detach(), rtol=0, atol=0)
+    ref = model(x)
+    (grad_ref,) = torch.autograd.grad(ref.sum(), x)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_got, grad_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_opsnn_lab_own_hooks_do_not_make_a_region_fall_back():
+    torch.manual_seed(0)
+    model, x = Model().double(), seeded(3, 5, 8, dtype=torch.float64)
+    fused = _fused(model, x)
+    inlined = fused.block.__dict__["forward"].inlined[True]
+    assert fused.block.inner in inlined
+    ol.consistency.make_reproducible(fused, seed=1)  # names functional random calls with hooks on every module
+    assert all(m._forward_hooks for m in inlined)
+    assert not any(has_hooks(m) for m in inlined)  # passive: the fused code keeps running
+    by_module = ol.fusion.activation_bytes_by_module(fused, (x,))  # measures with hooks on every module too
+    assert sum(by_module.values()) > 0
+    fused.block.inner.register_forward_hook(lambda m, i, o: None)
+    assert has_hooks(fused.block.inner)
+
+
+def test_hugging_face_hidden_states_and_attentions_from_a_fused_model_and_nothing_left_behind():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=32, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.ViTModel(cfg).double().train()
+    x = seeded(2, 3, 16, 16, dtype=torch.float64)
+    hooks_before = sum(len(m._forward_hooks) for m in model.modules())
+    fused, plan = ol.fusion.fuse(model, {"pixel_values": x})
+    assert any(d.fused for d in plan.decisions)
+    # the output-capturing hooks the analysis installed for a while are gone: both models pickle
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks_before
+    pickle.dumps(model)
+    pickle.dumps(fused)
+    for kw in ({}, {"output_hidden_states": True, "output_attentions": True}):
+        want, got = model(pixel_values=x, **kw), fused(pixel_values=x, **kw)
+        assert type(got) is type(want) and list(got.keys()) == list(want.keys())
+        for key in want.keys():
+            a, b = want[key], got[key]
+            for t_a, t_b in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+                torch.testing.assert_close(t_b, t_a, rtol=1e-12, atol=1e-12, msg=key)
+            assert len(a if isinstance(a, tuple) else (a,)) == len(b if isinstance(b, tuple) else (b,)), key
