@@ -219,6 +219,9 @@ class ChainHead(Patch):
         super().__init__(host)
         self.op, self.steps, self.pattern, self.path = op, steps, pattern, path
         self.last = None  # weakref to the tensor the last call returned: the pass-throughs check they receive it
+        # under autocast, that tensor itself until the chain's last step has run: a forward may cast it to that
+        # Linear's weight dtype on the way (T5's `wo`), after which nothing else holds it
+        self.held = None
 
     @opaque_to_compile  # opaque to torch.compile: the op draws its dropout stream in Python
     def __call__(self, x):
@@ -229,10 +232,11 @@ class ChainHead(Patch):
             self._sync(self.op)
             x = self.op(x)
         self.last = weakref.ref(x) if isinstance(x, torch.Tensor) else None
+        self.held = x if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type) else None
         return x
 
     def __getstate__(self):
-        return {**self.__dict__, "last": None}  # a weakref does not pickle
+        return {**self.__dict__, "last": None, "held": None}  # a weakref does not pickle
 
 
 class PassThrough(Patch):
@@ -250,8 +254,15 @@ class PassThrough(Patch):
     @opaque_to_compile
     def _check(self, x):
         last = self.head.last() if self.head.last is not None else None
+        held = self.head.held
+        if self.head.steps and self.host is self.head.steps[-1]:
+            self.head.held = None
         if x is last:
             return x
+        if held is not None and _cast_of(x, held):
+            # the forward cast the chain's output to this Linear's weight dtype (T5's `wo` under autocast); the
+            # fused op's output is already what autocast makes of that Linear's output
+            return held
         what = (f"the `{self.after.rpartition('.')[2]}` run inline in `{self.after.rpartition('.')[0] or '<model>'}`"
                 ".forward before it was an identity when the chain was fused (p=0) and is not now (p > 0?), or a "
                 "forward hook replaced an output; set that p back to 0, or" if self.after else
@@ -260,6 +271,23 @@ class PassThrough(Patch):
         raise RuntimeError(f"`{self.path}` passes on the output of the fused {self.head.pattern} chain "
                            f"(`{self.head.path}` computes it whole), but received another tensor: {what} "
                            "ol.fusion.revert(model) undoes the rewrite (fusing again plans it anew)")
+
+
+def _cast_of(x, last: torch.Tensor) -> bool:
+    """Whether ``x`` is ``last`` converted to another dtype (``.to(dtype)``), judged by its autograd node or,
+    without one, by its values."""
+    if not isinstance(x, torch.Tensor) or x.shape != last.shape or x.dtype == last.dtype:
+        return False
+    fn = x.grad_fn
+    if fn is not None:
+        return fn.name() == "ToCopyBackward0" and bool(fn.next_functions) and fn.next_functions[0][0] is last.grad_fn
+    return last.grad_fn is None and torch.equal(x, last.to(x.dtype))
+
+
+def _version(x: torch.Tensor) -> int:
+    """``x._version``; inference tensors track none (under ``torch.inference_mode`` nothing modifies them
+    between the three sibling calls of one forward)."""
+    return -2 if x.is_inference() else x._version
 
 
 class WholeForward(Patch):
@@ -288,7 +316,7 @@ class QKVCore:
         self.x, self.version, self.outs, self.read = None, -1, None, [True, True, True]
 
     def get(self, i: int, x: torch.Tensor, host: nn.Linear) -> torch.Tensor:
-        cached = self.x is not None and self.x() is x and x._version == self.version and not self.read[i]
+        cached = self.x is not None and self.x() is x and _version(x) == self.version and not self.read[i]
         if cached:
             self.read[i] = True
             out = self.outs[i]
@@ -299,7 +327,7 @@ class QKVCore:
             return F.linear(x, host.weight, host.bias)  # a call pattern the analysis did not see: plain Linear
         self.op.train(host.training)
         self.outs = self.op(x)
-        self.x, self.version, self.read = weakref.ref(x), x._version, [False, False, False]
+        self.x, self.version, self.read = weakref.ref(x), _version(x), [False, False, False]
         self.read[i] = True
         return self.outs[i]
 

@@ -129,6 +129,18 @@ def test_qkv_guard_falls_back_on_a_call_pattern_not_seen(monkeypatch):
     torch.testing.assert_close(k, model.attn.k(X))
 
 
+def test_every_route_runs_under_inference_mode():
+    """Inference tensors track no version counter (the packed QKV's cache read it and raised)."""
+    torch.manual_seed(0)
+    model = Net()
+    fused, _ = _fused(model)
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        getattr(fused, mode)()
+        with torch.inference_mode():
+            torch.testing.assert_close(fused(X), model(X), atol=1e-5, rtol=1e-5)
+
+
 def test_shared_module_is_rejected_with_its_reason():
     class Shared(nn.Module):
         def __init__(self):

@@ -140,3 +140,50 @@ def test_a_pass_through_called_on_its_own_raises_instead_of_returning_its_input(
         fused(X)
     hook.remove()
     _same(model, fused)
+
+
+class CastBeforeDown(nn.Module):
+    """T5's ``DenseReluDense``: the activation is cast to ``wo``'s weight dtype before ``wo`` (a no-op outside
+    autocast; under it, a new fp32 tensor that nothing else holds)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.wi, self.act, self.dropout, self.wo = nn.Linear(d, 4 * d, bias=False), nn.ReLU(), nn.Dropout(0.0), \
+            nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        if x.isnan().any():  # keeps fx out: the module-level route (wi computes the chain, wo passes it on)
+            raise ValueError("nan input")
+        h = self.dropout(self.act(self.wi(x)))
+        if h.dtype != self.wo.weight.dtype:
+            h = h.to(self.wo.weight.dtype)
+        return self.wo(h)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_cast_to_the_last_linear_dtype_under_autocast_passes_on_the_fused_output(grad):
+    torch.manual_seed(0)
+    model = CastBeforeDown().train()
+    fused, plan = ol.fusion.fuse(model, X)
+    assert [d.pattern for d in plan.decisions if d.fused] == ["linear_relu_dropout_linear"]
+    x = X.detach().clone().requires_grad_(grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+        want, got = model(x), fused(x)  # raised "received another tensor" at `wo` before
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    if grad:
+        (g_want,) = torch.autograd.grad(want.float().square().sum(), x)
+        (g_got,) = torch.autograd.grad(got.float().square().sum(), x)
+        torch.testing.assert_close(g_got, g_want, rtol=3e-2, atol=3e-2)
+    head = fused.wi.__dict__["forward"]
+    assert head.held is None  # the chain's last step released the output it held for the cast
+
+
+def test_a_call_on_another_tensor_of_the_same_shape_still_raises_under_autocast():
+    torch.manual_seed(0)
+    model = CastBeforeDown().train()
+    fused, _ = ol.fusion.fuse(model, X)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused.wi(X)
+        with pytest.raises(RuntimeError, match="received another tensor"):
+            fused.wo(torch.randn(2, 5, 16))  # the shape and dtype a cast of its output would have
