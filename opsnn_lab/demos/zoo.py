@@ -35,7 +35,7 @@ def _bert_cfg(T, size, dropout, cls=None):
     else:
         cfg = cls(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=40, pad_token_id=1)
-    cfg.attn_implementation = "eager"
+    # attention as Hugging Face runs it by default (F.scaled_dot_product_attention), as users get it
     return _dropouts(cfg, ("hidden_dropout_prob", "attention_probs_dropout_prob"), dropout)
 
 

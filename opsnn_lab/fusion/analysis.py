@@ -101,6 +101,9 @@ class Analysis:
                 self.why_not[k] = (f"{why}; its steps run in different children of `{box.path or '<model>'}`, which "
                                    "runs its children in turn, so fx does not rewrite it (a fused op registered there "
                                    "would become one more step)")
+        for k, why in self.why_not.items():
+            if k not in self.rewritable and (box := _untraceable_around(self.regions, self.matches[k])):
+                self.why_not[k] = f"{why}; nor can fx trace `{box.path or '<model>'}` ({box.reason})"
         self.costs: dict[tuple, tuple[int, int, int]] = {}  # match site -> saved, traffic, eager bytes
         for m in viable:
             if m.key in self.rewritable:
@@ -211,6 +214,17 @@ def _container_across(regions: list[Region], m: Match) -> Region | None:
     for r in sorted((r for r in regions if r.route == "container"), key=lambda r: -len(r.path)):
         pre = f"{r.path}." if r.path else ""
         if all(p.startswith(pre) for p in places) and len({p[len(pre):].split(".")[0] for p in places}) > 1:
+            return r
+    return None
+
+
+def _untraceable_around(regions: list[Region], m: Match) -> Region | None:
+    """The innermost module fx failed to trace whose forward holds all of ``m``'s steps (its reason says why the
+    fx route, which rewrites inside one forward, is closed too); None if there is none."""
+    places = [n.module or n.scope for n in m.nodes if n.kind in ("module", "function")]
+    for r in sorted((r for r in regions if r.route == "untraceable"), key=lambda r: -len(r.path)):
+        pre = f"{r.path}." if r.path else ""
+        if all(p == r.path or p.startswith(pre) for p in places):
             return r
     return None
 

@@ -94,8 +94,8 @@ class RoutePlanner:
             return ""
         scope = m.nodes[0].scope or "<model>"
         return (f"`{path}` runs {n} times per forward, {k} of them in this chain, and a module-level rewrite changes "
-                f"every call; to fuse this call site alone, make `{scope}`.forward traceable by torch.fx (its rewrite "
-                f"goes call by call) or call opsnn_lab.ops.{op_name(m)} there")
+                f"every call; to fuse this call site alone, `{scope}`.forward must be traceable (the fx rewrite goes "
+                f"call by call) or call opsnn_lab.ops.{op_name(m)} there")
 
     def _carrier(self, n, reads: list[str]) -> tuple[ModuleCall | None, str]:
         """The module call that computes exactly step ``n`` from ``reads``."""

@@ -228,8 +228,11 @@ def test_a_shared_module_with_a_call_outside_the_chain_says_how_to_fuse_the_chai
     (d,) = ol.fusion.analyze(Untraceable(), seeded(2, 4)).decisions
     assert not d.fused and d.reason.startswith(
         "cannot be rewritten: `act` runs 2 times per forward, 1 of them in this chain, and a module-level rewrite "
-        "changes every call; to fuse this call site alone, make `<model>`.forward traceable by torch.fx (its "
-        "rewrite goes call by call) or call opsnn_lab.ops.FusedLinearGELUDropoutLinear there"), d.reason
+        "changes every call; to fuse this call site alone, `<model>`.forward must be traceable (the fx rewrite "
+        "goes call by call) or call opsnn_lab.ops.FusedLinearGELUDropoutLinear there"), d.reason
+    # and why it is not: fx's own error, with the model's line that stopped it
+    assert d.reason.endswith("nor can fx trace `<model>` (TraceError: symbolically traced variables cannot be used as "
+                             "inputs to control flow at test_module_rewrite.py:224 `if x.sum() > -1e9:`)"), d.reason
 
 
 @pytest.mark.parametrize("traceable", [False, True])
