@@ -15,6 +15,7 @@ its region (``rewrite.FusedSlot``), which there would become one more step. Its 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
 import sys
@@ -146,8 +147,12 @@ _ABSENT = object()
 
 
 def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) -> tuple[fx.GraphModule, list]:
-    """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer."""
+    """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer.
+
+    The modules' own attributes are restored afterwards too: a forward that caches in ``self`` (LeViT's
+    eval-mode attention biases) would otherwise keep fx proxies there, which do not pickle."""
     flags = {m: m.training for m in module.modules()}
+    state = _instance_state(module)
     module.train(training)
     wrapped = list(wrapped)
     try:
@@ -167,6 +172,36 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) 
     finally:
         for m, flag in flags.items():
             m.training = flag
+        _restore_instance_state(state)
+
+
+# nn.Module's own bookkeeping, restored by other means (flags) or never touched by a forward
+_MODULE_KEYS = frozenset({"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
+                          "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                          "_state_dict_hooks", "_load_state_dict_pre_hooks", "_state_dict_pre_hooks",
+                          "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                          "_forward_pre_hooks_with_kwargs", "_is_full_backward_hook"})
+
+
+def _instance_state(module: nn.Module) -> list:
+    """Each module's plain attributes, with a shallow copy of each dict, list or set (a cache filled in place)."""
+    out = []
+    for m in module.modules():
+        attrs = {k: (v, copy.copy(v) if type(v) in (dict, list, set) else None)
+                 for k, v in m.__dict__.items() if k not in _MODULE_KEYS}
+        out.append((m, attrs))
+    return out
+
+
+def _restore_instance_state(state: list) -> None:
+    for m, attrs in state:
+        for k in [k for k in m.__dict__ if k not in _MODULE_KEYS and k not in attrs]:
+            del m.__dict__[k]
+        for k, (value, contents) in attrs.items():
+            m.__dict__[k] = value
+            if contents is not None:  # refilled as it was (no == on contents: they may hold tensors)
+                value.clear()
+                value.update(contents) if isinstance(value, (dict, set)) else value.extend(contents)
 
 
 _PROBE_CHILD = "_opsnn_probe_child"

@@ -138,3 +138,31 @@ def test_hugging_face_hidden_states_and_attentions_from_a_fused_model_and_nothin
             for t_a, t_b in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
                 torch.testing.assert_close(t_b, t_a, rtol=1e-12, atol=1e-12, msg=key)
             assert len(a if isinstance(a, tuple) else (a,)) == len(b if isinstance(b, tuple) else (b,)), key
+
+
+class CachingBlock(Block):
+    """Caches a tensor in ``self`` in eval mode, keyed by device (as LeViT's attention biases are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+
+    def forward(self, x, height: int, width: int):
+        if not self.training:
+            key = str(x.device)
+            if key not in self.cache:
+                self.cache[key] = self.inner.fc.bias * 0
+            x = x + self.cache[key]
+        return super().forward(x, height, width)
+
+
+def test_tracing_leaves_no_fx_proxy_in_a_cache_the_forward_fills():
+    torch.manual_seed(0)
+    model, x = Model().double(), seeded(3, 5, 8, dtype=torch.float64)
+    model.block = CachingBlock().double()
+    fused = _fused(model, x)  # traced in train and in eval mode
+    assert fused.block.cache == {} and model.block.cache == {}
+    pickle.dumps(fused)  # a proxy left in the cache held the tracer, which does not pickle
+    fused.eval()
+    model.eval()
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)  # (the traced code recomputes it)
