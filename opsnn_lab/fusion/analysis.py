@@ -124,7 +124,7 @@ class Analysis:
         saved, _, eager = self.costs[_site(m)]
         if saved > 0 and saved >= pat.min_share * eager:
             return ""
-        if saved <= 0:
+        if saved < 0:
             return (f"not fused: would keep {-saved:,} activation bytes more than eager's {eager:,} here; "
                     f"{pat.needs}")
         return (f"not fused: saves {saved:,} of its {eager:,} activation bytes here (under {pat.min_share:.0%}); "

@@ -127,6 +127,11 @@ def _common_checks(g: Graph, nodes: list[Node]) -> str:
     return ""
 
 
+def inplace_writer(g: Graph, node: Node) -> Node | None:
+    """A reader of ``node``'s output that writes into it (``relu_``, ``+=``, an ``inplace=True`` activation)."""
+    return next((u for u in g.users.get(node.name, []) if u.inplace and u.inputs[:1] == [node.name]), None)
+
+
 def _is_module(n: Node | None, op: str) -> bool:
     return n is not None and n.kind == "module" and n.op == op
 

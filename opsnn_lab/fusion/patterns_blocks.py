@@ -24,6 +24,7 @@ from opsnn_lab.fusion.match import (
     _op_support,
     act_kind,
     act_module,
+    inplace_writer,
     op_class,
     past_identities,
 )
@@ -277,7 +278,7 @@ def find_norms(g: Graph) -> list[Match]:
             m = Match(n.op, [n], False, "", inputs=n.inputs[:1], outputs=[n], params={"norm": n.obj, "kind": n.op})
             m.reason = _op_support(op, n.obj) or _common_checks(g, [n])
             m.ok = not m.reason
-            out.append(m)
+            out.append(_keep_input_if_written(g, m))
     if not g.modules:
         return out
     by_scope: dict[str, list[Node]] = {}
@@ -289,8 +290,16 @@ def find_norms(g: Graph) -> list[Match]:
         if scope and scope not in inner and all(n.kind == "function" for n in nodes):
             m = _python_norm(g, scope, nodes)
             if m is not None:
-                out.append(m)
+                out.append(_keep_input_if_written(g, m))
     return out
+
+
+def _keep_input_if_written(g: Graph, m: Match) -> Match:
+    """A norm whose output a reader writes into (an ``inplace=True`` activation after it) saves its input, as
+    eager's does: the output it would keep instead is gone by backward."""
+    if m.params and inplace_writer(g, m.outputs[0]) is not None:
+        m.params["save_output"] = False
+    return m
 
 
 def find_add_norms(g: Graph) -> list[Match]:
@@ -342,11 +351,13 @@ def _build_norm(m: Match) -> nn.Module:
     p, add = m.params, m.pattern.startswith("add_")
     name = ("FusedAdd" if add else "Fused") + ("RMSNorm" if p["kind"] in ("rms", "rms_norm") else "LayerNorm")
     cls, norm = op_class(name), p["norm"]
+    keep_y = p.get("save_output", True)
     if "eps" not in p:  # a built-in module: the op reads it
-        return cls.from_modules(norm)
+        return cls.from_modules(norm, save_output=keep_y)
     bias = norm.bias if p["kind"] == "layer" and isinstance(getattr(norm, "bias", None), nn.Parameter) else None
     weight = getattr(norm, "weight", None) if "shape" not in p else None  # a norm without parameters: its size
-    return cls(weight, bias, p["eps"], p.get("shape"), weight_offset=p["offset"]).train(norm.training)
+    return cls(weight, bias, p["eps"], p.get("shape"), weight_offset=p["offset"], save_output=keep_y).train(
+        norm.training)
 
 
 # --------------------------------------------------------------------------- vocabulary head -> cross-entropy

@@ -145,6 +145,31 @@ class FxForward(Patch):
         return out
 
 
+_INPLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+                      operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def _impure(node) -> bool:
+    """fx's rule plus what it calls pure but a model relies on: a method or function that writes into a tensor
+    (``y.mul_(2)``, ``x[i] = v``, ``inplace=True``) and any module call (a BatchNorm updates its statistics)."""
+    if node.is_impure() or node.op == "call_module" or node.kwargs.get("inplace") is True:
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        return True
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def _eliminate_dead_code(graph) -> None:
+    """Drop what the rewrite left unused (weights, shapes the replaced steps read), never a write whose result
+    the code ignores: fx's own rule dropped ``y.mul_(2)`` after a fused chain, and with it the model's scaling."""
+    try:
+        graph.eliminate_dead_code(is_impure_node=_impure)
+    except TypeError:  # torch without is_impure_node: keep every node (dead ones cost a little time, no bits)
+        pass
+
+
 def _inlined(host: nn.Module, gm) -> list[nn.Module]:
     """``host``'s submodules that ``gm``'s code does not call, nor any module it calls holds."""
     called = {id(gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
@@ -174,8 +199,8 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
         for m in find_all(g, claims=lambda m: m.key in keys):
             if not (m.ok and m.key in keys):
                 continue
-            for k, v in keys[m.key].items():  # values fx sees only as formulas (a shape-derived scale)
-                if m.params.get(k, v) is None:
+            for k, v in keys[m.key].items():  # values fx sees only as formulas (a shape-derived scale), and what
+                if m.params.get(k, v) is None or k == "save_output":  # only the run-time record shows (in place)
                     m.params[k] = v
             if m.key not in slots:
                 op = _name_stream(pattern_of(m.pattern).build(m), m)
@@ -186,7 +211,7 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
             gm.add_submodule(name, slot)
             _rewrite(gm, g, m, name, moved)
             done += training
-        gm.graph.eliminate_dead_code()
+        _eliminate_dead_code(gm.graph)
         gm.graph.lint()
         gm.recompile()
         variants[training] = gm

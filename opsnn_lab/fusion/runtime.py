@@ -31,6 +31,17 @@ from opsnn_lab.fusion.probe import probe_modules
 __all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors", "own_dtypes"]
 
 
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+def _first_tensor(args) -> tuple | None:
+    """The first positional tensor argument and its version counter, to tell a write into it (the call returns
+    it with its version moved: ``relu_``, ``+=``, ``inplace=True``) from a pass-through (``nn.Identity``)."""
+    t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    return None if t is None else (t, _version(t))
+
+
 @dataclass
 class ModuleCall:
     """One call of one module: the tensors it read and returned, and the nodes recorded while it ran."""
@@ -127,6 +138,7 @@ class _Recorder(TorchFunctionMode):
         self.tensors: dict[str, torch.Tensor] = {}
         self.scope: list[str] = [""]
         self.leaf_depth = 0
+        self.first_arg = None  # (tensor, version) of the leaf module call running
         self.current: list[str] = ["<outside>"]
         self.saved: list[tuple[str, object, int]] = []
         self.calls: dict[str, list] = {}
@@ -159,10 +171,11 @@ class _Recorder(TorchFunctionMode):
         self.counts[base] = n + 1
         return base if n == 0 else f"{base}#{n + 1}"
 
-    def _add(self, node: Node, output) -> None:
+    def _add(self, node: Node, output, written=None) -> None:
         outs = flatten_tensors(output)
         if outs:
             t = outs[0]
+            node.inplace = written is not None and t is written[0] and _version(t) != written[1]
             node.shape, node.dtype = tuple(t.shape), t.dtype
             node.nbytes = t.numel() * t.element_size()
             self.tensors[node.name] = t
@@ -196,6 +209,7 @@ class _Recorder(TorchFunctionMode):
     def _record(self, func, op, args, kwargs, precomputed=None):
         name = self._new(f"{self.scope[-1] + '.' if self.scope[-1] else ''}{op}")
         self.current.append(name)
+        first = _first_tensor(args)
         try:
             out = func(*args, **kwargs) if precomputed is None else precomputed
         finally:
@@ -204,7 +218,7 @@ class _Recorder(TorchFunctionMode):
             node = Node(name=name, kind="function", op=op, inputs=self._inputs(args, kwargs),
                         args=tuple(self._refs(a) for a in args), kwargs={k: self._refs(v) for k, v in kwargs.items()},
                         scope=self.scope[-1])
-            self._add(node, out)
+            self._add(node, out, first)
         return out
 
     # -- modules ----------------------------------------------------------------------------------------
@@ -225,6 +239,7 @@ class _Recorder(TorchFunctionMode):
             self.leaf_depth = 1
             where = f"{self.scope[-1]}.<{type(module).__name__}>" if path is None else (path or "<root>")
             self.current.append(self._new(where))
+            self.first_arg = _first_tensor(args)
         else:
             self.scope.append(self.scope[-1] if path is None else path)
 
@@ -241,7 +256,7 @@ class _Recorder(TorchFunctionMode):
         node = Node(name=name, kind="module", op=canonical_module(module), inputs=self._inputs(args, kwargs),
                     args=tuple(self._refs(a) for a in args), kwargs={k: self._refs(v) for k, v in kwargs.items()},
                     module=self.paths.get(id(module)), scope=self.scope[-1], obj=module)
-        self._add(node, output)
+        self._add(node, output, self.first_arg)
         self._close(output)
 
     def _close(self, output) -> None:

@@ -166,3 +166,31 @@ def test_tracing_leaves_no_fx_proxy_in_a_cache_the_forward_fills():
     fused.eval()
     model.eval()
     torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)  # (the traced code recomputes it)
+
+
+class WritesAfterTheChain(nn.Module):
+    """A gated MLP inline in a traceable forward, then writes whose results the code ignores."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = (nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False),
+                                         nn.Linear(16, 8, bias=False))
+
+    def forward(self, x):
+        y = self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+        y.mul_(2.0)  # fx's dead-code rule called these pure and dropped them from the rewritten code
+        y += 1.0
+        torch.nn.functional.relu(y, inplace=True)
+        return y
+
+
+def test_writes_whose_result_is_ignored_survive_the_rewrite():
+    torch.manual_seed(0)
+    model, x = WritesAfterTheChain().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("gated_mlp_silu", "fx:<model>")]
+    want, got = model(x), fused(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (g_want,) = torch.autograd.grad(want.square().sum(), x)
+    (g_got,) = torch.autograd.grad(got.square().sum(), x)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)

@@ -247,3 +247,19 @@ def test_a_norm_that_would_keep_more_bytes_says_so():
     assert len(norms) == 4
     for d in norms:  # was "saves -120 of its 80 activation bytes here (under 10%)"
         assert not d.fused and d.reason.startswith("not fused: would keep 120 activation bytes more than eager's 80")
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm(8), nn.RMSNorm(8)])
+def test_a_norm_whose_output_is_written_in_place_saves_its_input(norm):
+    """An ``inplace=True`` activation after the norm (timm's EfficientViT head): the output a fused norm would keep
+    for backward is overwritten by then, so it keeps its input, as eager's does."""
+    model = nn.Sequential(nn.Linear(8, 8), norm, nn.Hardswish(inplace=True), nn.Linear(8, 4)).double()
+    x = seeded(5, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    (d,) = [d for d in plan.decisions if d.pattern.endswith("norm")]
+    assert d.params["save_output"] is False
+    want, got = model(x), fused(x)  # backward raised "modified by an inplace operation" before
+    (g_want,) = torch.autograd.grad(want.sum(), x)
+    (g_got,) = torch.autograd.grad(got.sum(), x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
