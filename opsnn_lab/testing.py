@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -30,6 +31,7 @@ __all__ = [
     "run_fwd_bwd",
     "non_contiguous",
     "triton_interpreter_ready",
+    "reloaded",
     "threads",
 ]
 
@@ -123,3 +125,27 @@ def triton_interpreter_ready() -> bool:
         importlib.reload(tl)
     return type(tl.sum).__name__ == "InterpretedFunction"
 
+
+
+@contextlib.contextmanager
+def reloaded(*modules, **env: str):
+    """Set ``env`` and reload ``modules`` in that order (a kernel module picks its backend at import); yields the
+    last one. Afterwards the variables and every module's namespace are exactly as before: the original classes
+    and functions, not copies made by reloading again, so objects made before (a fused model, which pickles by
+    class) still match their module's names."""
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved = [(m, dict(m.__dict__)) for m in modules]
+    try:
+        os.environ.update(env)
+        for m in modules:
+            importlib.reload(m)
+        yield modules[-1] if modules else None
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for m, namespace in saved:
+            m.__dict__.clear()
+            m.__dict__.update(namespace)

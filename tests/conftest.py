@@ -6,7 +6,6 @@ kernel is tested under ``TRITON_INTERPRET=1`` against its torch reference. torch
 same way, before torch is imported.
 """
 
-import importlib
 import os
 import tempfile
 
@@ -32,20 +31,16 @@ def _restore_threads():
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
+def interpreted():
     """The GELU-dropout and RNG kernels forced onto the Triton interpreter for one test."""
     from opsnn_lab.kernels import gelu_dropout, rng, triton_available
+    from opsnn_lab.testing import reloaded
 
     if not triton_available():
         pytest.skip("triton not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("OPSNN_BACKEND", "triton")
-    importlib.reload(rng)
-    importlib.reload(gelu_dropout)  # the ops call into this module's globals, so they see the new kernels
-    yield
-    monkeypatch.undo()
-    importlib.reload(rng)
-    importlib.reload(gelu_dropout)
+    # the ops call into gelu_dropout's globals, so they see the reloaded kernels
+    with reloaded(rng, gelu_dropout, TRITON_INTERPRET="1", OPSNN_BACKEND="triton"):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

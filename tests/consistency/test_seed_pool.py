@@ -1,4 +1,3 @@
-import importlib
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from opsnn_lab.consistency.seed_pool import ROOT, SeedPool, get_step, make_repro
 from opsnn_lab.kernels import rng, triton_available
 from opsnn_lab.models import Encoder, EncoderConfig
 from opsnn_lab.ops.dropout import Dropout, DropoutFunction
+from opsnn_lab.testing import reloaded
 
 
 # --------------------------------------------------------------------------- SeedPool
@@ -255,17 +255,12 @@ def test_fused_op_dropout_is_seeded_by_module_name():
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
+def interpreted():
     """rng reloaded under TRITON_INTERPRET=1 (kernels are built at import), restored afterwards."""
     if not triton_available():
         pytest.skip("triton not installed")
-    with monkeypatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        try:
-            yield importlib.reload(rng)
-        finally:
-            mp.undo()
-            importlib.reload(rng)
+    with reloaded(rng, TRITON_INTERPRET="1") as module:
+        yield module
 
 
 def test_masks_match_the_triton_kernel_in_the_interpreter(interpreted):

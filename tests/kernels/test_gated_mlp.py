@@ -1,4 +1,3 @@
-import importlib
 
 import pytest
 import torch
@@ -6,7 +5,7 @@ import torch.nn.functional as F
 
 from opsnn_lab.kernels import gated_mlp as gm
 from opsnn_lab.kernels import gelu_dropout, rng, triton_available
-from opsnn_lab.testing import assert_close_dtype, seeded
+from opsnn_lab.testing import assert_close_dtype, reloaded, seeded
 
 ACTS = ["gelu", "gelu_tanh", "quick_gelu", "silu", "relu"]
 
@@ -98,17 +97,8 @@ def interpreted():
     """gated_mlp (and the activation helpers it imports) reloaded under TRITON_INTERPRET=1, OPSNN_BACKEND=triton."""
     if not triton_available():
         pytest.skip("triton not installed")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    mp.setenv("OPSNN_BACKEND", "triton")
-    try:
-        importlib.reload(rng)
-        importlib.reload(gelu_dropout)
-        yield importlib.reload(gm)
-    finally:
-        mp.undo()
-        for mod in (rng, gelu_dropout, gm):
-            importlib.reload(mod)
+    with reloaded(rng, gelu_dropout, gm, TRITON_INTERPRET="1", OPSNN_BACKEND="triton") as module:
+        yield module
 
 
 # 10 x 1030 product columns: two row groups (8 rows each) and two column tiles (1024 each), both partial.

@@ -1,4 +1,3 @@
-import importlib
 
 import pytest
 import torch
@@ -6,7 +5,7 @@ import torch.nn.functional as F
 
 from opsnn_lab.kernels import gelu_dropout as gd
 from opsnn_lab.kernels import rng, triton_available
-from opsnn_lab.testing import assert_close_dtype, seeded
+from opsnn_lab.testing import assert_close_dtype, reloaded, seeded
 
 
 def _eager(h, bias, p, seed, offset, approximate):
@@ -80,16 +79,8 @@ def interpreted():
     """gelu_dropout reloaded under TRITON_INTERPRET=1 with OPSNN_BACKEND=triton, restored afterwards."""
     if not triton_available():
         pytest.skip("triton not installed")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    mp.setenv("OPSNN_BACKEND", "triton")
-    try:
-        importlib.reload(rng)
-        yield importlib.reload(gd)
-    finally:
-        mp.undo()
-        importlib.reload(rng)
-        importlib.reload(gd)
+    with reloaded(rng, gd, TRITON_INTERPRET="1", OPSNN_BACKEND="triton") as module:
+        yield module
 
 
 # 17 x 1030: two row groups (16 rows each) and two column tiles (1024 each), both partially filled.

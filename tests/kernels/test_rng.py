@@ -1,10 +1,10 @@
-import importlib
 import math
 
 import pytest
 import torch
 
 from opsnn_lab.kernels import rng, triton_available
+from opsnn_lab.testing import reloaded
 
 # (seed, offset, numel): odd offsets, a high-word carry inside the draw, the int32 wrap of the low word.
 DRAWS = [
@@ -23,13 +23,8 @@ def interpreted():
     """rng reloaded under TRITON_INTERPRET=1 (kernels are built at import), restored afterwards."""
     if not triton_available():
         pytest.skip("triton not installed")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    try:
-        yield importlib.reload(rng)
-    finally:
-        mp.undo()
-        importlib.reload(rng)
+    with reloaded(rng, TRITON_INTERPRET="1") as module:
+        yield module
 
 
 @pytest.mark.parametrize("seed, offset, numel", DRAWS)

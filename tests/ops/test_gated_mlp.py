@@ -1,4 +1,3 @@
-import importlib
 
 import pytest
 import torch
@@ -10,7 +9,14 @@ from opsnn_lab.kernels import gated_mlp as gm_kernels
 from opsnn_lab.kernels import gelu_dropout, rng, triton_available
 from opsnn_lab.ops import FusedGatedMLP
 from opsnn_lab.ops import gated_mlp as gm_ops
-from opsnn_lab.testing import assert_close_dtype, assert_within_eager_error, non_contiguous, run_fwd_bwd, seeded
+from opsnn_lab.testing import (
+    assert_close_dtype,
+    assert_within_eager_error,
+    non_contiguous,
+    reloaded,
+    run_fwd_bwd,
+    seeded,
+)
 
 _ACT_MODULES = {"silu": nn.SiLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh")}
 
@@ -204,18 +210,11 @@ def test_llama_and_t5_mlps_fuse_and_match():
 
 # --------------------------------------------------------------------------- Triton under the interpreter
 @pytest.fixture
-def interpreted(monkeypatch):
+def interpreted():
     if not triton_available():
         pytest.skip("triton not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("OPSNN_BACKEND", "triton")
-    mods = (rng, gelu_dropout, gm_kernels, gm_ops)
-    for mod in mods:
-        importlib.reload(mod)
-    yield gm_ops
-    monkeypatch.undo()
-    for mod in mods:
-        importlib.reload(mod)
+    with reloaded(rng, gelu_dropout, gm_kernels, gm_ops, TRITON_INTERPRET="1", OPSNN_BACKEND="triton") as ops:
+        yield ops
 
 
 @pytest.mark.parametrize("act, p, recompute", [("silu", 0.3, False), ("gelu_tanh", 0.0, True)])
