@@ -102,6 +102,9 @@ class FxForward(Patch):
         # Face's output capture installed on first use), this region runs its original forward, so they fire
         self.inlined = {k: _inlined(host, gm) for k, gm in variants.items()}
 
+    def __setstate__(self, state):  # a model saved before these fields existed: no rebuild, no hook check
+        self.__dict__.update({"output_types": {}, "inlined": {}, **state})
+
     def _bound(self, args, kwargs):
         try:
             bound = inspect.signature(type(self.host).forward).bind(self.host, *args, **kwargs)
@@ -116,7 +119,7 @@ class FxForward(Patch):
 
     def __call__(self, *args, **kwargs):
         gm = self.variants.get(self.host.training)
-        if gm is not None and any(has_hooks(m) for m in self.inlined[self.host.training]):
+        if gm is not None and any(has_hooks(m) for m in self.inlined.get(self.host.training, ())):
             gm = None
         bound = None if gm is None else self._bound(args, kwargs)
         if bound is None:
