@@ -228,6 +228,7 @@ def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wr
 def _reason(exc: BaseException) -> str:
     """The error and the line of model code that stopped the tracer (the last frame outside torch)."""
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    msg = msg.split(". ")[0]  # the error, not fx's advice after it ("... See the torch.fx docs on ...")
     user = [f for f in traceback.extract_tb(exc.__traceback__)
             if f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.startswith("<")]
     where = f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno} `{(user[-1].line or '').strip()}`" \
