@@ -27,5 +27,9 @@ def test_quickstart_slider_redraws_plot(lab_notebook):
     assert after != before
     # 10 points instead of 150: the redrawn path is much shorter
     assert len(after[0]) < len(before[0]) / 3
+    # the label is its own widget message, which may arrive after the plot's on a loaded machine: wait for it
+    page.wait_for_function(
+        "() => { const h = document.querySelector('.widget-html');"
+        " return h && h.innerText.includes('step 9'); }", timeout=30_000)
     assert "step 9" in page.locator(".widget-html").first.inner_text()
     nb.screenshot("quickstart_after")
