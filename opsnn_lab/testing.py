@@ -126,7 +126,6 @@ def triton_interpreter_ready() -> bool:
     return type(tl.sum).__name__ == "InterpretedFunction"
 
 
-
 @contextlib.contextmanager
 def reloaded(*modules, **env: str):
     """Set ``env`` and reload ``modules`` in that order (a kernel module picks its backend at import); yields the

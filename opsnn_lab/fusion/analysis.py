@@ -207,26 +207,28 @@ class Analysis:
                           not_analysed=dict(self.not_analysed), _analysis=self)
 
 
+def _innermost(regions: list[Region], route: str, m: Match, holds) -> Region | None:
+    """The innermost region routed ``route`` for which ``holds(prefix, places)`` is true of ``m``'s steps (their
+    module paths, ``prefix`` the region's path and a dot); None if there is none."""
+    places = [n.module or n.scope for n in m.nodes if n.kind in ("module", "function")]
+    for r in sorted((r for r in regions if r.route == route), key=lambda r: -len(r.path)):
+        if holds(f"{r.path}." if r.path else "", places):
+            return r
+    return None
+
+
 def _container_across(regions: list[Region], m: Match) -> Region | None:
     """The innermost region routed "container" (regions.py: an nn.Sequential) whose children hold ``m``'s steps
     between them, more than one; None if the chain sits inside one of its children or in no container."""
-    places = [n.module or n.scope for n in m.nodes if n.kind in ("module", "function")]
-    for r in sorted((r for r in regions if r.route == "container"), key=lambda r: -len(r.path)):
-        pre = f"{r.path}." if r.path else ""
-        if all(p.startswith(pre) for p in places) and len({p[len(pre):].split(".")[0] for p in places}) > 1:
-            return r
-    return None
+    return _innermost(regions, "container", m, lambda pre, places: all(p.startswith(pre) for p in places)
+                      and len({p[len(pre):].split(".")[0] for p in places}) > 1)
 
 
 def _untraceable_around(regions: list[Region], m: Match) -> Region | None:
     """The innermost module fx failed to trace whose forward holds all of ``m``'s steps (its reason says why the
     fx route, which rewrites inside one forward, is closed too); None if there is none."""
-    places = [n.module or n.scope for n in m.nodes if n.kind in ("module", "function")]
-    for r in sorted((r for r in regions if r.route == "untraceable"), key=lambda r: -len(r.path)):
-        pre = f"{r.path}." if r.path else ""
-        if all(p == r.path or p.startswith(pre) for p in places):
-            return r
-    return None
+    return _innermost(regions, "untraceable", m,
+                      lambda pre, places: all(p == pre[:-1] or p.startswith(pre) for p in places))
 
 
 def _sites_by_key(decisions: list[Decision]) -> dict[tuple, list[Decision]]:

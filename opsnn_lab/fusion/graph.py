@@ -147,7 +147,7 @@ class Node:
     dtype: torch.dtype | None = None
     nbytes: int = 0
     ref: object = None  # the fx.Node (fx graphs only)
-    inplace: bool = False  # it returned its first tensor argument: it wrote into it (run-time graphs only)
+    inplace: bool = False  # it wrote into its first tensor argument and returned it (run-time graphs only)
 
     @property
     def label(self) -> str:

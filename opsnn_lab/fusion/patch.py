@@ -40,7 +40,7 @@ from torch import nn
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import arg
 from opsnn_lab.fusion.patterns import Match, op_name
-from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace
+from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace, tensor_version
 
 __all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches"]
 
@@ -284,12 +284,6 @@ def _cast_of(x, last: torch.Tensor) -> bool:
     return last.grad_fn is None and torch.equal(x, last.to(x.dtype))
 
 
-def _version(x: torch.Tensor) -> int:
-    """``x._version``; inference tensors track none (under ``torch.inference_mode`` nothing modifies them
-    between the three sibling calls of one forward)."""
-    return -2 if x.is_inference() else x._version
-
-
 class WholeForward(Patch):
     """A module whose one call computes exactly the chain."""
 
@@ -316,7 +310,7 @@ class QKVCore:
         self.x, self.version, self.outs, self.read = None, -1, None, [True, True, True]
 
     def get(self, i: int, x: torch.Tensor, host: nn.Linear) -> torch.Tensor:
-        cached = self.x is not None and self.x() is x and _version(x) == self.version and not self.read[i]
+        cached = self.x is not None and self.x() is x and tensor_version(x) == self.version and not self.read[i]
         if cached:
             self.read[i] = True
             out = self.outs[i]
@@ -327,7 +321,7 @@ class QKVCore:
             return F.linear(x, host.weight, host.bias)  # a call pattern the analysis did not see: plain Linear
         self.op.train(host.training)
         self.outs = self.op(x)
-        self.x, self.version, self.read = weakref.ref(x), _version(x), [False, False, False]
+        self.x, self.version, self.read = weakref.ref(x), tensor_version(x), [False, False, False]
         self.read[i] = True
         return self.outs[i]
 

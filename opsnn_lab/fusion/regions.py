@@ -111,39 +111,45 @@ def library_hooks(model: nn.Module):
     models record ``output_hidden_states`` / ``output_attentions`` with forward hooks on their layers, installed
     the first time a call asks for them. With them present, a region's fx code calls those layers instead of
     inlining them, so the outputs are recorded whenever a later call asks."""
-    before = {m: {k: set(getattr(m, k)) for k in _HOOK_DICTS} for m in model.modules()}
-    flags = {}
+    install = _hf_hook_installer()
+    if install is None:
+        yield
+        return
+    before = {m: ({k: set(getattr(m, k)) for k in _HOOK_DICTS}, m.__dict__.get(_HF_FLAG, _ABSENT))
+              for m in model.modules()}
     try:
-        if "transformers" in sys.modules:
-            try:
-                from transformers.utils.output_capturing import maybe_install_capturing_hooks
-            except ImportError:  # another transformers version: nothing to install here
-                maybe_install_capturing_hooks = None
-            for module in model.modules() if maybe_install_capturing_hooks else ():
-                if getattr(module, "_can_record_outputs", None):
-                    flags.setdefault(module, module.__dict__.get(_HF_FLAG, _ABSENT))
-                    for inner in module.modules():
-                        flags.setdefault(inner, inner.__dict__.get(_HF_FLAG, _ABSENT))
-                    try:
-                        maybe_install_capturing_hooks(module)
-                    except Exception:  # noqa: BLE001 - a model this installer does not know: its first call will
-                        pass
+        for module in model.modules():
+            if getattr(module, "_can_record_outputs", None):
+                try:
+                    install(module)
+                except Exception:  # noqa: BLE001 - a model this installer does not know: its first call will
+                    pass
         yield
     finally:
-        for m, kept in before.items():
+        for m, (kept, flag) in before.items():
             for k, keys in kept.items():
                 hooks = getattr(m, k)
                 for key in [key for key in hooks if key not in keys]:
                     del hooks[key]
-        for m, flag in flags.items():
             if flag is _ABSENT:
                 m.__dict__.pop(_HF_FLAG, None)
             else:
                 m.__dict__[_HF_FLAG] = flag
 
 
-_HF_FLAG = "_output_capturing_hooks_installed"
+_HF_FLAG = "_output_capturing_hooks_installed"  # set on each model the installer hooked
 _ABSENT = object()
+
+
+def _hf_hook_installer():
+    """transformers' installer of its output-capturing hooks, where transformers is loaded and has one."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # another transformers version: nothing to install here
+        return None
+    return maybe_install_capturing_hooks
 
 
 def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) -> tuple[fx.GraphModule, list]:
@@ -199,9 +205,13 @@ def _restore_instance_state(state: list) -> None:
             del m.__dict__[k]
         for k, (value, contents) in attrs.items():
             m.__dict__[k] = value
-            if contents is not None:  # refilled as it was (no == on contents: they may hold tensors)
-                value.clear()
-                value.update(contents) if isinstance(value, (dict, set)) else value.extend(contents)
+            if contents is None:
+                continue
+            value.clear()  # refilled as it was (no == on contents: they may hold tensors)
+            if isinstance(value, list):
+                value.extend(contents)
+            else:
+                value.update(contents)
 
 
 _PROBE_CHILD = "_opsnn_probe_child"

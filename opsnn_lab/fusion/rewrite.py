@@ -166,11 +166,10 @@ def _impure(node) -> bool:
 
 def _eliminate_dead_code(graph) -> None:
     """Drop what the rewrite left unused (weights, shapes the replaced steps read), never a write whose result
-    the code ignores: fx's own rule dropped ``y.mul_(2)`` after a fused chain, and with it the model's scaling."""
-    try:
+    the code ignores: fx's own rule dropped ``y.mul_(2)`` after a fused chain, and with it the model's scaling.
+    A torch whose ``eliminate_dead_code`` takes no rule keeps every node (dead ones cost a little time, no bits)."""
+    if "is_impure_node" in inspect.signature(graph.eliminate_dead_code).parameters:
         graph.eliminate_dead_code(is_impure_node=_impure)
-    except TypeError:  # torch without is_impure_node: keep every node (dead ones cost a little time, no bits)
-        pass
 
 
 def _inlined(host: nn.Module, gm) -> list[nn.Module]:

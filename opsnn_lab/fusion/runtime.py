@@ -31,7 +31,9 @@ from opsnn_lab.fusion.probe import probe_modules
 __all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors", "own_dtypes"]
 
 
-def _version(t: torch.Tensor) -> int:
+def tensor_version(t: torch.Tensor) -> int:
+    """``t._version``; -1 for an inference tensor, which tracks none (under ``torch.inference_mode`` nothing
+    writes into one behind the caller's back)."""
     return -1 if t.is_inference() else t._version
 
 
@@ -39,7 +41,7 @@ def _first_tensor(args) -> tuple | None:
     """The first positional tensor argument and its version counter, to tell a write into it (the call returns
     it with its version moved: ``relu_``, ``+=``, ``inplace=True``) from a pass-through (``nn.Identity``)."""
     t = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    return None if t is None else (t, _version(t))
+    return None if t is None else (t, tensor_version(t))
 
 
 @dataclass
@@ -175,7 +177,7 @@ class _Recorder(TorchFunctionMode):
         outs = flatten_tensors(output)
         if outs:
             t = outs[0]
-            node.inplace = written is not None and t is written[0] and _version(t) != written[1]
+            node.inplace = written is not None and t is written[0] and tensor_version(t) != written[1]
             node.shape, node.dtype = tuple(t.shape), t.dtype
             node.nbytes = t.numel() * t.element_size()
             self.tensors[node.name] = t
