@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -19,14 +18,9 @@ import torch.distributed as dist
 
 from opsnn_lab.consistency import ConsistencyChecker
 from opsnn_lab.models import EncoderConfig, MaskedTokenTask
+from opsnn_lab.parallel.runtime import destroy_process_group, free_port
 
 __all__ = ["run_rank_check", "rank_check_worker"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_check_worker(rank: int, world_size: int, port: int, perturb_rank: int, perturb: str, out_dir: str,
@@ -48,7 +42,7 @@ def rank_check_worker(rank: int, world_size: int, port: int, perturb_rank: int, 
             task.loss(model, task.batch(0)).backward()
         Path(out_dir, f"rank{rank}.json").write_text(checker.report.to_json())
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def run_rank_check(world_size: int = 2, perturb_rank: int = 1, perturb: str = "layers.0.mlp.fc1",
@@ -63,7 +57,7 @@ def run_rank_check(world_size: int = 2, perturb_rank: int = 1, perturb: str = "l
     with tempfile.TemporaryDirectory() as tmp:
         out = os.fspath(out_dir) if out_dir is not None else tmp
         os.makedirs(out, exist_ok=True)
-        mp.spawn(rank_check_worker, args=(world_size, _free_port(), perturb_rank, perturb, out, eps),
+        mp.spawn(rank_check_worker, args=(world_size, free_port(), perturb_rank, perturb, out, eps),
                  nprocs=world_size, join=True)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
 

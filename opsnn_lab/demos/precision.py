@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from opsnn_lab._checks import check_positive, check_type
+from opsnn_lab.parallel.runtime import destroy_process_group, free_port
 from opsnn_lab.precision import Fp16AllReduceState, fp16_allreduce_hook
 from opsnn_lab.training import Callback, TrainResult
 
@@ -132,11 +132,6 @@ def update_cosine(before: torch.Tensor, after: torch.Tensor, ref_before: torch.T
 
 
 # ---------------------------------------------------------------- 2-rank all-reduce demo
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_grad(rank: int, magnitude: float, numel: int, seed: int) -> torch.Tensor:
     """Rank ``rank``'s gradient; magnitude NaN means: scale 1, and rank 1 alone holds one NaN."""
@@ -158,29 +153,34 @@ class _Vector(torch.nn.Module):
         return (self.w * c).sum()  # d/dw = c: each rank's gradient is exactly what it was handed
 
 
-def _demo_worker(rank: int, world: int, port: int, magnitudes, numel: int, seed: int, out: str) -> None:
+def _reduce_once(name: str, rank: int, mag: float, numel: int, seed: int):
+    """One DDP backward with hook ``name``: (rank's averaged gradient, the opsnn hook's state)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    ddp = DDP(_Vector(numel))
+    state = Fp16AllReduceState()
+    if name == "stock_fp16":
+        ddp.register_comm_hook(None, fp16_compress_hook)
+    elif name == "opsnn_fp16":
+        ddp.register_comm_hook(state, fp16_allreduce_hook)
+    ddp(_rank_grad(rank, mag, numel, seed)).backward()
+    return ddp.module.w.grad.clone(), state  # the DDP model goes here, before its process group does
+
+
+def _demo_worker(rank: int, world: int, port: int, magnitudes, numel: int, seed: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = {}
         for mag in magnitudes:
             for name in ("fp32", "stock_fp16", "opsnn_fp16"):
-                ddp = DDP(_Vector(numel))
-                state = Fp16AllReduceState()
-                if name == "stock_fp16":
-                    ddp.register_comm_hook(None, fp16_compress_hook)
-                elif name == "opsnn_fp16":
-                    ddp.register_comm_hook(state, fp16_allreduce_hook)
-                ddp(_rank_grad(rank, mag, numel, seed)).backward()
-                results[(repr(mag), name)] = ddp.module.w.grad.clone()
+                results[(repr(mag), name)], state = _reduce_once(name, rank, mag, numel, seed)
                 if name == "opsnn_fp16":
                     results[(repr(mag), "bytes")] = (state.bytes_reduced, state.bytes_fp32, state.scales)
         torch.save(results, f"{out}.{rank}")
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def _both_all_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -203,7 +203,7 @@ def allreduce_demo(magnitudes: Sequence[float] = (1e-9, 1.0, 1e5), numel: int = 
         out = os.path.join(tmp, "allreduce.pt")
         for attempt in range(2):  # a free port can be taken by another process before gloo binds it: retry once
             try:
-                mp.spawn(_demo_worker, args=(world_size, _free_port(), tuple(magnitudes), numel, seed, out),
+                mp.spawn(_demo_worker, args=(world_size, free_port(), tuple(magnitudes), numel, seed, out),
                          nprocs=world_size, join=True)
                 break
             except mp.ProcessExitedException:

@@ -204,6 +204,7 @@ def run(args) -> dict:
         ctx.barrier()
         return metrics
     finally:
+        result = model = None  # the DDP model goes before its process group does (runtime.destroy_process_group)
         ctx.close()
 
 

@@ -10,6 +10,7 @@ tears the job down when one worker exits, so a failing rank ends every rank.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import signal
 import socket
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistContext", "init_distributed", "free_port"]
+__all__ = ["DistContext", "init_distributed", "free_port", "destroy_process_group"]
 
 
 @dataclass
@@ -44,8 +45,21 @@ class DistContext:
 
     def close(self) -> None:
         if self.started and dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group()
             self.started = False
+
+
+def destroy_process_group() -> None:
+    """``dist.destroy_process_group()``, then collect the reference cycles that still hold the group's objects.
+
+    Left to interpreter shutdown, such cycles (what a DDP model leaves behind) are freed after gloo's threads
+    are gone and the process aborts with "terminate called without an active exception": 7 of 100 runs of the
+    two-rank gloo all-reduce demo on a 2-core machine, 0 of 100 with the collection. Callers drop their own DDP
+    models first.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def _on_sigterm(signum, frame):  # torchrun sends SIGTERM to the survivors when one worker fails

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import opsnn_lab as ol
 from opsnn_lab.demos import zoo
+from opsnn_lab.parallel.runtime import destroy_process_group
 
 pytest.importorskip("transformers")
 
@@ -88,7 +89,7 @@ def test_ddp_wraps_a_fused_hf_model():
             if p.grad is not None:
                 torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 def world_of_one():
     import torch.distributed as dist
 
-    from opsnn_lab.parallel.runtime import init_distributed
+    from opsnn_lab.parallel.runtime import destroy_process_group, init_distributed
 
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
@@ -20,7 +20,7 @@ def world_of_one():
         yield ctx
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
