@@ -4,7 +4,10 @@
 on its proxies. Two things widen what traces here: (1) a plain helper function that stops the tracer
 (argument checks, for instance) is retried as an opaque call (``autowrap_functions``), so it still runs on
 real tensors in the rewritten model; (2) non-tensor arguments seen on the example call (``mask=None``,
-flags) are specialised, and the rewritten forward guards on them at run time (fallback: original code).
+flags) are specialised, and the rewritten forward guards on them at run time (fallback: original code);
+(3) when that still fails, the tensor arguments' rank and nestedness are those of the example call, so a
+forward's checks on them (``x.dim() == 3``, ``(*x.shape[:-1], -1)``, ``x.is_nested``) read plain values;
+each fact the traced code relied on is guarded at run time the same way. Sizes stay symbolic.
 When a module still fails, its children are tried; the reason is kept for the plan.
 
 A module whose forward runs its children in turn (``nn.Sequential``, or any forward looping over
@@ -23,13 +26,15 @@ import traceback
 import types
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module, is_leaf_module
 
-__all__ = ["Region", "find_regions", "trace_region", "fx_graph", "concrete_args", "library_hooks"]
+__all__ = ["Region", "find_regions", "trace_region", "fx_graph", "concrete_args", "tensor_facts", "facts_hold",
+           "library_hooks"]
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -42,28 +47,48 @@ class Region:
     concrete: dict = field(default_factory=dict)  # specialised non-tensor arguments
     wrapped: list[str] = field(default_factory=list)  # helper functions kept opaque
     graph: Graph | None = field(default=None, repr=False)
+    tensors: dict = field(default_factory=dict)  # the example's tensor facts, when tracing needed them
 
     def to_dict(self) -> dict:
         return {"path": self.path, "route": self.route, "reason": self.reason, "concrete": self.concrete,
-                "wrapped": self.wrapped}
+                "wrapped": self.wrapped, "tensors": self.tensors}
 
 
-def concrete_args(module: nn.Module, call) -> dict:
-    """Non-tensor arguments of the observed call (defaults included), keyed by parameter name."""
+def _named_arguments(module: nn.Module, call):
+    """(name, value) of each named parameter of the observed call, defaults included."""
     args, kwargs = call
     sig = inspect.signature(type(module).forward)
     try:
         bound = sig.bind(module, *args, **kwargs)
     except TypeError:
-        return {}
+        return
     bound.apply_defaults()
-    out = {}
     for name, value in list(bound.arguments.items())[1:]:
-        kind = sig.parameters[name].kind
-        if kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and \
-                isinstance(value, _SCALARS):
-            out[name] = value
-    return out
+        if sig.parameters[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            yield name, value
+
+
+def concrete_args(module: nn.Module, call) -> dict:
+    """Non-tensor arguments of the observed call (defaults included), keyed by parameter name."""
+    return {name: value for name, value in _named_arguments(module, call) if isinstance(value, _SCALARS)}
+
+
+def tensor_facts(module: nn.Module, call) -> dict:
+    """``{name: {"ndim": int, "is_nested": bool}}`` for each tensor argument of the observed call."""
+    return {name: {"ndim": value.dim(), "is_nested": bool(value.is_nested)}
+            for name, value in _named_arguments(module, call) if isinstance(value, torch.Tensor)}
+
+
+def facts_hold(facts: dict, arguments: dict) -> bool:
+    """Whether the bound ``arguments`` of a call have every fact a traced forward relied on."""
+    for name, wanted in facts.items():
+        value = arguments.get(name)
+        if not isinstance(value, torch.Tensor):
+            return False
+        got = {"ndim": value.dim(), "is_nested": bool(value.is_nested)}
+        if any(got[k] != v for k, v in wanted.items()):
+            return False
+    return True
 
 
 def _blocker(exc: BaseException, module: nn.Module):
@@ -78,21 +103,65 @@ def _blocker(exc: BaseException, module: nn.Module):
     return None
 
 
+class _InputProxy(fx.Proxy):
+    """A tensor argument of the traced forward whose rank and nestedness are the example's: ``dim()``, ``ndim``,
+    ``is_nested`` are plain values and ``shape`` / ``size()`` a tuple of one size proxy per dimension (so it
+    slices and unpacks). Each fact read is noted in ``tracer.facts_read`` for the run-time guard."""
+
+    def __init__(self, node: fx.Node, tracer, name: str, facts: dict):
+        super().__init__(node, tracer)
+        self._name, self._facts = name, facts
+
+    def _read(self, fact: str):
+        self.tracer.facts_read.setdefault(self._name, {})[fact] = self._facts[fact]
+        return self._facts[fact]
+
+    def _sizes(self) -> tuple:
+        size = super().__getattr__("size")
+        return tuple(size(i) for i in range(self._read("ndim")))
+
+    def __getattr__(self, k):
+        if k in ("ndim", "is_nested"):
+            return self._read(k)
+        if k in ("dim", "ndimension"):
+            ndim = self._read("ndim")
+            return lambda: ndim
+        if k == "shape":
+            return self._sizes()
+        if k == "size":
+            size = super().__getattr__("size")
+            return lambda *a, **kw: size(*a, **kw) if a or kw else self._sizes()
+        return super().__getattr__(k)
+
+
 class _Tracer(fx.Tracer):
     """Keeps opsnn_lab.ops modules (e.g. the counter-based Dropout) as calls, as the run-time trace does.
 
     ``output_type``: the class of the value the forward returned when it is a dict subclass (a Hugging Face
     ``ModelOutput``): fx's code returns a plain dict there, which the rewritten forward turns back into it.
+    ``tensor_facts``: the example's facts per tensor argument (``tensor_facts``), given only on the retry.
     """
 
     output_type: type | None = None
     _depth = 0
 
+    def __init__(self, autowrap_functions=(), tensor_facts=None):
+        super().__init__(autowrap_functions=autowrap_functions)
+        self.tensor_facts, self.facts_read = dict(tensor_facts or {}), {}
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        name = str(node.target).lstrip("*")
+        if node.op == "placeholder" and name in self.tensor_facts:
+            return _InputProxy(node, self, name, self.tensor_facts[name])
+        return super().proxy(node)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         # A module already rewritten at module level (patch.py) stays a call, so its patch runs; so does one
         # with hooks, so they fire (Hugging Face records hidden states and attentions with forward hooks).
+        # Built-in modules are leaves as in fx, except the composites the run-time trace looks into too
+        # (graph.is_leaf_module: nn.TransformerEncoderLayer runs its Linears and norms as a user module would).
         patched = callable(m.__dict__.get("forward"))
-        return patched or has_hooks(m) or is_leaf_module(m) or super().is_leaf_module(m, module_qualified_name)
+        return patched or has_hooks(m) or is_leaf_module(m)
 
     def create_arg(self, a):
         if self._depth == 0:  # the last top-level value turned into graph arguments is the forward's output
@@ -152,8 +221,12 @@ def _hf_hook_installer():
     return maybe_install_capturing_hooks
 
 
-def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) -> tuple[fx.GraphModule, list]:
+def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
+                 facts: dict | None = None) -> tuple[fx.GraphModule, list]:
     """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer.
+
+    ``facts`` (from ``tensor_facts``) gives the tensor arguments the example's rank; the facts the code read
+    are in ``gm.meta["facts_read"]``, for the caller to guard on.
 
     The modules' own attributes are restored afterwards too: a forward that caches in ``self`` (LeViT's
     eval-mode attention biases) would otherwise keep fx proxies there, which do not pickle."""
@@ -163,11 +236,12 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=()) 
     wrapped = list(wrapped)
     try:
         for _ in range(4):
-            tracer = _Tracer(autowrap_functions=tuple(wrapped))
+            tracer = _Tracer(tuple(wrapped), facts)
             try:
                 graph = tracer.trace(module, concrete_args=dict(concrete) or None)
                 gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
                 gm.meta["output_type"] = tracer.output_type
+                gm.meta["facts_read"] = tracer.facts_read
                 return gm, wrapped
             except Exception as exc:  # noqa: BLE001 - any tracer failure sends us one level down
                 fn = _blocker(exc, module)
@@ -217,7 +291,7 @@ def _restore_instance_state(state: list) -> None:
 _PROBE_CHILD = "_opsnn_probe_child"
 
 
-def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wrapped) -> bool:
+def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wrapped, facts) -> bool:
     """True when ``module``'s forward would see a child registered after the trace (it calls, counts or
     indexes its children: ``nn.Sequential``, a loop over ``self.children()``), found by tracing it once more
     with an ``nn.Identity`` registered, then removed."""
@@ -227,7 +301,7 @@ def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wr
         return False
     module.add_module(_PROBE_CHILD, nn.Identity())
     try:
-        probed, _ = trace_region(module, concrete, True, wrapped)
+        probed, _ = trace_region(module, concrete, True, wrapped, facts)
         return probed.code != gm.code
     except Exception:  # noqa: BLE001 - it traced without the extra child: the child is what stops it
         return True
@@ -246,6 +320,17 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg[:160]}{where}"
 
 
+def _first_trace(module: nn.Module, concrete: dict, call) -> tuple[fx.GraphModule, list, dict]:
+    """A plain trace, else one with the example call's tensor facts (whose error then stands)."""
+    try:
+        return (*trace_region(module, concrete, True), {})
+    except Exception:  # noqa: BLE001 - retried below
+        facts = tensor_facts(module, call)
+        if not facts:
+            raise
+    return (*trace_region(module, concrete, True, facts=facts), facts)
+
+
 def find_regions(model: nn.Module, calls: dict) -> list[Region]:
     """Largest traceable modules, top-down; an untraceable module is recorded with why, then its children."""
     regions: list[Region] = []
@@ -258,13 +343,13 @@ def find_regions(model: nn.Module, calls: dict) -> list[Region]:
         if path in calls:
             concrete = concrete_args(module, calls[path][0])
             try:
-                gm, wrapped = trace_region(module, concrete, True)
+                gm, wrapped, facts = _first_trace(module, concrete, calls[path][0])
             except Exception as exc:  # noqa: BLE001
                 regions.append(Region(path, "untraceable", _reason(exc), concrete))
             else:
-                if not _runs_its_children(module, gm, concrete, wrapped):
+                if not _runs_its_children(module, gm, concrete, wrapped, facts):
                     regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped],
-                                          fx_graph(gm, path)))
+                                          fx_graph(gm, path), facts))
                     for name, inner in module.named_modules():  # kept as calls for their hooks: regions too
                         if name and has_hooks(inner) and not is_leaf_module(inner):
                             visit(f"{path}.{name}" if path else name, inner)

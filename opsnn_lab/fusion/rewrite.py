@@ -28,7 +28,7 @@ from opsnn_lab.fusion.patch import Patch, Route, inline_after, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
-from opsnn_lab.fusion.regions import fx_graph, library_hooks, trace_region
+from opsnn_lab.fusion.regions import facts_hold, fx_graph, library_hooks, trace_region
 from opsnn_lab.fusion.runtime import own_dtypes
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert"]
@@ -98,12 +98,13 @@ class FxForward(Patch):
         super().__init__(host)
         self.variants, self.concrete = variants, concrete
         self.output_types = {k: gm.meta.get("output_type") for k, gm in variants.items()}
+        self.facts = {k: gm.meta.get("facts_read", {}) for k, gm in variants.items()}  # tensor ranks it relied on
         # the submodules whose forwards the traced code runs inline: if one gains hooks later (a user's, or Hugging
         # Face's output capture installed on first use), this region runs its original forward, so they fire
         self.inlined = {k: _inlined(host, gm) for k, gm in variants.items()}
 
     def __setstate__(self, state):  # a model saved before these fields existed: no rebuild, no hook check
-        self.__dict__.update({"output_types": {}, "inlined": {}, **state})
+        self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, **state})
 
     def _bound(self, args, kwargs):
         try:
@@ -115,6 +116,8 @@ class FxForward(Patch):
             got = bound.arguments.get(k)
             if type(got) is not type(v) or got != v:
                 return None  # a call the rewrite was not specialised for
+        if not facts_hold(self.facts.get(self.host.training, {}), bound.arguments):
+            return None  # a tensor of another rank than the traced code assumed
         return bound
 
     def __call__(self, *args, **kwargs):
@@ -193,7 +196,7 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
     wrapped = [getattr(inspect.getmodule(type(region)), n) for n in route.get("wrapped", [])]
     variants, done = {}, 0
     for training in (True, False):
-        gm, _ = trace_region(region, route["concrete"], training, wrapped)
+        gm, _ = trace_region(region, route["concrete"], training, wrapped, route.get("tensors") or None)
         g, moved = fx_graph(gm, path), {}
         # Planned matches take their nodes in table order, as in the analysis: a node is rewritten once. A module
         # called twice gives one key two matches, and another planned match may hold one of them (ALBERT's

@@ -194,3 +194,91 @@ def test_writes_whose_result_is_ignored_survive_the_rewrite():
     (g_want,) = torch.autograd.grad(want.square().sum(), x)
     (g_got,) = torch.autograd.grad(got.square().sum(), x)
     torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+
+
+class RankChecks(nn.Module):
+    """Checks on its input's rank, as library layers make them (``x.dim()``, ``*x.shape[:-1]``): a plain fx
+    trace stops at the first; the retry with the example's rank traces it, and a call of another rank runs
+    the original forward (traced with a 3-D example, a 2-D call would skip the unsqueeze)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(8, 16), nn.Dropout(0.0), nn.Linear(16, 8)
+
+    def forward(self, x):
+        if x.dim() == 2:
+            x = x.unsqueeze(0)
+        if x.is_nested:
+            raise ValueError("x: nested tensors are not supported")
+        lead = x.shape[:-1]
+        y = self.fc2(self.drop(nn.functional.gelu(self.fc1(x))))
+        return y.reshape(*lead, -1) * 2
+
+
+class HoldsRankChecks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = RankChecks()
+
+    def forward(self, x):
+        if x.sum() > 1e9:  # data-dependent: `block` is the region
+            x = x * 0.5
+        return self.block(x)
+
+
+def test_rank_checks_trace_with_the_example_rank_and_other_ranks_run_the_original():
+    torch.manual_seed(0)
+    model, x = HoldsRankChecks().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("linear_gelu_dropout_linear", "fx:block")]
+    region = next(r for r in plan.routes if r["path"] == "block")
+    assert region["route"] == "fx" and region["tensors"] == {"x": {"ndim": 3, "is_nested": False}}
+    assert fused.block.__dict__["forward"].facts[True] == {"x": {"ndim": 3, "is_nested": False}}
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        fused.train(mode == "train")
+        for inp in (x, seeded(5, 8, seed=1, dtype=torch.float64, requires_grad=True)):  # 3-D traced, 2-D guarded
+            want, got = model(inp), fused(inp)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            (g_want,) = torch.autograd.grad(want.square().sum(), inp)
+            (g_got,) = torch.autograd.grad(got.square().sum(), inp)
+            torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_guard_compares_rank_and_nestedness_and_wants_a_tensor():
+    from opsnn_lab.fusion.regions import facts_hold
+
+    facts = {"x": {"ndim": 3, "is_nested": False}}
+    assert facts_hold(facts, {"x": torch.zeros(1, 2, 3), "y": 1})
+    assert not facts_hold(facts, {"x": torch.zeros(2, 3)})
+    assert not facts_hold(facts, {"x": None})
+    assert not facts_hold(facts, {})
+    nested = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)], layout=torch.jagged)
+    assert not facts_hold(facts, {"x": nested})
+    assert facts_hold({}, {})
+
+
+class RankOfAnInnerValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(8, 16), nn.Dropout(0.0), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if h.dim() != 3:  # the rank of a value the forward computed: not an argument, so still not traceable
+            raise ValueError("fc1 must give a 3-D value")
+        return self.fc2(self.drop(nn.functional.gelu(h))) * 2
+
+
+def test_rank_of_a_computed_value_still_stops_the_tracer_and_says_where():
+    torch.manual_seed(0)
+    model = HoldsRankChecks().double()
+    model.block = RankOfAnInnerValue().double()
+    x = seeded(3, 5, 8, dtype=torch.float64)
+    plan = ol.fusion.analyze(model.train(), (x,))
+    region = next(r for r in plan.routes if r["path"] == "block")
+    assert region["route"] == "untraceable"
+    assert "if h.dim() != 3" in region["reason"], region["reason"]
+    (mlp,) = [d for d in plan.decisions if d.pattern == "linear_gelu_dropout_linear"]
+    assert not mlp.fused and "nor can fx trace `block`" in mlp.reason

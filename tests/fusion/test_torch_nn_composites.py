@@ -1,8 +1,9 @@
 """torch.nn's own transformer modules (``nn.Transformer``, ``nn.TransformerEncoder``/``Decoder`` and their
 layers) call their children's forwards: the analysis looks into them as into user code, so the norms, the
-residual adds and the MLPs of a model built from them are candidates like anyone else's. Fused, the model
-gives eager's outputs and gradients in train and eval, with and without masks, and in eval the encoder's
-fast path (``torch._transformer_encoder_layer_fwd``, which reads the parameters directly) still runs."""
+residual adds and the MLPs of a model built from them are candidates like anyone else's. The encoder layer's
+checks on its input (``src.dim() == 3``, ``src.is_nested``) trace with the example's rank, so fx rewrites
+its MLP and residual norms. Fused, the model gives eager's outputs and gradients in train and eval, with and
+without masks, and on unbatched (2-D) input, which runs the layer's original forward."""
 
 from __future__ import annotations
 
@@ -49,26 +50,31 @@ def test_composites_are_looked_into_and_multihead_attention_stays_one_op():
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_transformer_encoder_fuses_its_norms_and_says_why_not_its_mlp(norm_first):
+def test_transformer_encoder_fuses_its_mlp_and_residual_norms(norm_first):
     torch.manual_seed(0)
     model = _encoder(norm_first).double()
     x = torch.randn(2, 7, D, dtype=torch.float64)
     fused, plan = ol.fusion.fuse(model.train(), (x,))
-    summary = plan.summary()
-    assert summary["layer_norm"]["fused"] == 2  # the norm whose output a Linear (or the attention) reads
-    mlp = [d for d in plan.decisions if d.pattern == "linear_gelu_dropout_linear"]
-    assert len(mlp) == 2 and not any(d.fused for d in mlp)
-    # the GELU is a function called inline in the layer's forward, which fx cannot trace (shape checks)
-    assert all("`gelu` runs inline" in d.reason for d in mlp), [d.reason for d in mlp]
+    done = [(d.pattern, d.modules[-1], d.route) for d in plan.decisions if d.fused]
+    norm = "norm2" if norm_first else "norm1"  # the residual norm a Linear (or the attention) reads
+    assert done == [("linear_gelu_dropout_linear", f"layers.{i}.linear2", f"fx:layers.{i}") for i in range(2)] + \
+        [("add_layer_norm", f"layers.{i}.{norm}", f"fx:layers.{i}") for i in range(2)]
+    layers = {r["path"]: r for r in plan.routes if r["path"].startswith("layers.")}
+    assert all(r["route"] == "fx" and r["tensors"]["src"] == {"ndim": 3, "is_nested": False}
+               for r in layers.values()) and len(layers) == 2
     pad = torch.zeros(2, 7, dtype=torch.bool)
     pad[1, 5:] = True
     _assert_same(model, fused, x)
     _assert_same(model, fused, x, src_key_padding_mask=pad)
+    _assert_same(model, fused, x[0])  # unbatched: another rank than traced, the original forward
     model.eval()
     fused.eval()
     _assert_same(model, fused, x, src_key_padding_mask=pad)
-    with torch.no_grad():  # eval without grad: the fast path of nn.TransformerEncoderLayer
+    with torch.no_grad():  # eval without grad: eager takes the encoder's fast path, the rewrite its own code
         torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)
+    eager = activation_bytes(lambda: model.train()(x), exclude=tuple(model.parameters()))
+    ours = activation_bytes(lambda: fused.train()(x), exclude=tuple(fused.parameters()))
+    assert ours < eager
 
 
 def test_transformer_decoder_layers_fuse_their_mlp_and_residual_norms():
@@ -77,12 +83,18 @@ def test_transformer_decoder_layers_fuse_their_mlp_and_residual_norms():
     src = torch.randn(2, 8, D, dtype=torch.float64)
     tgt = torch.randn(2, 5, D, dtype=torch.float64)
     fused, plan = ol.fusion.fuse(model.train(), (src, tgt))
-    done = [(d.pattern, d.modules[-1]) for d in plan.decisions if d.fused]
-    assert ("linear_relu_dropout_linear", "decoder.layers.0.linear2") in done
-    assert [m for p, m in done if p == "add_layer_norm"] == ["decoder.layers.0.norm2", "decoder.layers.0.norm3"]
+    done = [(d.pattern, d.modules[-1], d.route) for d in plan.decisions if d.fused]
+    # the encoder traces whole (its layers see its own input, whose rank is the example's), as does the decoder
+    assert done == [("linear_relu_dropout_linear", "encoder.layers.0.linear2", "fx:encoder"),
+                    ("linear_relu_dropout_linear", "decoder.layers.0.linear2", "fx:decoder"),
+                    ("add_layer_norm", "encoder.layers.0.norm1", "fx:encoder"),
+                    ("add_layer_norm", "encoder.layers.0.norm2", "fx:encoder"),
+                    ("add_layer_norm", "decoder.layers.0.norm2", "fx:decoder"),
+                    ("add_layer_norm", "decoder.layers.0.norm3", "fx:decoder")]
     mask = nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
     _assert_same(model, fused, src, tgt)
     _assert_same(model, fused, src, tgt, tgt_mask=mask, tgt_is_causal=True)
+    _assert_same(model, fused, src[0], tgt[0])  # unbatched: the original forwards
     model.eval()
     fused.eval()
     _assert_same(model, fused, src, tgt, tgt_mask=mask)
