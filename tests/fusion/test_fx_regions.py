@@ -282,3 +282,24 @@ def test_rank_of_a_computed_value_still_stops_the_tracer_and_says_where():
     assert "if h.dim() != 3" in region["reason"], region["reason"]
     (mlp,) = [d for d in plan.decisions if d.pattern == "linear_gelu_dropout_linear"]
     assert not mlp.fused and "nor can fx trace `block`" in mlp.reason
+
+
+def test_inference_in_eval_mode_runs_the_original_forward_and_training_without_grad_does_not():
+    torch.manual_seed(0)
+    model, x = HoldsRankChecks().double(), seeded(3, 5, 8, dtype=torch.float64)
+    fused, _ = ol.fusion.fuse(model.train(), (x,))
+    (slot,) = [m for n, m in fused.block.named_children() if n.startswith("fused_")]
+    calls = []
+    slot.register_forward_hook(lambda *_: calls.append(1))
+    for training, grad, runs_fused in ((False, False, False), (False, True, True), (True, False, True)):
+        model.train(training)
+        fused.train(training)
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            got, want = fused(x), model(x)
+        assert len(calls) == runs_fused, (training, grad)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with torch.inference_mode():
+        fused.eval()
+        calls.clear()
+        assert torch.equal(fused(x), model.eval()(x)) and not calls
