@@ -6,7 +6,8 @@ on its proxies. Two things widen what traces here: (1) a plain helper function t
 real tensors in the rewritten model; (2) non-tensor arguments seen on the example call (``mask=None``,
 flags) are specialised, and the rewritten forward guards on them at run time (fallback: original code);
 (3) when that still fails, the tensor arguments' rank and nestedness are those of the example call, so a
-forward's checks on them (``x.dim() == 3``, ``(*x.shape[:-1], -1)``, ``x.is_nested``) read plain values;
+forward's checks on them (``x.dim() == 3``, ``(*x.shape[:-1], -1)``, ``x.is_nested``) read plain values,
+and a ``**kwargs`` the call left empty is ``{}`` (Hugging Face forwards pass it on: ``f(..., **kwargs)``);
 each fact the traced code relied on is guarded at run time the same way. Sizes stay symbolic.
 When a module still fails, its children are tried; the reason is kept for the plan.
 
@@ -74,15 +75,30 @@ def concrete_args(module: nn.Module, call) -> dict:
 
 
 def tensor_facts(module: nn.Module, call) -> dict:
-    """``{name: {"ndim": int, "is_nested": bool}}`` for each tensor argument of the observed call."""
-    return {name: {"ndim": value.dim(), "is_nested": bool(value.is_nested)}
-            for name, value in _named_arguments(module, call) if isinstance(value, torch.Tensor)}
+    """``{name: {"ndim": int, "is_nested": bool}}`` for each tensor argument of the observed call, and
+    ``{name: {"empty": True}}`` for a ``**kwargs`` parameter the call left empty."""
+    out = {name: {"ndim": value.dim(), "is_nested": bool(value.is_nested)}
+           for name, value in _named_arguments(module, call) if isinstance(value, torch.Tensor)}
+    args, kwargs = call
+    sig = inspect.signature(type(module).forward)
+    var_kw = [p.name for p in sig.parameters.values() if p.kind == inspect.Parameter.VAR_KEYWORD]
+    try:
+        bound = sig.bind(module, *args, **kwargs)
+    except TypeError:
+        return out
+    if var_kw and not bound.arguments.get(var_kw[0]):
+        out[var_kw[0]] = {"empty": True}
+    return out
 
 
 def facts_hold(facts: dict, arguments: dict) -> bool:
     """Whether the bound ``arguments`` of a call have every fact a traced forward relied on."""
     for name, wanted in facts.items():
         value = arguments.get(name)
+        if wanted.get("empty"):  # a **kwargs the traced code took as {}
+            if value:
+                return False
+            continue
         if not isinstance(value, torch.Tensor):
             return False
         got = {"ndim": value.dim(), "is_nested": bool(value.is_nested)}
@@ -143,15 +159,21 @@ class _Tracer(fx.Tracer):
     """
 
     output_type: type | None = None
+    flat_output_type: type | None = None
     _depth = 0
 
     def __init__(self, autowrap_functions=(), tensor_facts=None):
         super().__init__(autowrap_functions=autowrap_functions)
         self.tensor_facts, self.facts_read = dict(tensor_facts or {}), {}
+        self.empty_kwargs: list[fx.Node] = []  # their placeholders, dropped from the graph after the trace
 
-    def proxy(self, node: fx.Node) -> fx.Proxy:
+    def proxy(self, node: fx.Node):
         name = str(node.target).lstrip("*")
         if node.op == "placeholder" and name in self.tensor_facts:
+            if self.tensor_facts[name].get("empty"):  # **kwargs left empty: the forward sees {} (guarded)
+                self.facts_read[name] = {"empty": True}
+                self.empty_kwargs.append(node)
+                return {}
             return _InputProxy(node, self, name, self.tensor_facts[name])
         return super().proxy(node)
 
@@ -166,6 +188,9 @@ class _Tracer(fx.Tracer):
     def create_arg(self, a):
         if self._depth == 0:  # the last top-level value turned into graph arguments is the forward's output
             self.output_type = type(a) if isinstance(a, dict) and type(a) is not dict else None
+            # fx's flattened output (see _drop_empty_kwargs) is a list holding the value: its class
+            self.flat_output_type = next((type(v) for v in a if isinstance(v, dict) and type(v) is not dict),
+                                         None) if type(a) is list and len(a) == 1 else None
         self._depth += 1
         try:
             return super().create_arg(a)
@@ -239,8 +264,12 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
             tracer = _Tracer(tuple(wrapped), facts)
             try:
                 graph = tracer.trace(module, concrete_args=dict(concrete) or None)
+                flattened_output = _drop_empty_kwargs(graph, tracer)
+                for node in graph.nodes:  # the call of a submodule named ``self`` (ConvBERT's attention.self):
+                    if node.name == "self":  # fx names its result ``self``, which shadows the module in the code
+                        node._rename("self_module")
                 gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
-                gm.meta["output_type"] = tracer.output_type
+                gm.meta["output_type"] = flattened_output or tracer.output_type
                 gm.meta["facts_read"] = tracer.facts_read
                 return gm, wrapped
             except Exception as exc:  # noqa: BLE001 - any tracer failure sends us one level down
@@ -253,6 +282,33 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
         for m, flag in flags.items():
             m.training = flag
         _restore_instance_state(state)
+
+
+def _drop_empty_kwargs(graph: fx.Graph, tracer: _Tracer) -> type | None:
+    """Remove the ``**kwargs`` placeholders the forward saw as ``{}``. That ``{}`` was the one container among
+    the forward's arguments, for which fx generated code that flattens the arguments and the output against
+    specs kept on the GraphModule (``_PyTreeCodeGen``; the rewritten forward runs with the region as ``self``,
+    which has none): the output is given its structure back and the code is plain fx code again. Returns the
+    output's class when it is a dict subclass (``_Tracer.output_type``: fx saw only the flattened values)."""
+    if not tracer.empty_kwargs:
+        return None
+    for node in tracer.empty_kwargs:
+        graph.erase_node(node)
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is None:
+        return None
+    kind = None
+    if info.out_spec is not None:
+        import torch.utils._pytree as pytree
+
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        output.args = (pytree.tree_unflatten(list(output.args[0]), info.out_spec),)
+        kind = info.out_spec.type if isinstance(info.out_spec.type, type) and \
+            issubclass(info.out_spec.type, dict) and info.out_spec.type is not dict else None
+        if info.out_spec.is_leaf():  # a class pytree does not know (a dict subclass): one leaf, the value
+            kind = tracer.flat_output_type
+    graph._codegen = fx.graph.CodeGen()
+    return kind
 
 
 # nn.Module's own bookkeeping, restored by other means (flags) or never touched by a forward

@@ -135,7 +135,9 @@ class FxForward(Patch):
             return type(self.host).forward(self.host, *args, **kwargs)
         pos, kw = [], {}
         traced = list(inspect.signature(type(gm).forward).parameters.items())[1:]
-        original = list(inspect.signature(type(self.host).forward).parameters)[1:]
+        empty = self.facts.get(self.host.training, {})  # a **kwargs the traced code took as {}: not an argument
+        original = [n for n in list(inspect.signature(type(self.host).forward).parameters)[1:]
+                    if not empty.get(n, {}).get("empty")]
         if len(original) != len(traced):
             original = [name for name, _ in traced]
         for source, (name, p) in zip(original, traced):

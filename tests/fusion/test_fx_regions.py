@@ -303,3 +303,96 @@ def test_inference_in_eval_mode_runs_the_original_forward_and_training_without_g
         fused.eval()
         calls.clear()
         assert torch.equal(fused(x), model.eval()(x)) and not calls
+
+
+def _scaled(x, scale=1.0, **unused):
+    return x * scale
+
+
+class TakesKwargs(nn.Module):
+    """A forward that passes ``**kwargs`` on (Hugging Face attention: ``interface(..., **kwargs)``): a plain
+    trace cannot unpack the ``**kwargs`` proxy; the retry takes the call's empty ``**kwargs`` as ``{}``, and a
+    call that passes keywords runs the original forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(8, 16), nn.Dropout(0.0), nn.Linear(16, 8)
+
+    def forward(self, x, **kwargs):
+        y = self.fc2(self.drop(nn.functional.gelu(self.fc1(x))))
+        return Out(out=_scaled(y, **kwargs), rank=x.dim())
+
+
+class HoldsTakesKwargs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = TakesKwargs()
+
+    def forward(self, x, **kwargs):
+        if x.sum() > 1e9:  # data-dependent: `block` is the region
+            x = x * 0.5
+        return self.block(x, **kwargs)["out"]
+
+
+def test_an_empty_kwargs_is_traced_as_empty_and_a_call_with_keywords_runs_the_original():
+    torch.manual_seed(0)
+    model, x = HoldsTakesKwargs().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("linear_gelu_dropout_linear", "fx:block")]
+    region = next(r for r in plan.routes if r["path"] == "block")
+    assert region["tensors"]["kwargs"] == {"empty": True}
+    forward = fused.block.__dict__["forward"]
+    calls = []
+    hook = fused.block.fused_linear_gelu_dropout_linear_0.register_forward_hook(lambda *_: calls.append(1))
+    out = fused.block(x)
+    assert type(out) is Out and out["rank"] == 3 and calls == [1]  # the traced code, its output class kept
+    torch.testing.assert_close(out["out"], model.block(x)["out"], rtol=1e-12, atol=1e-12)
+    got, want = fused(x, scale=3.0), model(x, scale=3.0)  # keywords: the original forward
+    assert calls == [1] and forward.facts[True]["kwargs"] == {"empty": True}
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (g_want,) = torch.autograd.grad(want.square().sum(), x)
+    (g_got,) = torch.autograd.grad(got.square().sum(), x)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+    hook.remove()
+    restored = pickle.loads(pickle.dumps(fused))
+    torch.testing.assert_close(restored(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return (self.fc(x),)
+
+
+class NamesAChildSelf(nn.Module):
+    """A submodule named ``self`` (ConvBERT's ``attention.self``) that stays one call in the traced code (it has a
+    hook, as Hugging Face's output capture puts there): fx names the result of that call ``self`` too, which
+    would shadow the module in the code (``self.out`` on a tuple)."""
+
+    def __init__(self):
+        super().__init__()
+        self.self, self.out, self.ln = _Inner(), nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.ln(x + self.out(self.self(x)[0]))
+
+
+def test_a_child_named_self_keeps_the_traced_code_working():
+    torch.manual_seed(0)
+    model, x = NamesAChildSelf().double(), seeded(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    calls = []
+    model.self.register_forward_hook(lambda *_: calls.append(1))
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [d.pattern for d in plan.decisions if d.fused] == ["add_layer_norm"]
+    assert "self.self(" in fused.__dict__["forward"].variants[True].code
+    calls.clear()
+    got = fused(x)
+    assert calls == [1]  # the hook fired in the traced code
+    want = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (g_got,) = torch.autograd.grad(got.square().sum(), x)
+    (g_want,) = torch.autograd.grad(want.square().sum(), x)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
