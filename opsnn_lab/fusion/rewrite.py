@@ -18,7 +18,7 @@ import inspect
 import operator
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from opsnn_lab._checks import check_type
 from opsnn_lab._hooks import has_hooks
@@ -72,6 +72,13 @@ def _rewrite(gm, g, m: Match, slot: str, moved: dict) -> None:
     chain = [n.ref for n in m.nodes]
     inputs = tuple(moved.get(g[name].ref, g[name].ref) for name in m.inputs)
     anchor = chain[0] if m.pattern == "qkv" else chain[-1]
+    # An output the code reads before the chain ends (FocalNet reads the residual sum's ``.shape`` before its
+    # norm) needs the fused call before that read; the inputs come before the chain's first node.
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    readers = [u for out in m.outputs for u in out.ref.users if u not in chain and u.op != "output"]
+    first = min([anchor, *readers], key=order.__getitem__)
+    if all(order[n] < order[first] for n in inputs if isinstance(n, fx.Node)):
+        anchor = first
     with graph.inserting_before(anchor):
         new = graph.call_module(slot, inputs)
         outs = [new] if len(m.outputs) == 1 else [graph.call_function(operator.getitem, (new, i))

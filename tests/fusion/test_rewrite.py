@@ -284,3 +284,34 @@ def test_a_chain_across_a_containers_steps_says_why_it_is_not_rewritten():
     assert next(d for d in plan.decisions if d.pattern == "layer_norm").fused  # the LayerNorm alone still fuses
     assert len(fused) == 3
     _assert_same(model, fused, (x,))
+
+
+class _ReadsTheSumFirst(nn.Module):
+    """The residual sum is read (its ``.shape``, then ``view``) before its LayerNorm, as in FocalNet's layers: the
+    fused ``add_layer_norm`` call must come before that read, not at the norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.head = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = x + self.fc(x)
+        b, n, c = h.shape
+        flat = h.view(b * n, c)
+        return self.head(self.norm(h)).reshape(b * n, c) + flat
+
+
+def test_an_output_read_before_the_chain_ends_gets_its_value_first():
+    torch.manual_seed(0)
+    model, x = _ReadsTheSumFirst().double(), seeded(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:<model>")]
+    code = fused.__dict__["forward"].variants[True].code
+    assert code.index("fused_add_layer_norm_0(") < code.index(".view(")
+    got, want = fused(x), model(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    w = seeded(*want.shape, seed=3, dtype=torch.float64)
+    g_got = torch.autograd.grad((got * w).sum(), [x, *fused.parameters()])
+    g_want = torch.autograd.grad((want * w).sum(), [x, *model.parameters()])
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
