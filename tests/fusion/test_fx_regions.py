@@ -226,12 +226,17 @@ class HoldsRankChecks(nn.Module):
         return self.block(x)
 
 
-def test_rank_checks_trace_with_the_example_rank_and_other_ranks_run_the_original():
+def _fused_block(holder):
+    """``holder``'s model in float64, an input, the fused model and its ``block`` region (fx-rewritten MLP)."""
     torch.manual_seed(0)
-    model, x = HoldsRankChecks().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    model, x = holder().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
     fused, plan = ol.fusion.fuse(model.train(), (x,))
     assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("linear_gelu_dropout_linear", "fx:block")]
-    region = next(r for r in plan.routes if r["path"] == "block")
+    return model, x, fused, next(r for r in plan.routes if r["path"] == "block")
+
+
+def test_rank_checks_trace_with_the_example_rank_and_other_ranks_run_the_original():
+    model, x, fused, region = _fused_block(HoldsRankChecks)
     assert region["route"] == "fx" and region["tensors"] == {"x": {"ndim": 3, "is_nested": False}}
     assert fused.block.__dict__["forward"].facts[True] == {"x": {"ndim": 3, "is_nested": False}}
     for mode in ("train", "eval"):
@@ -335,11 +340,7 @@ class HoldsTakesKwargs(nn.Module):
 
 
 def test_an_empty_kwargs_is_traced_as_empty_and_a_call_with_keywords_runs_the_original():
-    torch.manual_seed(0)
-    model, x = HoldsTakesKwargs().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
-    fused, plan = ol.fusion.fuse(model.train(), (x,))
-    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("linear_gelu_dropout_linear", "fx:block")]
-    region = next(r for r in plan.routes if r["path"] == "block")
+    model, x, fused, region = _fused_block(HoldsTakesKwargs)
     assert region["tensors"]["kwargs"] == {"empty": True}
     forward = fused.block.__dict__["forward"]
     calls = []
