@@ -8,7 +8,9 @@ flags) are specialised, and the rewritten forward guards on them at run time (fa
 (3) when that still fails, the tensor arguments' rank and nestedness are those of the example call, so a
 forward's checks on them (``x.dim() == 3``, ``(*x.shape[:-1], -1)``, ``x.is_nested``) read plain values,
 and a ``**kwargs`` the call left empty is ``{}`` (Hugging Face forwards pass it on: ``f(..., **kwargs)``);
-each fact the traced code relied on is guarded at run time the same way. Sizes stay symbolic.
+each fact the traced code relied on is guarded at run time the same way. Sizes stay symbolic; (4) a forward
+wrapped by a ``(self, *args, **kwargs)`` decorator is traced as the function it wraps when the wrapper passes
+the example call through unchanged (``wrappers.py``: Hugging Face's gradient-checkpointing layers).
 When a module still fails, its children are tried; the reason is kept for the plan.
 
 A module whose forward runs its children in turn (``nn.Sequential``, or any forward looping over
@@ -33,6 +35,7 @@ from torch import nn
 
 from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module, is_leaf_module
+from opsnn_lab.fusion.wrappers import forward_wrapper, passes_through, unwrapped_forward
 
 __all__ = ["Region", "find_regions", "trace_region", "fx_graph", "concrete_args", "tensor_facts", "facts_hold",
            "library_hooks"]
@@ -49,10 +52,11 @@ class Region:
     wrapped: list[str] = field(default_factory=list)  # helper functions kept opaque
     graph: Graph | None = field(default=None, repr=False)
     tensors: dict = field(default_factory=dict)  # the example's tensor facts, when tracing needed them
+    unwrapped: str = ""  # the forward's wrapper, when the function it wraps was traced (wrappers.py)
 
     def to_dict(self) -> dict:
         return {"path": self.path, "route": self.route, "reason": self.reason, "concrete": self.concrete,
-                "wrapped": self.wrapped, "tensors": self.tensors}
+                "wrapped": self.wrapped, "tensors": self.tensors, "unwrapped": self.unwrapped}
 
 
 def _named_arguments(module: nn.Module, call):
@@ -247,11 +251,12 @@ def _hf_hook_installer():
 
 
 def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
-                 facts: dict | None = None) -> tuple[fx.GraphModule, list]:
+                 facts: dict | None = None, unwrap: bool = False) -> tuple[fx.GraphModule, list]:
     """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer.
 
     ``facts`` (from ``tensor_facts``) gives the tensor arguments the example's rank; the facts the code read
-    are in ``gm.meta["facts_read"]``, for the caller to guard on.
+    are in ``gm.meta["facts_read"]``, for the caller to guard on. ``unwrap``: trace the function the forward's
+    wrapper wraps (``gm.meta["unwrapped"]``; see wrappers.py).
 
     The modules' own attributes are restored afterwards too: a forward that caches in ``self`` (LeViT's
     eval-mode attention biases) would otherwise keep fx proxies there, which do not pickle."""
@@ -263,7 +268,8 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
         for _ in range(4):
             tracer = _Tracer(tuple(wrapped), facts)
             try:
-                graph = tracer.trace(module, concrete_args=dict(concrete) or None)
+                with unwrapped_forward(module) if unwrap else contextlib.nullcontext():
+                    graph = tracer.trace(module, concrete_args=dict(concrete) or None)
                 flattened_output = _drop_empty_kwargs(graph, tracer)
                 for node in graph.nodes:  # the call of a submodule named ``self`` (ConvBERT's attention.self):
                     if node.name == "self":  # fx names its result ``self``, which shadows the module in the code
@@ -271,6 +277,7 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
                 gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
                 gm.meta["output_type"] = flattened_output or tracer.output_type
                 gm.meta["facts_read"] = tracer.facts_read
+                gm.meta["unwrapped"] = unwrap
                 return gm, wrapped
             except Exception as exc:  # noqa: BLE001 - any tracer failure sends us one level down
                 fn = _blocker(exc, module)
@@ -347,7 +354,7 @@ def _restore_instance_state(state: list) -> None:
 _PROBE_CHILD = "_opsnn_probe_child"
 
 
-def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wrapped, facts) -> bool:
+def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wrapped, facts, unwrap) -> bool:
     """True when ``module``'s forward would see a child registered after the trace (it calls, counts or
     indexes its children: ``nn.Sequential``, a loop over ``self.children()``), found by tracing it once more
     with an ``nn.Identity`` registered, then removed."""
@@ -357,7 +364,7 @@ def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wr
         return False
     module.add_module(_PROBE_CHILD, nn.Identity())
     try:
-        probed, _ = trace_region(module, concrete, True, wrapped, facts)
+        probed, _ = trace_region(module, concrete, True, wrapped, facts, unwrap)
         return probed.code != gm.code
     except Exception:  # noqa: BLE001 - it traced without the extra child: the child is what stops it
         return True
@@ -373,18 +380,41 @@ def _reason(exc: BaseException) -> str:
             if f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.startswith("<")]
     where = f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno} `{(user[-1].line or '').strip()}`" \
         if user and user[-1].filename != __file__ else ""
-    return f"{type(exc).__name__}: {msg[:160]}{where}"
+    notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
+    return f"{type(exc).__name__}: {msg[:160]}{where}{notes}"
 
 
-def _first_trace(module: nn.Module, concrete: dict, call) -> tuple[fx.GraphModule, list, dict]:
-    """A plain trace, else one with the example call's tensor facts (whose error then stands)."""
+def _note(exc: BaseException, text: str) -> None:
+    """``exc.add_note(text)`` (Python 3.11+; the same attribute on 3.10), for ``_reason``."""
+    exc.__notes__ = [*getattr(exc, "__notes__", ()), text]
+
+
+def _first_trace(module: nn.Module, concrete: dict, call) -> tuple[fx.GraphModule, list, dict, str]:
+    """A plain trace, else one with the example call's tensor facts, else (a wrapped forward that passes the call
+    through) one of the function the wrapper wraps; the last error stands, with a note on the wrapper. Returns
+    (gm, wrapped helpers, facts, the wrapper's name or '')."""
     try:
-        return (*trace_region(module, concrete, True), {})
+        return (*trace_region(module, concrete, True), {}, "")
     except Exception:  # noqa: BLE001 - retried below
         facts = tensor_facts(module, call)
-        if not facts:
+        wrapper = forward_wrapper(module)
+        if not facts and not wrapper:
             raise
-    return (*trace_region(module, concrete, True, facts=facts), facts)
+    try:
+        return (*trace_region(module, concrete, True, facts=facts or None), facts, "")
+    except Exception:  # noqa: BLE001 - retried below when a wrapper is what fx cannot read
+        if not wrapper:
+            raise
+    try:
+        gm, wrapped = trace_region(module, concrete, True, facts=facts or None, unwrap=True)
+    except Exception as exc:  # noqa: BLE001 - said where
+        _note(exc, f"traced as the function `{wrapper}` wraps")
+        raise
+    state = _instance_state(module)  # the forward runs twice below; what it caches in `self` is put back
+    if not passes_through(module, call, lambda: _restore_instance_state(state)):
+        raise RuntimeError(f"its forward is wrapped by `{wrapper}`, which returns other values than the function "
+                           "it wraps on the example call (traced, that function would leave the wrapper out)")
+    return gm, wrapped, facts, wrapper
 
 
 def find_regions(model: nn.Module, calls: dict) -> list[Region]:
@@ -399,13 +429,13 @@ def find_regions(model: nn.Module, calls: dict) -> list[Region]:
         if path in calls:
             concrete = concrete_args(module, calls[path][0])
             try:
-                gm, wrapped, facts = _first_trace(module, concrete, calls[path][0])
+                gm, wrapped, facts, unwrapped = _first_trace(module, concrete, calls[path][0])
             except Exception as exc:  # noqa: BLE001
                 regions.append(Region(path, "untraceable", _reason(exc), concrete))
             else:
-                if not _runs_its_children(module, gm, concrete, wrapped, facts):
+                if not _runs_its_children(module, gm, concrete, wrapped, facts, bool(unwrapped)):
                     regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped],
-                                          fx_graph(gm, path), facts))
+                                          fx_graph(gm, path), facts, unwrapped))
                     for name, inner in module.named_modules():  # kept as calls for their hooks: regions too
                         if name and has_hooks(inner) and not is_leaf_module(inner):
                             visit(f"{path}.{name}" if path else name, inner)

@@ -113,9 +113,12 @@ class FxForward(Patch):
         # the submodules whose forwards the traced code runs inline: if one gains hooks later (a user's, or Hugging
         # Face's output capture installed on first use), this region runs its original forward, so they fire
         self.inlined = {k: _inlined(host, gm) for k, gm in variants.items()}
+        # traced without the forward's wrapper (fusion.wrappers): with gradient checkpointing on, the wrapper
+        # checkpoints (Hugging Face's layers), so the original runs
+        self.unwrapped = any(gm.meta.get("unwrapped") for gm in variants.values())
 
     def __setstate__(self, state):  # a model saved before these fields existed: no rebuild, no hook check
-        self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, **state})
+        self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, "unwrapped": False, **state})
 
     def _bound(self, args, kwargs):
         try:
@@ -137,6 +140,8 @@ class FxForward(Patch):
             gm = None
         if not self.host.training and not torch.is_grad_enabled():
             gm = None  # inference: nothing is saved for a backward, and the original may take a fast path
+        if self.unwrapped and getattr(self.host, "gradient_checkpointing", False):
+            gm = None
         bound = None if gm is None else self._bound(args, kwargs)
         if bound is None:
             return type(self.host).forward(self.host, *args, **kwargs)
@@ -211,7 +216,8 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
     wrapped = [getattr(inspect.getmodule(type(region)), n) for n in route.get("wrapped", [])]
     variants, done = {}, 0
     for training in (True, False):
-        gm, _ = trace_region(region, route["concrete"], training, wrapped, route.get("tensors") or None)
+        gm, _ = trace_region(region, route["concrete"], training, wrapped, route.get("tensors") or None,
+                             bool(route.get("unwrapped")))
         g, moved = fx_graph(gm, path), {}
         # Planned matches take their nodes in table order, as in the analysis: a node is rewritten once. A module
         # called twice gives one key two matches, and another planned match may hold one of them (ALBERT's
