@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import inspect
 import operator
+import warnings
 
 import torch
 from torch import fx, nn
@@ -308,11 +309,33 @@ def _module_rewrites(model: nn.Module, fused: nn.Module, plan: FusionPlan, decis
                              "was the plan made for this model?") from exc
 
 
+def _leave_unfused(fused: nn.Module, plan: FusionPlan, route: dict, slots: dict, before: set,
+                   exc: Exception) -> None:
+    """A region the analysis of this very model traced but whose rewrite failed: its chains run unfused (the fused
+    ops registered for it are removed), the plan's decisions and total say so, and a warning names the error."""
+    host = fused.get_submodule(route["path"]) if route["path"] else fused
+    for key in set(slots) - before:
+        name, _ = slots.pop(key)
+        del host._modules[name]
+    region = route["path"] or "<model>"
+    msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    why = f"the fx rewrite of `{region}` failed ({type(exc).__name__}: {msg}); its chains run unfused"
+    for d in plan.decisions:
+        if d.fused and d.route == f"fx:{region}":
+            d.fused, d.reason, d.route = False, why, ""
+    plan.saved_together = plan.activation_bytes - plan._analysis.cost.fused_total(
+        [(d.key, tuple(d.nodes)) for d in plan.decisions if d.fused])
+    warnings.warn(f"opsnn_lab.fusion: {why} (a bug in opsnn_lab: please report it with the model)", RuntimeWarning,
+                  stacklevel=3)
+
+
 def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     """A new module computing what ``model`` computes, with the plan's fused decisions rewritten.
 
     ``model`` is not modified. The result has the same ``state_dict`` keys and values, the same forward
     signature, and each rewritten module keeps its class (see patch.py; ``revert`` undoes the patches).
+    A plan from another model (JSON) that does not fit raises ``ValueError``; with the plan the analysis of
+    ``model`` made, an fx region whose rewrite fails runs unfused, with a warning, and ``plan`` says so.
     """
     check_type("model", model, nn.Module)
     check_type("plan", plan, FusionPlan)
@@ -329,16 +352,20 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
             by_region.setdefault(d.route.removeprefix("fx:"), {})[d.key] = d.params
     routes = {r["path"] or "<model>": r for r in plan.routes}
     slots: dict = {}
+    analysed_here = plan._analysis is not None and plan._analysis.model is model
     with library_hooks(fused):  # as the analysis traced the regions
         for region, keys in by_region.items():
             if region not in routes:
                 raise ValueError(f"plan routes have no region {region!r}; was the plan made for this model?")
+            before = set(slots)
             try:
                 _rewrite_region(fused, routes[region], keys, slots)
             except Exception as exc:  # noqa: BLE001 - tracer errors have many types; say which plan failed
-                raise ValueError(f"plan region {region!r} cannot be rewritten in this model ({type(exc).__name__}: "
-                                 f"{exc}); was the plan made for this model?") from exc
-    missing = {d.key for d in wanted if d.route.startswith("fx:")} - set(slots)
+                if not analysed_here:
+                    raise ValueError(f"plan region {region!r} cannot be rewritten in this model "
+                                     f"({type(exc).__name__}: {exc}); was the plan made for this model?") from exc
+                _leave_unfused(fused, plan, routes[region], slots, before, exc)
+    missing = {d.key for d in plan.decisions if d.fused and d.route.startswith("fx:")} - set(slots)
     if missing:
         raise ValueError(f"plan decisions not found in this model: {sorted(missing)[:3]}")
     if list(fused.state_dict()) != list(model.state_dict()):

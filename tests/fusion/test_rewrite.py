@@ -315,3 +315,45 @@ def test_an_output_read_before_the_chain_ends_gets_its_value_first():
     g_want = torch.autograd.grad((want * w).sum(), [x, *model.parameters()])
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_ReadsTheSumFirst(), _ReadsTheSumFirst()])
+
+    def forward(self, x):
+        if x.sum() > 1e9:  # data-dependent: each block is its own fx region
+            x = x * 0.5
+        for block in self.blocks:
+            x = block(x).reshape(x.shape)
+        return x
+
+
+def test_a_region_whose_rewrite_fails_runs_unfused_and_the_plan_says_so(monkeypatch):
+    from opsnn_lab.fusion import rewrite
+
+    real = rewrite.FxForward.__init__
+
+    def fails_on_a_marked_host(self, host, variants, concrete):  # after the region's fused ops are registered
+        if getattr(host, "fail_here", False):
+            raise RuntimeError("simulated tracer failure")
+        real(self, host, variants, concrete)
+
+    torch.manual_seed(0)
+    model, x = _TwoBlocks().double().train(), seeded(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    plan = ol.fusion.analyze(model, (x,))
+    assert [d.route for d in plan.decisions if d.fused] == ["fx:blocks.0", "fx:blocks.1"]
+    saved, as_json = plan.saved_bytes, plan.to_json()
+    model.blocks[1].fail_here = True  # the copy apply() makes has it too
+    monkeypatch.setattr(rewrite.FxForward, "__init__", fails_on_a_marked_host)
+    with pytest.warns(RuntimeWarning, match="fx rewrite of `blocks.1` failed .*simulated tracer failure"):
+        fused = ol.fusion.apply(model, plan)
+    assert [d.route for d in plan.decisions if d.fused] == ["fx:blocks.0"]
+    (dropped,) = [d for d in plan.decisions if "simulated" in d.reason]
+    assert not dropped.fused and dropped.route == "" and 0 < plan.saved_bytes < saved
+    assert "forward" in fused.blocks[0].__dict__ and "forward" not in fused.blocks[1].__dict__
+    assert not [n for n, _ in fused.blocks[1].named_children() if n.startswith("fused_")]
+    _assert_same(model, fused, (x,))
+    with pytest.raises(ValueError, match="was the plan made for this model"):  # a plan from JSON still raises
+        ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(as_json))
