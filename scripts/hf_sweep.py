@@ -1,0 +1,178 @@
+"""Fuse many Hugging Face architectures built from tiny configs and check each against eager.
+
+For every ``<Name>Config`` / model class pair found in the installed transformers: dropouts 0, eager
+attention, one training step of the fused model and of the original (outputs and every parameter gradient
+of a fixed random projection), then eval with hidden states and attentions, then ``inference_mode``.
+Prints one line per model; ``--out`` writes the details (fused patterns, fx regions, errors) as JSON.
+A model the installed transformers cannot build from the small config is reported as such, not as a
+fusion failure (``stage`` says where a failure happened).
+
+    python scripts/hf_sweep.py                       # float64: errors are rounding (<= 1e-12)
+    python scripts/hf_sweep.py --dtype float32 --models Llama,Qwen2,T5
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import pickle
+import time
+import traceback
+import warnings
+
+import torch
+import transformers as T
+from tqdm import tqdm
+
+import opsnn_lab as ol
+from opsnn_lab.fusion.runtime import flatten_tensors
+
+V = 100
+TEXT_SIZES = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                  head_dim=8, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, n_layer=2, n_head=4, n_embd=32,
+                  n_positions=64, num_layers=2, num_heads=4, d_ff=64, d_kv=8, ffn_dim=64, dim=32, n_layers=2,
+                  n_heads=4, hidden_dim=64, decoder_start_token_id=0, embedding_size=32)
+VIT_SIZES = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, num_channels=3)
+TEXT = ["Bert", "Roberta", "Electra", "Albert", "DistilBert", "DebertaV2", "Deberta", "MPNet", "XLMRoberta", "Ernie",
+        "Camembert", "Data2VecText", "RoFormer", "Nystromformer", "Funnel", "MobileBert", "ConvBert", "GPT2",
+        "GPTNeoX", "GPTJ", "OPT", "Bloom", "CodeGen", "Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Phi",
+        "Phi3", "StableLm", "Olmo", "Olmo2", "Falcon", "Starcoder2", "Cohere", "Granite", "Mixtral", "Qwen2Moe",
+        "Bart", "MBart", "Pegasus", "Marian", "T5", "MT5", "LongT5", "Blenderbot", "Persimmon", "Glm", "Helium",
+        "SmolLM3", "Exaone4"]
+# ViT-like configs take the small sizes; the others (convolutional, hierarchical) keep their defaults
+VIT_LIKE = ["ViT", "DeiT", "Beit", "Dinov2", "Dinov2WithRegisters", "ViTMAE", "Data2VecVision", "DPT", "Siglip"]
+VISION_DEFAULT = ["Swin", "Swinv2", "ConvNext", "ConvNextV2", "ResNet", "RegNet", "MobileNetV2", "EfficientNet",
+                  "Levit", "PoolFormer", "Segformer", "MobileViT", "Pvt", "PvtV2", "Bit", "FocalNet", "Hiera", "Cvt"]
+FULL_SIZE = {"Swin", "Swinv2", "FocalNet", "Hiera", "DPT", "Levit", "Pvt"}  # their image size is built in
+
+
+def _zero_dropouts(cfg):
+    for k, v in list(vars(cfg).items()):
+        if "drop" in k.lower() and isinstance(v, float):
+            setattr(cfg, k, 0.0)
+        elif "drop" in k.lower() and isinstance(v, list):
+            setattr(cfg, k, [0.0 * x for x in v])
+        elif hasattr(v, "to_dict") and hasattr(v, "model_type"):
+            _zero_dropouts(v)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _model_class(name: str, suffixes):
+    return next(getattr(T, name + s) for s in suffixes if hasattr(T, name + s))
+
+
+def build(name: str, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    if name not in VIT_LIKE + VISION_DEFAULT:  # a text model (any name not listed as vision)
+        cfg_cls = getattr(T, name + "Config")
+        params = inspect.signature(cfg_cls.__init__).parameters
+        cfg = _zero_dropouts(cfg_cls(**{k: v for k, v in TEXT_SIZES.items() if k in params}))
+        cfg.decoder_start_token_id = getattr(cfg, "decoder_start_token_id", None) or 0
+        if hasattr(cfg, "rotary_dim"):
+            cfg.rotary_dim = 4
+        cls = _model_class(name, ("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "LMHeadModel", "Model"))
+        ids = torch.randint(3, V, (2, 8), generator=g)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if not cls.__name__.endswith("Model"):
+            inputs["labels"] = ids.clone()
+    else:
+        vision = name in ("Siglip",)
+        cfg_cls = getattr(T, name + ("VisionConfig" if vision else "Config"))
+        cfg = _zero_dropouts(cfg_cls(**VIT_SIZES) if name in VIT_LIKE else cfg_cls())
+        cls = getattr(T, name + "VisionModel") if vision else _model_class(name, ("ForImageClassification", "Model"))
+        size = cfg.image_size if isinstance(getattr(cfg, "image_size", None), int) else 224
+        size = size if name in FULL_SIZE or size <= 64 else 64
+        inputs = {"pixel_values": torch.randn(2, 3, size, size, generator=g)}
+    if dtype == torch.float64 and name in ("Mixtral", "Qwen2Moe"):
+        dtype = torch.float32  # grouped expert GEMMs have no float64 kernel
+    torch.manual_seed(0)
+    model = cls(cfg).to(dtype).train()
+    return model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def _run(model, inputs, **kwargs):
+    torch.manual_seed(123)  # models that draw (ViTMAE's masking) draw the same in both
+    return [t for t in flatten_tensors(model(**inputs, **kwargs)) if t.is_floating_point()]
+
+
+def _loss(outs):
+    g = torch.Generator().manual_seed(1)
+    return sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype)).sum() for t in outs)
+
+
+def _rel(got, want, scale=None) -> float:
+    errs = [float((a - b).abs().max()) / (scale or float(b.abs().max()) or 1.0) for a, b in zip(got, want) if b.numel()]
+    return max(errs, default=0.0)
+
+
+def check(name: str, dtype: torch.dtype, r: dict) -> None:
+    """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
+    r["stage"] = "build"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, inputs = build(name, dtype)
+        r["stage"] = "eager"
+        _run(model, inputs)
+        r["stage"] = "fuse"
+        fused, plan = ol.fusion.fuse(model, inputs)
+        pickle.dumps(fused)
+        r["fused"] = sorted(f"{d.pattern}@{d.route.split(':')[0]}" for d in plan.decisions if d.fused)
+        r["fx_regions"] = sorted(x["path"] or "<model>" for x in plan.routes if x["route"] == "fx")
+        r["stage"] = "train"
+        steps = []
+        for m in (model, fused):
+            outs = _run(m, inputs)
+            params = [p for p in m.parameters() if p.requires_grad]
+            grads = torch.autograd.grad(_loss(outs), params, allow_unused=True)
+            steps.append((outs, [g if g is not None else torch.zeros(0) for g in grads]))
+        (outs_a, g_a), (outs_b, g_b) = steps
+        largest = max(float(g.abs().max()) for g in g_a if g.numel())  # a gradient 0 by symmetry is noise
+        r["out_err"], r["grad_err"] = _rel(outs_b, outs_a), _rel(g_b, g_a, largest)
+        r["stage"] = "eval"
+        model.eval()
+        fused.eval()
+        with torch.no_grad():
+            extra = {"output_hidden_states": True, "output_attentions": True}
+            try:
+                want = _run(model, inputs, **extra)
+            except Exception:  # noqa: BLE001 - a model without those outputs
+                extra, want = {}, _run(model, inputs)
+            r["eval_err"] = _rel(_run(fused, inputs, **extra), want)
+        with torch.inference_mode():
+            r["inference_err"] = _rel(_run(fused, inputs), _run(model, inputs))
+    del r["stage"]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    ap.add_argument("--models", default="", help="comma-separated names (default: every one listed here)")
+    ap.add_argument("--out", default="", help="write the details as JSON here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    names = args.models.split(",") if args.models else TEXT + VIT_LIKE + VISION_DEFAULT
+    results = {}
+    for name in tqdm(names, desc="models", unit="model"):
+        t0, r = time.perf_counter(), results.setdefault(name, {})
+        try:
+            check(name, dtype, r)
+        except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
+            r["error"] = f"{r['stage']}: {type(exc).__name__}: {str(exc)[:300]}"
+            r["trace"] = traceback.format_exc()[-2000:]
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        errs = ("out_err", "grad_err", "eval_err", "inference_err")
+        line = r.get("error") or ", ".join(f"{k} {r[k]:.1e}" for k in errs)
+        tqdm.write(f"{name:20s} fused {len(r.get('fused', [])):4d}  {line[:150]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""scripts/hf_sweep.py, the sweep behind the notes' figures, on two models: it fuses, compares with eager and
+writes its JSON; a model it cannot build is reported with the stage, and the sweep goes on."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "hf_sweep.py"
+
+
+def test_the_sweep_fuses_checks_and_reports(tmp_path, capsys):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "sweep.json"
+    main(["--models", "Llama,ViT,NoSuchModel", "--out", str(out)])
+    results = json.loads(out.read_text())
+    for name in ("Llama", "ViT"):
+        r = results[name]
+        assert "error" not in r and r["fused"], r
+        assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-12
+    assert "add_layer_norm@fx" in results["ViT"]["fused"] and "vit.layers.0" in results["ViT"]["fx_regions"]
+    assert results["NoSuchModel"]["error"].startswith("build: AttributeError")
+    assert "NoSuchModel" in capsys.readouterr().out
