@@ -7,6 +7,9 @@
   against an fp64 reference is at most ``factor`` x eager PyTorch's error in the same dtype.
 * ``run_fwd_bwd`` -- forward + backward with a fixed upstream gradient, returns output and grads.
 * ``threads(n)`` -- run a block with ``n`` intra-op threads (the count is restored after it).
+* ``projected_loss(outputs)`` -- a fixed random projection of every output: no symmetry cancels it.
+* ``eager_without_dropout(config)`` -- a Hugging Face config with every dropout 0 and eager attention, so a
+  fused and an unfused model compare in train mode.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ __all__ = [
     "triton_interpreter_ready",
     "reloaded",
     "threads",
+    "projected_loss",
+    "eager_without_dropout",
 ]
 
 # (atol, rtol) per dtype. fp32: 1e-5 relative is what the fused ops promise against eager.
@@ -106,6 +111,28 @@ def run_fwd_bwd(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
         t.grad = None
     out.backward(grad_out)
     return out.detach(), [None if t.grad is None else t.grad.detach().clone() for t in leaves]
+
+
+def projected_loss(outputs: Sequence[torch.Tensor], seed: int = 1) -> torch.Tensor:
+    """``sum(t * r_t)`` over ``outputs``, each ``r_t`` a fixed random tensor of ``t``'s shape and dtype: a loss whose
+    gradient reaches every output element (a plain sum of BatchNorm outputs is 0 by symmetry)."""
+    g = torch.Generator().manual_seed(seed)
+    return sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)).sum() for t in outputs)
+
+
+def eager_without_dropout(config):
+    """``config`` (a Hugging Face ``PretrainedConfig``), changed in place and returned: every dropout probability
+    (float, or one per stage in a list) 0, in its sub-configs too, and eager attention (the softmax written out,
+    so the attention chain is visible to ``ol.fusion``)."""
+    for k, v in list(vars(config).items()):
+        if "drop" in k.lower() and isinstance(v, float):
+            setattr(config, k, 0.0)
+        elif "drop" in k.lower() and isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+            setattr(config, k, [0.0] * len(v))
+        elif hasattr(v, "to_dict") and hasattr(v, "model_type"):
+            eager_without_dropout(v)
+    config._attn_implementation = "eager"
+    return config
 
 
 def triton_interpreter_ready() -> bool:

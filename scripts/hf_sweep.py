@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import opsnn_lab as ol
 from opsnn_lab.fusion.runtime import flatten_tensors
+from opsnn_lab.testing import eager_without_dropout, projected_loss
 
 V = 100
 TEXT_SIZES = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -50,18 +51,6 @@ VISION_DEFAULT = ["Swin", "Swinv2", "ConvNext", "ConvNextV2", "ResNet", "RegNet"
 FULL_SIZE = {"Swin", "Swinv2", "FocalNet", "Hiera", "DPT", "Levit", "Pvt"}  # their image size is built in
 
 
-def _zero_dropouts(cfg):
-    for k, v in list(vars(cfg).items()):
-        if "drop" in k.lower() and isinstance(v, float):
-            setattr(cfg, k, 0.0)
-        elif "drop" in k.lower() and isinstance(v, list):
-            setattr(cfg, k, [0.0 * x for x in v])
-        elif hasattr(v, "to_dict") and hasattr(v, "model_type"):
-            _zero_dropouts(v)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
 def _model_class(name: str, suffixes):
     return next(getattr(T, name + s) for s in suffixes if hasattr(T, name + s))
 
@@ -71,7 +60,7 @@ def build(name: str, dtype: torch.dtype):
     if name not in VIT_LIKE + VISION_DEFAULT:  # a text model (any name not listed as vision)
         cfg_cls = getattr(T, name + "Config")
         params = inspect.signature(cfg_cls.__init__).parameters
-        cfg = _zero_dropouts(cfg_cls(**{k: v for k, v in TEXT_SIZES.items() if k in params}))
+        cfg = eager_without_dropout(cfg_cls(**{k: v for k, v in TEXT_SIZES.items() if k in params}))
         cfg.decoder_start_token_id = getattr(cfg, "decoder_start_token_id", None) or 0
         if hasattr(cfg, "rotary_dim"):
             cfg.rotary_dim = 4
@@ -83,7 +72,7 @@ def build(name: str, dtype: torch.dtype):
     else:
         vision = name in ("Siglip",)
         cfg_cls = getattr(T, name + ("VisionConfig" if vision else "Config"))
-        cfg = _zero_dropouts(cfg_cls(**VIT_SIZES) if name in VIT_LIKE else cfg_cls())
+        cfg = eager_without_dropout(cfg_cls(**VIT_SIZES) if name in VIT_LIKE else cfg_cls())
         cls = getattr(T, name + "VisionModel") if vision else _model_class(name, ("ForImageClassification", "Model"))
         size = cfg.image_size if isinstance(getattr(cfg, "image_size", None), int) else 224
         size = size if name in FULL_SIZE or size <= 64 else 64
@@ -98,11 +87,6 @@ def build(name: str, dtype: torch.dtype):
 def _run(model, inputs, **kwargs):
     torch.manual_seed(123)  # models that draw (ViTMAE's masking) draw the same in both
     return [t for t in flatten_tensors(model(**inputs, **kwargs)) if t.is_floating_point()]
-
-
-def _loss(outs):
-    g = torch.Generator().manual_seed(1)
-    return sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype)).sum() for t in outs)
 
 
 def _rel(got, want, scale=None) -> float:
@@ -128,7 +112,7 @@ def check(name: str, dtype: torch.dtype, r: dict) -> None:
         for m in (model, fused):
             outs = _run(m, inputs)
             params = [p for p in m.parameters() if p.requires_grad]
-            grads = torch.autograd.grad(_loss(outs), params, allow_unused=True)
+            grads = torch.autograd.grad(projected_loss(outs), params, allow_unused=True)
             steps.append((outs, [g if g is not None else torch.zeros(0) for g in grads]))
         (outs_a, g_a), (outs_b, g_b) = steps
         largest = max(float(g.abs().max()) for g in g_a if g.numel())  # a gradient 0 by symmetry is noise

@@ -1,10 +1,14 @@
 """opsnn_lab.testing's ``reloaded``: a module reloaded under other environment variables for a while, then exactly
-the module it was (the same class objects), so what was made before still pickles."""
+the module it was (the same class objects), so what was made before still pickles; and its helpers for comparing
+fused with eager models (``projected_loss``, ``eager_without_dropout``)."""
 
 from __future__ import annotations
 
 import os
 import pickle
+
+import pytest
+import torch
 
 import opsnn_lab.ops.gated_mlp as gm_ops
 from opsnn_lab.testing import reloaded
@@ -26,3 +30,28 @@ def test_reloaded_restores_a_variable_that_was_set(monkeypatch):
     with reloaded(gm_ops, OPSNN_TEST_FLAG="1"):
         pass
     assert os.environ["OPSNN_TEST_FLAG"] == "kept"
+
+
+def test_projected_loss_reaches_what_a_sum_cancels():
+    from opsnn_lab.testing import projected_loss
+
+    x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    out = torch.nn.functional.batch_norm(x, None, None, training=True)
+    (g_sum,) = torch.autograd.grad(out.sum(), x, retain_graph=True)
+    (g_proj,) = torch.autograd.grad(projected_loss([out]), x)
+    assert float(g_sum.abs().max()) < 1e-5 < float(g_proj.abs().min(dim=0).values.max())
+    assert torch.equal(projected_loss([out, out.double()]), projected_loss([out, out.double()]))
+    assert projected_loss([out]) != projected_loss([out], seed=2)
+
+
+def test_eager_without_dropout_zeroes_every_dropout_in_every_sub_config():
+    T = pytest.importorskip("transformers")
+    from opsnn_lab.testing import eager_without_dropout
+
+    cfg = T.CLIPConfig(text_config=dict(attention_dropout=0.3), vision_config=dict(dropout=0.2))
+    cfg.stage_drop_rates = [0.1, 0.2]  # per-stage lists too (CvT's drop_path_rate)
+    assert eager_without_dropout(cfg) is cfg
+    for c in (cfg, cfg.text_config, cfg.vision_config):
+        assert c._attn_implementation == "eager"
+        drops = {k: v for k, v in vars(c).items() if "drop" in k.lower() and isinstance(v, (float, list))}
+        assert drops and all(v in (0.0, [0.0, 0.0]) for v in drops.values()), drops

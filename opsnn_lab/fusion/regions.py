@@ -37,8 +37,8 @@ from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module, is_leaf_module
 from opsnn_lab.fusion.wrappers import forward_wrapper, passes_through, unwrapped_forward
 
-__all__ = ["Region", "find_regions", "trace_region", "fx_graph", "concrete_args", "tensor_facts", "facts_hold",
-           "library_hooks"]
+__all__ = ["Region", "find_regions", "trace_region", "fx_graph", "bind_call", "concrete_args", "tensor_facts",
+           "facts_hold", "library_hooks"]
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -59,39 +59,42 @@ class Region:
                 "wrapped": self.wrapped, "tensors": self.tensors, "unwrapped": self.unwrapped}
 
 
-def _named_arguments(module: nn.Module, call):
-    """(name, value) of each named parameter of the observed call, defaults included."""
+def bind_call(module: nn.Module, call) -> inspect.BoundArguments | None:
+    """``call`` (``(args, kwargs)``) bound to ``type(module).forward``'s signature, defaults applied; None when it
+    does not fit."""
     args, kwargs = call
-    sig = inspect.signature(type(module).forward)
     try:
-        bound = sig.bind(module, *args, **kwargs)
+        bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
     except TypeError:
-        return
+        return None
     bound.apply_defaults()
+    return bound
+
+
+def _named_arguments(bound: inspect.BoundArguments | None):
+    """(name, value) of each named parameter of a bound call, defaults included."""
+    if bound is None:
+        return
     for name, value in list(bound.arguments.items())[1:]:
-        if sig.parameters[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+        if bound.signature.parameters[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                     inspect.Parameter.KEYWORD_ONLY):
             yield name, value
 
 
 def concrete_args(module: nn.Module, call) -> dict:
     """Non-tensor arguments of the observed call (defaults included), keyed by parameter name."""
-    return {name: value for name, value in _named_arguments(module, call) if isinstance(value, _SCALARS)}
+    return {name: value for name, value in _named_arguments(bind_call(module, call)) if isinstance(value, _SCALARS)}
 
 
 def tensor_facts(module: nn.Module, call) -> dict:
     """``{name: {"ndim": int, "is_nested": bool}}`` for each tensor argument of the observed call, and
     ``{name: {"empty": True}}`` for a ``**kwargs`` parameter the call left empty."""
+    bound = bind_call(module, call)
     out = {name: {"ndim": value.dim(), "is_nested": bool(value.is_nested)}
-           for name, value in _named_arguments(module, call) if isinstance(value, torch.Tensor)}
-    args, kwargs = call
-    sig = inspect.signature(type(module).forward)
-    var_kw = [p.name for p in sig.parameters.values() if p.kind == inspect.Parameter.VAR_KEYWORD]
-    try:
-        bound = sig.bind(module, *args, **kwargs)
-    except TypeError:
-        return out
-    if var_kw and not bound.arguments.get(var_kw[0]):
-        out[var_kw[0]] = {"empty": True}
+           for name, value in _named_arguments(bound) if isinstance(value, torch.Tensor)}
+    for p in bound.signature.parameters.values() if bound is not None else ():
+        if p.kind == inspect.Parameter.VAR_KEYWORD and not bound.arguments.get(p.name):
+            out[p.name] = {"empty": True}
     return out
 
 

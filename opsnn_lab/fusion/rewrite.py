@@ -29,7 +29,7 @@ from opsnn_lab.fusion.patch import Patch, Route, inline_after, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
-from opsnn_lab.fusion.regions import facts_hold, fx_graph, library_hooks, trace_region
+from opsnn_lab.fusion.regions import bind_call, facts_hold, fx_graph, library_hooks, trace_region
 from opsnn_lab.fusion.runtime import own_dtypes
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert"]
@@ -122,11 +122,9 @@ class FxForward(Patch):
         self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, "unwrapped": False, **state})
 
     def _bound(self, args, kwargs):
-        try:
-            bound = inspect.signature(type(self.host).forward).bind(self.host, *args, **kwargs)
-        except TypeError:
+        bound = bind_call(self.host, (args, kwargs))
+        if bound is None:
             return None
-        bound.apply_defaults()
         for k, v in self.concrete.items():
             got = bound.arguments.get(k)
             if type(got) is not type(v) or got != v:

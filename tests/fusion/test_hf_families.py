@@ -16,6 +16,7 @@ import torch
 
 import opsnn_lab as ol
 from opsnn_lab.fusion.runtime import flatten_tensors
+from opsnn_lab.testing import eager_without_dropout, projected_loss
 
 T = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -79,24 +80,11 @@ DTYPE = {"mixtral": torch.float32}  # its experts' grouped GEMM has no float64 k
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.float32: dict(rtol=1e-4, atol=1e-5)}
 
 
-def _zero_dropouts(cfg):
-    for k, v in list(vars(cfg).items()):
-        if "drop" in k.lower() and isinstance(v, float):
-            setattr(cfg, k, 0.0)
-        elif hasattr(v, "to_dict") and hasattr(v, "model_type"):
-            _zero_dropouts(v)
-    return cfg
-
-
 def _build(name):
     cfg_cls, kwargs, model_cls, kind = FAMILIES[name]
     if not hasattr(T, cfg_cls) or not hasattr(T, model_cls):
         pytest.skip(f"{model_cls} is not in transformers {T.__version__}")
-    cfg = _zero_dropouts(getattr(T, cfg_cls)(**kwargs))
-    cfg._attn_implementation = "eager"  # the softmax written out: the attention chain is visible
-    for sub in ("text_config", "vision_config"):
-        if hasattr(cfg, sub):
-            getattr(cfg, sub)._attn_implementation = "eager"
+    cfg = eager_without_dropout(getattr(T, cfg_cls)(**kwargs))  # sub-configs (CLIP's text, vision) too
     torch.manual_seed(0)
     model = getattr(T, model_cls)(cfg).to(DTYPE.get(name, torch.float64)).train()
     g = torch.Generator().manual_seed(0)
@@ -134,12 +122,6 @@ def _same(got, want):
         _close(b, a)
 
 
-def _loss(outs):
-    """A fixed random projection of every output: no symmetry cancels it (a sum of BatchNorm outputs would)."""
-    g = torch.Generator().manual_seed(1)
-    return sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype)).sum() for t in outs)
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_fuses_and_matches_eager(name):
     model, inputs = _build(name)
@@ -154,7 +136,7 @@ def test_family_fuses_and_matches_eager(name):
         for m in (model, fused):
             m.zero_grad(set_to_none=True)
             outs = _run(m, inputs)
-            _loss(outs).backward()
+            projected_loss(outs).backward()
             grads.append((outs, {k: p.grad for k, p in m.named_parameters()}))
         (outs_a, g_a), (outs_b, g_b) = grads
         _same(outs_b, outs_a)
