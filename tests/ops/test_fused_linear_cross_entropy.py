@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from opsnn_lab import ops
 from opsnn_lab.bench import activation_bytes
 from opsnn_lab.measuring import peak_bytes
-from opsnn_lab.ops.fused_linear_cross_entropy import eager_linear_cross_entropy
+from opsnn_lab.ops.fused_linear_cross_entropy import _chunk_rows, eager_linear_cross_entropy
 from opsnn_lab.testing import (
     assert_close_dtype,
     assert_within_eager_error,
@@ -155,10 +155,19 @@ def test_saved_bytes_vs_eager():
     assert saved <= 16 * 4 * h * 4 + 16 * 8 + 8
 
 
+def test_default_chunk_rows():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert _chunk_rows(2048, 32000, 512, None, cpu) == 512  # Liger's rule says 64: CPU GEMMs need thicker chunks
+    assert _chunk_rows(2048, 32000, 512, None, cuda) == 256
+    assert _chunk_rows(2048, 32000, 512, 96, cpu) == 96  # an explicit size is kept
+    assert _chunk_rows(1 << 16, 32000, 4096, None, cpu) == 8192  # N / ceil(V / H) rows, a power of two
+    assert _chunk_rows(0, 10, 4, None, cpu) == 512
+
+
 def test_peak_memory_of_forward_and_backward_vs_eager():
     # The saved grad_W becomes weight.grad; eager allocates that .grad in backward too, on top of (N, V) logits,
     # their log-softmax and its gradient. Peak bytes of the whole step, .grad included, compare them fairly.
-    n, v, h = 512, 2000, 32
+    n, v, h = 2048, 2000, 32
     head = nn.Linear(h, v, bias=False)
     hidden = torch.randn(n, h, requires_grad=True)
     target = torch.randint(0, v, (n,))
@@ -168,9 +177,26 @@ def test_peak_memory_of_forward_and_backward_vs_eager():
         return peak_bytes(lambda: fn(hidden, head.weight, target).backward())
     eager, fused = step(eager_linear_cross_entropy), step(ops.linear_cross_entropy)
     assert eager >= 3 * n * v * 4  # logits, log-softmax, the logits' gradient
-    chunk = 256 * v * 4  # one chunk's logits (the default 256 rows); never two at once
-    # grad_W (accumulated in place: no V x H temporary), grad_hidden, the chunk, small change
-    assert fused <= v * h * 4 + n * h * 4 + chunk + 64 * 1024 and fused / eager < 0.25
+    rows = _chunk_rows(n, v, h, None, hidden.device)
+    assert rows < n  # the default chunks this problem
+    chunk = rows * v * 4  # one chunk's logits; never two at once
+    # grad_W (accumulated in place: no V x H temporary), grad_hidden, the chunk, per-row vectors (loss, row scale,
+    # mask), small change
+    assert fused <= v * h * 4 + n * h * 4 + chunk + 16 * n + 64 * 1024 and fused / eager < 0.25
+
+
+def test_bf16_peak_holds_one_copy_of_the_chunk_at_a_time():
+    # bf16: the chunk's fp32 logits become a bf16 gradient for the bf16 GEMMs; the fp32 chunk is freed before
+    # the weight-gradient product (V x H, bf16) exists, so the two are never alive together
+    n, v, h = 2048, 2000, 256
+    weight = nn.Parameter(torch.randn(v, h).mul_(0.02).bfloat16())
+    hidden = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+    rows = _chunk_rows(n, v, h, None, hidden.device)
+    fused = peak_bytes(lambda: ops.linear_cross_entropy(hidden, weight, target).backward())
+    assert weight.grad.dtype == torch.bfloat16 and hidden.grad.dtype == torch.bfloat16
+    # fp32 grad_W accumulator, the chunk in fp32 and in bf16 (the cast), bf16 grad_hidden, per-row vectors
+    assert fused <= 4 * v * h + 6 * rows * v + 2 * n * h + 16 * n + 64 * 1024
 
 
 def test_module_from_modules_shares_parameters_and_reads_the_loss():
