@@ -185,6 +185,20 @@ class _Recorder(TorchFunctionMode):
             self.producer[id(t)] = node.name
             self.keep.append(t)
         self.nodes.append(node)
+        if len(outs) > 1:
+            self._items(node, outs)
+
+    def _items(self, node: Node, outs: list[torch.Tensor]) -> None:
+        """One ``getitem`` node per tensor of a call that returned several (``split``, ``chunk``, ``var_mean``, a
+        module's tuple), as fx records them: a reader of the second half reads that half (its shape, dtype and
+        values), not the first one under the call's name. The index is the tensor's place in the flattened output."""
+        for i, t in enumerate(outs):
+            if self.producer.get(id(t)) != node.name:
+                continue  # returned twice: one item for it
+            scope = node.scope
+            item = Node(name=self._new(f"{scope + '.' if scope else ''}getitem"), kind="function", op="getitem",
+                        inputs=[node.name], args=(Ref(node.name), i), scope=scope)
+            self._add(item, t)
 
     def add_inputs(self, args, kwargs) -> None:
         for i, t in enumerate(flatten_tensors([list(args), kwargs])):

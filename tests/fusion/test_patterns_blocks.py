@@ -267,6 +267,32 @@ def test_a_module_that_only_looks_like_a_norm_is_no_candidate():
     assert ol.fusion.analyze(Net(NotANorm(16)), seeded(3, 16)).decisions == []
 
 
+class SplitNorms(nn.Module):
+    """A selective-scan mixer's projection split into ``dt``, ``B``, ``C`` of different widths, each through its own
+    weight-free RMSNorm (with a dummy weight buffer of another size, as some do): each norm reads its own part."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = nn.Linear(16, 2 + 8 + 8), nn.Linear(18, 4)
+        self.dt_norm, self.b_norm, self.c_norm = BareRMSNorm(), BareRMSNorm(), BareRMSNorm()
+        self.dt_norm.register_buffer("weight", torch.ones(64), persistent=False)
+
+    def forward(self, x):
+        dt, b, c = torch.split(self.proj(x), [2, 8, 8], dim=-1)
+        return self.out(torch.cat([self.dt_norm(dt), self.b_norm(b) * 2, self.c_norm(c)], -1))
+
+
+def test_norms_of_the_parts_of_a_split_read_their_own_part():
+    torch.manual_seed(0)
+    model = SplitNorms()
+    x = seeded(3, 5, 16)
+    fused, plan = ol.fusion.fuse(model, x)
+    assert sorted(d.modules[0] for d in plan.decisions if d.fused) == ["b_norm", "c_norm", "dt_norm"]
+    assert [fused.get_submodule(n).forward.op.normalized_shape for n in ("dt_norm", "b_norm", "c_norm")] == \
+        [(2,), (8,), (8,)]
+    _same(model, fused, x)
+
+
 # --------------------------------------------------------------------------- residual add + norm
 class Residual(nn.Module):
     """``x + lin(x)``, its norm and the Linear reading the norm (a LayerNorm fuses only where its output is kept)."""

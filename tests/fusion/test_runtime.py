@@ -87,3 +87,28 @@ def test_modules_of_which_nothing_ran_are_listed_uppermost():
 
     trace = trace_runtime(M(), (seeded(3, 2, 4),))
     assert trace.not_called == ["idle", "looked_at"]
+
+
+def test_each_tensor_of_a_call_that_returns_several_is_its_own_item():
+    class Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.lstm = nn.Linear(4, 18), nn.LSTM(18, 3, batch_first=True)
+
+        def forward(self, x):
+            dt, b = self.proj(x).split([2, 16], dim=-1)
+            out, (h, c) = self.lstm(torch.cat([b, dt], -1))
+            return dt.sum(-1) + b.mean(-1), out, c
+
+    tr = trace_runtime(Split(), (seeded(3, 5, 4),))
+    g = tr.graph
+    split = next(n for n in g.nodes if n.op == "split")
+    items = [u for u in g.users[split.name] if u.op == "getitem"]
+    assert [(i.args[1], i.shape) for i in items] == [(0, (3, 5, 2)), (1, (3, 5, 16))]
+    assert {u.op for u in g.users[split.name]} == {"getitem"}  # every reader reads one item
+    assert torch.equal(g.tensors[items[1].name], tr.calls["lstm"][0][0][0][..., :16])
+    assert g["output"].inputs[0] == "add" and g["add"].inputs == ["sum", "mean"]
+    assert g["sum"].inputs == [items[0].name] and g["mean"].inputs == [items[1].name]
+    lstm_items = [u for u in g.users["lstm"] if u.op == "getitem"]  # out, h, c: flattened
+    assert [i.shape for i in lstm_items] == [(3, 5, 3), (1, 3, 3), (1, 3, 3)]
+    assert g["output"].inputs[1:] == [lstm_items[0].name, lstm_items[2].name]
