@@ -9,6 +9,7 @@ fusion failure (``stage`` says where a failure happened).
 
     python scripts/hf_sweep.py                       # float64: errors are rounding (<= 1e-12)
     python scripts/hf_sweep.py --dtype float32 --models Llama,Qwen2,T5
+    python scripts/hf_sweep.py --dtype float32 --models all   # + every other causal / masked LM installed
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ TEXT_SIZES = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attenti
                   head_dim=8, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, n_layer=2, n_head=4, n_embd=32,
                   n_positions=64, num_layers=2, num_heads=4, d_ff=64, d_kv=8, ffn_dim=64, dim=32, n_layers=2,
-                  n_heads=4, hidden_dim=64, decoder_start_token_id=0, embedding_size=32)
+                  n_heads=4, hidden_dim=64, decoder_start_token_id=0, embedding_size=32,
+                  # multi-head latent attention (DeepSeek-V2/V3 and their kin): every width small and consistent
+                  qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
+                  moe_intermediate_size=32, n_routed_experts=4, num_experts=4, num_experts_per_tok=2,
+                  first_k_dense_replace=1)
 VIT_SIZES = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64, num_channels=3)
 TEXT = ["Bert", "Roberta", "Electra", "Albert", "DistilBert", "DebertaV2", "Deberta", "MPNet", "XLMRoberta", "Ernie",
@@ -51,20 +56,39 @@ VISION_DEFAULT = ["Swin", "Swinv2", "ConvNext", "ConvNextV2", "ResNet", "RegNet"
 FULL_SIZE = {"Swin", "Swinv2", "FocalNet", "Hiera", "DPT", "Levit", "Pvt"}  # their image size is built in
 
 
+# LM classes whose forward needs more than token ids (images, audio codes, a language id) or whose tiny config
+# is rejected: left out of ``--models all``
+NOT_TEXT_ONLY = {"Emu3", "Fuyu", "Mllama", "Phi4Multimodal", "Gemma3n", "MiniMaxM3VL", "Musicgen", "MusicgenMelody",
+                 "Moshi", "Clvp", "CsmDepthDecoder", "Git", "TrOCR", "Whisper", "Blt", "Vilt", "Xmod", "Perceiver",
+                 "BridgeTower", "UltraVBert"}
+
+
+def every_text_lm() -> list[str]:
+    """Every ``<Name>`` of the installed transformers with a ``<Name>Config`` and a causal or masked LM class."""
+    names = [n[:-len("Config")] for n in dir(T) if n.endswith("Config")]
+    return sorted(n for n in names if n and n not in NOT_TEXT_ONLY
+                  and (hasattr(T, n + "ForCausalLM") or hasattr(T, n + "ForMaskedLM")))
+
+
 def _model_class(name: str, suffixes):
-    return next(getattr(T, name + s) for s in suffixes if hasattr(T, name + s))
+    for s in suffixes:
+        if hasattr(T, name + s):
+            return getattr(T, name + s)
+    raise AttributeError(f"transformers {T.__version__} has no {name}{{{','.join(suffixes)}}}")
 
 
 def build(name: str, dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
     if name not in VIT_LIKE + VISION_DEFAULT:  # a text model (any name not listed as vision)
-        cfg_cls = getattr(T, name + "Config")
+        cls = _model_class(name, ("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "LMHeadModel", "Model"))
+        cfg_cls = cls.config_class  # a text-only class may take the family's text config (Gemma3TextConfig)
         params = inspect.signature(cfg_cls.__init__).parameters
         cfg = eager_without_dropout(cfg_cls(**{k: v for k, v in TEXT_SIZES.items() if k in params}))
         cfg.decoder_start_token_id = getattr(cfg, "decoder_start_token_id", None) or 0
         if hasattr(cfg, "rotary_dim"):
             cfg.rotary_dim = 4
-        cls = _model_class(name, ("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "LMHeadModel", "Model"))
+        if getattr(cfg, "kv_lora_rank", None):  # latent attention expands keys to every head: no grouping
+            cfg.num_key_value_heads = cfg.num_attention_heads
         ids = torch.randint(3, V, (2, 8), generator=g)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if not cls.__name__.endswith("Model"):
@@ -135,12 +159,15 @@ def check(name: str, dtype: torch.dtype, r: dict) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    ap.add_argument("--models", default="", help="comma-separated names (default: every one listed here)")
+    ap.add_argument("--models", default="", help="comma-separated names (default: every one listed here; all: "
+                    "these and every other causal or masked LM class of the installed transformers)")
     ap.add_argument("--out", default="", help="write the details as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
-    names = args.models.split(",") if args.models else TEXT + VIT_LIKE + VISION_DEFAULT
+    names = args.models.split(",") if args.models not in ("", "all") else TEXT + VIT_LIKE + VISION_DEFAULT
+    if args.models == "all":
+        names += [n for n in every_text_lm() if n not in names]
     results = {}
     for name in tqdm(names, desc="models", unit="model"):
         t0, r = time.perf_counter(), results.setdefault(name, {})

@@ -18,12 +18,19 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "hf_sweep.py"
 def test_the_sweep_fuses_checks_and_reports(tmp_path, capsys):
     main = runpy.run_path(str(SCRIPT))["main"]
     out = tmp_path / "sweep.json"
-    main(["--models", "Llama,ViT,NoSuchModel", "--out", str(out)])
+    main(["--models", "Llama,ViT,Gemma3,NoSuchModel", "--out", str(out)])
     results = json.loads(out.read_text())
-    for name in ("Llama", "ViT"):
+    for name in ("Llama", "ViT", "Gemma3"):  # Gemma3ForCausalLM is built from its text config
         r = results[name]
         assert "error" not in r and r["fused"], r
         assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-12
     assert "add_layer_norm@fx" in results["ViT"]["fused"] and "vit.layers.0" in results["ViT"]["fx_regions"]
     assert results["NoSuchModel"]["error"].startswith("build: AttributeError")
     assert "NoSuchModel" in capsys.readouterr().out
+
+
+def test_all_means_every_text_only_lm_installed():
+    sweep = runpy.run_path(str(SCRIPT))
+    names = sweep["every_text_lm"]()
+    assert {"Llama", "Gemma3", "Bert", "DeepseekV3"} <= set(names)
+    assert not set(names) & sweep["NOT_TEXT_ONLY"] and "ViT" not in names
