@@ -212,7 +212,7 @@ class _ReproducibleState:
 
     def begin_forward(self) -> None:
         self.local.active = True
-        for name, module in self.seeded_modules():
+        for name, module in link_streams(self.seeded_modules()):
             module.set_rng(self.pool.seed_for(name, self.step), 0)
         self.local.stack = [ROOT]
         self.local.calls = {}
@@ -321,6 +321,16 @@ def counter_streams(model: nn.Module):
             yield getattr(op, "rng_name", None) or f"{name or ROOT}:fused", op
 
 
+def link_streams(streams):
+    """``streams`` (``(name, module)`` pairs) as a list, each module drawing from the first one of its name: a
+    dropout module called twice, once by itself and once inside the fused op that absorbed it, takes turns on
+    one counter, as the module alone does in the unfused model."""
+    streams, first = list(streams), {}
+    for name, module in streams:
+        module.share_rng(first.setdefault(name, module))
+    return streams
+
+
 def _replace_dropouts(model: nn.Module) -> int:
     from opsnn_lab.ops.dropout import Dropout
 
@@ -371,7 +381,7 @@ def make_reproducible(model: nn.Module, seed: int | SeedPool = 0, *, functional:
     # plain attributes (not submodules, not buffers): the state_dict is unchanged
     object.__setattr__(model, "_opsnn_reproducible", state)
     object.__setattr__(model, "set_step", lambda step: set_step(model, step))
-    for name, module in state.seeded_modules():  # seeded already, for calls outside a model forward
+    for name, module in link_streams(state.seeded_modules()):  # seeded already, for calls outside a forward
         module.set_rng(pool.seed_for(name, 0), 0)
     return model
 

@@ -60,10 +60,14 @@ class FusedSlot(nn.Module):
 def _name_stream(op: nn.Module, m: Match) -> nn.Module:
     """Name a fused op's dropout stream after the dropout module it absorbs (``op.rng_name``), so that
     ``ol.consistency.make_reproducible`` seeds it as it seeds that module in the unfused model: the same
-    masks, fused or not. A chain without a dropout module (or with an inline ``F.dropout``) keeps none."""
+    masks, fused or not. An absorbed counter-based module lends the op its stream (``share_rng``), so a module
+    also called outside the chain keeps drawing in call order. A chain without a dropout module (or with an
+    inline ``F.dropout``) keeps none."""
     drop = next((n for n in m.nodes if n.op == "dropout" and n.kind == "module" and n.module), None)
     if drop is not None and hasattr(op, "set_rng"):
         op.rng_name = drop.module
+        if hasattr(drop.obj, "next_draw"):  # a counter-based module, maybe called again elsewhere: one counter
+            op.share_rng(drop.obj)
     return op
 
 

@@ -64,7 +64,8 @@ def _same_values(a, b) -> bool:
 
 
 class CounterRNG:
-    """Mixin giving a module a counter-RNG stream: ``rng_seed``, ``rng_step``, ``set_rng``, ``next_draw``."""
+    """Mixin giving a module a counter-RNG stream: ``rng_seed``, ``rng_step``, ``set_rng``, ``next_draw``,
+    ``share_rng``."""
 
     rng_seed: int
     rng_step: int
@@ -84,9 +85,23 @@ class CounterRNG:
         self._drawn: deque = deque(maxlen=_LOGGED)  # (forward number, step, input fingerprint)
         self._forwards, self._replaying, self._replayed = 0, None, set()
 
+    def share_rng(self, leader: CounterRNG | None) -> None:
+        """Draw from ``leader``'s stream from now on (``None`` or ``self``: from this module's own).
+
+        One named stream run by several modules: a dropout module called twice in a forward, one call of which
+        a fused op absorbed, draws the masks the module alone draws only if both calls take turns on one
+        counter. A plain attribute, not a child: nothing moves in the module tree or the state_dict."""
+        if leader is not None and not isinstance(leader, CounterRNG):
+            raise TypeError(f"leader must be a CounterRNG module or None, got {type(leader).__name__}")
+        object.__setattr__(self, "_rng_leader", None if leader is self else leader)
+
     def next_draw(self, x: torch.Tensor | None = None) -> tuple[int, int]:
         """``(seed, offset)`` for this training-mode call on input ``x``; advances ``rng_step``, except in a
-        checkpoint's recomputation, which replays the draw of the forward it recomputes."""
+        checkpoint's recomputation, which replays the draw of the forward it recomputes. A module sharing
+        another's stream (``share_rng``) draws from that one."""
+        leader = self.__dict__.get("_rng_leader")
+        if leader is not None:
+            return leader.next_draw(x)
         if not hasattr(self, "_drawn"):  # a module pickled before the replay log existed
             self.set_rng(self.rng_seed, self.rng_step)
         if _in_backward() and self._drawn:

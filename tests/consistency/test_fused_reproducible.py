@@ -29,6 +29,22 @@ def _encoder():
     return Encoder(cfg).train(), ids
 
 
+class TwiceMLP(nn.Module):
+    """One dropout module called twice per forward, once inside the fusable chain (Pvt's and many HF MLPs)."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        self.fc1, self.act, self.dropout, self.fc2 = nn.Linear(8, 16), nn.GELU(), dropout, nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.dropout(self.fc2(self.dropout(self.act(self.fc1(x)))))
+
+
+def _twice():
+    torch.manual_seed(0)
+    return TwiceMLP(nn.Dropout(0.5)).train(), torch.randn(32, 8)
+
+
 def _steps(model, x, n=2):
     outs = []
     for step in range(n):
@@ -41,7 +57,7 @@ def _steps(model, x, n=2):
     return outs
 
 
-@pytest.mark.parametrize("make", [_mlp, _encoder], ids=["mlp", "encoder"])
+@pytest.mark.parametrize("make", [_mlp, _encoder, _twice], ids=["mlp", "encoder", "dropout_called_twice"])
 @pytest.mark.parametrize("order", ["fuse_first", "seed_first"])
 def test_a_fused_model_draws_the_masks_of_the_unfused_one(make, order):
     model, x = make()
@@ -94,3 +110,22 @@ def test_a_deep_copy_of_a_prepared_model_drives_its_own_streams():
     assert get_step(twin) == 2 and get_step(model) == 0  # the copy's hooks advanced the copy only
     assert torch.equal(model(x), first)
     assert not torch.equal(twin(x), first)  # step 2 of the same streams
+
+
+def test_a_counter_dropout_called_twice_keeps_its_masks_when_one_call_is_fused():
+    # no make_reproducible: the model's own counter-based Dropout, whose stream the fused op takes turns on
+    torch.manual_seed(0)
+    model, x = TwiceMLP(ol.ops.Dropout(0.5, seed=11)).train(), torch.randn(32, 8)
+    eager = copy.deepcopy(model)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert [d.pattern for d in plan.fused] == ["linear_gelu_dropout_linear"]
+    for (out, grads), (want, want_grads) in zip(_steps(fused, x), _steps(eager, x)):
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        for k, g in want_grads.items():
+            torch.testing.assert_close(grads[k], g, atol=1e-4 * g.abs().max().item() + 1e-6, rtol=1e-4, msg=k)
+    assert fused.dropout.rng_step == eager.dropout.rng_step == 4  # two calls a step, on one counter
+
+
+def test_share_rng_rejects_a_module_without_a_stream():
+    with pytest.raises(TypeError, match="leader"):
+        ol.ops.Dropout(0.1).share_rng(nn.Dropout(0.1))
