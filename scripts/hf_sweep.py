@@ -156,6 +156,39 @@ def check(name: str, dtype: torch.dtype, r: dict) -> None:
     del r["stage"]
 
 
+def model_names(arg: str) -> list[str]:
+    """``--models``: comma-separated names; "" for the list above; "all" for it and every other text LM."""
+    if arg not in ("", "all"):
+        return arg.split(",")
+    names = TEXT + VIT_LIKE + VISION_DEFAULT
+    return names + [n for n in every_text_lm() if n not in names] if arg == "all" else names
+
+
+def run_sweep(names, check_one, line, out: str = "") -> dict:
+    """``check_one(name, record)`` per model (an exception is recorded with the stage it left, and the sweep goes
+    on); prints ``line(record)`` per model; writes every record as JSON to ``out`` when given."""
+    torch.set_num_threads(1)
+    results = {}
+    for name in tqdm(names, desc="models", unit="model"):
+        t0, r = time.perf_counter(), results.setdefault(name, {})
+        try:
+            check_one(name, r)
+        except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
+            r["error"] = f"{r['stage']}: {type(exc).__name__}: {str(exc)[:300]}"
+            r["trace"] = traceback.format_exc()[-2000:]
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        tqdm.write(f"{name:20s} {(r.get('error') or line(r))[:150]}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def _line(r: dict) -> str:
+    errs = ("out_err", "grad_err", "eval_err", "inference_err")
+    return f"fused {len(r['fused']):4d}  " + ", ".join(f"{k} {r[k]:.1e}" for k in errs)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
@@ -163,26 +196,8 @@ def main(argv=None) -> None:
                     "these and every other causal or masked LM class of the installed transformers)")
     ap.add_argument("--out", default="", help="write the details as JSON here")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
-    names = args.models.split(",") if args.models not in ("", "all") else TEXT + VIT_LIKE + VISION_DEFAULT
-    if args.models == "all":
-        names += [n for n in every_text_lm() if n not in names]
-    results = {}
-    for name in tqdm(names, desc="models", unit="model"):
-        t0, r = time.perf_counter(), results.setdefault(name, {})
-        try:
-            check(name, dtype, r)
-        except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
-            r["error"] = f"{r['stage']}: {type(exc).__name__}: {str(exc)[:300]}"
-            r["trace"] = traceback.format_exc()[-2000:]
-        r["seconds"] = round(time.perf_counter() - t0, 1)
-        errs = ("out_err", "grad_err", "eval_err", "inference_err")
-        line = r.get("error") or ", ".join(f"{k} {r[k]:.1e}" for k in errs)
-        tqdm.write(f"{name:20s} fused {len(r.get('fused', [])):4d}  {line[:150]}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    run_sweep(model_names(args.models), lambda name, r: check(name, dtype, r), _line, args.out)
 
 
 if __name__ == "__main__":
