@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import opsnn_lab as ol
-from opsnn_lab.testing import projected_loss
+from opsnn_lab.testing import projected_loss, threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_sweep as S  # noqa: E402 - the builders and comparisons of the fusion sweep
@@ -38,7 +38,7 @@ def _step(model, inputs):
     return outs, [g if g is not None else torch.zeros(0) for g in grads]
 
 
-def check(name: str, r: dict) -> None:
+def check(name: str, r: dict, strict: bool = False) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
     r["stage"] = "build"
     with warnings.catch_warnings():
@@ -66,14 +66,32 @@ def check(name: str, r: dict) -> None:
         largest = max(float(g.abs().max()) for g in g_a if g.numel())
         r["out_err"], r["grad_err"] = S._rel(outs_b, outs_a), S._rel(g_b, g_a, largest)
         again = _step(fused, inputs)
-        r["fused_repeat_equal"] = all(torch.equal(x, y) for x, y in zip([*outs_b, *g_b], [*again[0], *again[1]]))
+        r["fused_repeat_equal"] = _equal((outs_b, g_b), again)
+        if strict:
+            r["stage"] = "strict"
+            for key, m in (("strict_threads_bitwise", model), ("strict_fused_threads_bitwise", fused)):
+                runs = []
+                for n in (1, 2):
+                    with threads(n), ol.consistency.strict():
+                        runs.append(_step(m, inputs))
+                r[key] = _equal(*runs)
     del r["stage"]
 
 
+def _equal(a, b) -> bool:
+    """Outputs and gradients of two steps, bit for bit."""
+    return all(torch.equal(x, y) for x, y in zip([*a[0], *a[1]], [*b[0], *b[1]]))
+
+
 def _line(r: dict) -> str:
-    return (f"dropouts {r['dropouts']:3d}  repeat {'same' if r['repeat_consistent'] else 'DIFFERS'}  "
-            f"fused {r['fused']:3d}  vs eager: out {r['out_err']:.1e} grad {r['grad_err']:.1e}  "
-            f"fused twice {'bitwise' if r['fused_repeat_equal'] else 'DIFFERS'}")
+    same = {True: "bitwise", False: "DIFFERS"}
+    strict = ""
+    if "strict_threads_bitwise" in r:
+        strict = f"  strict 1|2 threads {same[r['strict_threads_bitwise']]}"
+        strict += f", fused {same[r['strict_fused_threads_bitwise']]}"
+    return (f"drop {r['dropouts']:3d}  repeat {'same' if r['repeat_consistent'] else 'DIFFERS'}  "
+            f"fused {r['fused']:3d}  vs eager {r['out_err']:.0e}/{r['grad_err']:.0e}  "
+            f"again {same[r['fused_repeat_equal']]}{strict}")
 
 
 def main(argv=None) -> None:
@@ -81,8 +99,10 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="", help="comma-separated names (default: hf_sweep.py's list; all: "
                     "those and every other causal or masked LM class of the installed transformers)")
     ap.add_argument("--out", default="", help="write the details as JSON here")
+    ap.add_argument("--strict", action="store_true", help="also: under ol.consistency.strict(), the same bits "
+                    "with 1 and 2 threads, unfused and fused")
     args = ap.parse_args(argv)
-    S.run_sweep(S.model_names(args.models), check, _line, args.out)
+    S.run_sweep(S.model_names(args.models), lambda name, r: check(name, r, args.strict), _line, args.out)
 
 
 if __name__ == "__main__":
