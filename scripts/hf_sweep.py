@@ -10,6 +10,7 @@ fusion failure (``stage`` says where a failure happened).
     python scripts/hf_sweep.py                       # float64: errors are rounding (<= 1e-12)
     python scripts/hf_sweep.py --dtype float32 --models Llama,Qwen2,T5
     python scripts/hf_sweep.py --dtype float32 --models all   # + every other causal / masked LM installed
+    python scripts/hf_sweep.py --dtype float32 --autocast     # + a bf16 autocast step, fused and eager vs fp32
 """
 
 from __future__ import annotations
@@ -123,7 +124,15 @@ def _rel(got, want, scale=None) -> float:
     return max(errs, default=0.0)
 
 
-def check(name: str, dtype: torch.dtype, r: dict) -> None:
+def _train_step(model, inputs):
+    """Outputs (fp32) and every parameter gradient of a fixed projection of them."""
+    outs = [o.float() for o in _run(model, inputs)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(projected_loss(outs), params, allow_unused=True)
+    return outs, [g if g is not None else torch.zeros(0) for g in grads]
+
+
+def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
     r["stage"] = "build"
     with warnings.catch_warnings():
@@ -137,15 +146,15 @@ def check(name: str, dtype: torch.dtype, r: dict) -> None:
         r["fused"] = sorted(f"{d.pattern}@{d.route.split(':')[0]}" for d in plan.decisions if d.fused)
         r["fx_regions"] = sorted(x["path"] or "<model>" for x in plan.routes if x["route"] == "fx")
         r["stage"] = "train"
-        steps = []
-        for m in (model, fused):
-            outs = _run(m, inputs)
-            params = [p for p in m.parameters() if p.requires_grad]
-            grads = torch.autograd.grad(projected_loss(outs), params, allow_unused=True)
-            steps.append((outs, [g if g is not None else torch.zeros(0) for g in grads]))
-        (outs_a, g_a), (outs_b, g_b) = steps
+        (outs_a, g_a), (outs_b, g_b) = (_train_step(m, inputs) for m in (model, fused))
         largest = max(float(g.abs().max()) for g in g_a if g.numel())  # a gradient 0 by symmetry is noise
         r["out_err"], r["grad_err"] = _rel(outs_b, outs_a), _rel(g_b, g_a, largest)
+        if autocast:  # bf16 autocast, eager and fused, each against the fp32 eager step
+            r["stage"] = "autocast"
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                (outs_e, g_e), (outs_f, g_f) = (_train_step(m, inputs) for m in (model, fused))
+            r["amp_out_err"] = {"eager": _rel(outs_e, outs_a), "fused": _rel(outs_f, outs_a)}
+            r["amp_grad_err"] = {"eager": _rel(g_e, g_a, largest), "fused": _rel(g_f, g_a, largest)}
         r["stage"] = "eval"
         model.eval()
         fused.eval()
@@ -191,7 +200,11 @@ def run_sweep(names, check_one, line, out: str = "") -> dict:
 
 def _line(r: dict) -> str:
     errs = ("out_err", "grad_err", "eval_err", "inference_err")
-    return f"fused {len(r['fused']):4d}  " + ", ".join(f"{k} {r[k]:.1e}" for k in errs)
+    line = f"fused {len(r['fused']):4d}  " + ", ".join(f"{k} {r[k]:.1e}" for k in errs)
+    if "amp_out_err" in r:  # fused / eager error of the bf16 step against the fp32 one
+        line += "  bf16 fused/eager error: " + ", ".join(
+            f"{k} {r[k]['fused'] / max(r[k]['eager'], 1e-30):.2f}" for k in ("amp_out_err", "amp_grad_err"))
+    return line
 
 
 def main(argv=None) -> None:
@@ -200,9 +213,13 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="", help="comma-separated names (default: every one listed here; all: "
                     "these and every other causal or masked LM class of the installed transformers)")
     ap.add_argument("--out", default="", help="write the details as JSON here")
+    ap.add_argument("--autocast", action="store_true", help="also a training step under bf16 autocast, eager and "
+                    "fused, each against the float32 eager step")
     args = ap.parse_args(argv)
+    if args.autocast and args.dtype != "float32":
+        ap.error("--autocast compares with the float32 step: use it with --dtype float32")
     dtype = getattr(torch, args.dtype)
-    run_sweep(model_names(args.models), lambda name, r: check(name, dtype, r), _line, args.out)
+    run_sweep(model_names(args.models), lambda name, r: check(name, dtype, r, args.autocast), _line, args.out)
 
 
 if __name__ == "__main__":

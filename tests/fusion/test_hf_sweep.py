@@ -34,3 +34,14 @@ def test_all_means_every_text_only_lm_installed():
     names = sweep["every_text_lm"]()
     assert {"Llama", "Gemma3", "Bert", "DeepseekV3"} <= set(names)
     assert not set(names) & sweep["NOT_TEXT_ONLY"] and "ViT" not in names
+
+
+def test_autocast_compares_the_bf16_steps_with_the_fp32_one(tmp_path):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "amp.json"
+    main(["--models", "Llama", "--dtype", "float32", "--autocast", "--out", str(out)])
+    r = json.loads(out.read_text())["Llama"]
+    for key in ("amp_out_err", "amp_grad_err"):  # bf16's own error, and the fused model's within 2x of it
+        assert 1e-4 < r[key]["eager"] < 0.1 and r[key]["fused"] <= 2 * r[key]["eager"], r
+    with pytest.raises(SystemExit):
+        main(["--models", "Llama", "--autocast"])  # float64 has no bf16 step to compare with
