@@ -12,7 +12,6 @@ against itself (bit for bit). Prints a line per model; ``--out`` writes the deta
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import warnings
@@ -95,10 +94,7 @@ def _line(r: dict) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="", help="comma-separated names (default: hf_sweep.py's list; all: "
-                    "those and every other causal or masked LM class of the installed transformers)")
-    ap.add_argument("--out", default="", help="write the details as JSON here")
+    ap = S.argument_parser(__doc__)
     ap.add_argument("--strict", action="store_true", help="also: under ol.consistency.strict(), the same bits "
                     "with 1 and 2 threads, unfused and fused")
     args = ap.parse_args(argv)

@@ -207,12 +207,18 @@ def _line(r: dict) -> str:
     return line
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    ap.add_argument("--models", default="", help="comma-separated names (default: every one listed here; all: "
-                    "these and every other causal or masked LM class of the installed transformers)")
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    """``--models`` (see ``model_names``) and ``--out``, the arguments every sweep takes."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--models", default="", help="comma-separated names (default: hf_sweep.py's list; all: "
+                    "those and every other causal or masked LM class of the installed transformers)")
     ap.add_argument("--out", default="", help="write the details as JSON here")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = argument_parser(__doc__)
+    ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     ap.add_argument("--autocast", action="store_true", help="also a training step under bf16 autocast, eager and "
                     "fused, each against the float32 eager step")
     args = ap.parse_args(argv)

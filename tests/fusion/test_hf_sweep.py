@@ -1,5 +1,6 @@
 """scripts/hf_sweep.py, the sweep behind the notes' figures, on two models: it fuses, compares with eager and
-writes its JSON; a model it cannot build is reported with the stage, and the sweep goes on."""
+writes its JSON; a model it cannot build is reported with the stage, and the sweep goes on. And
+scripts/hf_consistency_sweep.py, which runs the same models with reproducible dropout and the checker."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "hf_sweep.py"
+CONSISTENCY = SCRIPT.with_name("hf_consistency_sweep.py")
 
 
 def test_the_sweep_fuses_checks_and_reports(tmp_path, capsys):
@@ -45,3 +47,17 @@ def test_autocast_compares_the_bf16_steps_with_the_fp32_one(tmp_path):
         assert 1e-4 < r[key]["eager"] < 0.1 and r[key]["fused"] <= 2 * r[key]["eager"], r
     with pytest.raises(SystemExit):
         main(["--models", "Llama", "--autocast"])  # float64 has no bf16 step to compare with
+
+
+def test_the_consistency_sweep_reports_each_model(tmp_path, capsys):
+    main = runpy.run_path(str(CONSISTENCY))["main"]
+    out = tmp_path / "consistency.json"
+    main(["--models", "Bert,GPT2,NoSuchModel", "--out", str(out)])
+    results = json.loads(out.read_text())
+    for name in ("Bert", "GPT2"):
+        r = results[name]
+        assert "error" not in r and r["dropouts"] > 0 and r["fused"] > 0, r
+        assert r["repeat_consistent"] and r["fused_repeat_equal"], r
+        assert r["out_err"] < 1e-5 and r["grad_err"] < 1e-5, r  # the fused model draws the unfused one's masks
+    assert results["NoSuchModel"]["error"].startswith("build: AttributeError")
+    assert "NoSuchModel" in capsys.readouterr().out
