@@ -21,6 +21,11 @@ While strict mode is on:
   through a 1-d or 2-d convolution takes a differentiable fixed-order composite instead); and oneDNN is off
   (``torch.backends.mkldnn.enabled``), so convolutions run aten's own sample-by-sample kernels: oneDNN's
   1x1 convolution forward split its reduction over threads too.
+* on CPU, batch norm forward and backward, whose statistics and weight/bias gradients aten reduces per thread
+  where the channels are innermost (``(N, C)`` inputs, channels-last maps): they run on one intra-op thread
+  (:mod:`opsnn_lab.consistency.fixed_batch_norm`).
+* on CPU, ``_grouped_mm`` (mixture-of-experts layers): one fixed-order ``mm`` per group
+  (:mod:`opsnn_lab.consistency.fixed_grouped_mm`).
 
 Which GEMM paths give those bits is not assumed from one CPU: each GEMM shape is probed once per
 process on the running machine (:mod:`opsnn_lab.consistency.gemm_probe`; ``strict_probe_report()``
@@ -62,7 +67,7 @@ import warnings
 import torch
 
 from opsnn_lab._checks import check_type
-from opsnn_lab.consistency import fixed_conv
+from opsnn_lab.consistency import fixed_batch_norm, fixed_conv, fixed_grouped_mm
 from opsnn_lab.consistency import fixed_order as fo
 from opsnn_lab.consistency import fixed_rows as fr
 from opsnn_lab.consistency.gemm_probe import strict_probe_report
@@ -197,6 +202,10 @@ class _StrictState:
                     lib.impl(op, fn, key)
             # at the autograd key: it redispatches below autograd to aten's kernel, on one intra-op thread
             lib.impl("convolution_backward", fixed_conv.convolution_backward, "AutogradCPU", with_keyset=True)
+            # below autograd: aten's own graph, its kernels on one intra-op thread
+            lib.impl("native_batch_norm", fixed_batch_norm.native_batch_norm, "CPU")
+            lib.impl("native_batch_norm_backward", fixed_batch_norm.native_batch_norm_backward, "CPU")
+            lib.impl("_grouped_mm", fixed_grouped_mm.grouped_mm, "CPU")  # experts: one fixed-order mm per group
         self.library = lib
 
     def _deactivate(self) -> None:
