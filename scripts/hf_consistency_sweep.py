@@ -12,7 +12,6 @@ against itself (bit for bit). Prints a line per model; ``--out`` writes the deta
 
 from __future__ import annotations
 
-import copy
 import sys
 import warnings
 from pathlib import Path
@@ -39,12 +38,9 @@ def _step(model, inputs):
 
 def check(name: str, r: dict, strict: bool = False) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
-    r["stage"] = "build"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, inputs = S.build(name, torch.float32)
-        r["stage"] = "eager"
-        S._run(model, inputs)
+        model, inputs = S.build_running(name, torch.float32, r)
         drops = [m for m in model.modules() if isinstance(m, nn.Dropout)]
         for m in drops:
             m.p = DROPOUT
@@ -58,7 +54,7 @@ def check(name: str, r: dict, strict: bool = False) -> None:
         if not checker.report.ok:
             r["divergence"] = str(checker.report.first_divergence)[:300]
         r["stage"] = "fuse"
-        fused, plan = ol.fusion.fuse(copy.deepcopy(model), inputs)
+        fused, plan = ol.fusion.fuse(model, inputs)  # fuse copies; the model stays as it is
         r["fused"] = len(plan.fused)
         r["stage"] = "compare"
         (outs_a, g_a), (outs_b, g_b) = _step(model, inputs), _step(fused, inputs)

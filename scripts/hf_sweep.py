@@ -79,13 +79,15 @@ def _model_class(name: str, suffixes):
     raise AttributeError(f"transformers {T.__version__} has no {name}{{{','.join(suffixes)}}}")
 
 
-def build(name: str, dtype: torch.dtype):
+def build(name: str, dtype: torch.dtype, layers: int | None = None):
     g = torch.Generator().manual_seed(0)
     if name not in VIT_LIKE + VISION_DEFAULT:  # a text model (any name not listed as vision)
         cls = _model_class(name, ("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "LMHeadModel", "Model"))
         cfg_cls = cls.config_class  # a text-only class may take the family's text config (Gemma3TextConfig)
         params = inspect.signature(cfg_cls.__init__).parameters
-        cfg = eager_without_dropout(cfg_cls(**{k: v for k, v in TEXT_SIZES.items() if k in params}))
+        sizes = TEXT_SIZES if layers is None else {**TEXT_SIZES, "num_hidden_layers": layers, "n_layer": layers,
+                                                   "num_layers": layers, "n_layers": layers}
+        cfg = eager_without_dropout(cfg_cls(**{k: v for k, v in sizes.items() if k in params}))
         cfg.decoder_start_token_id = getattr(cfg, "decoder_start_token_id", None) or 0
         if hasattr(cfg, "rotary_dim"):
             cfg.rotary_dim = 4
@@ -124,6 +126,25 @@ def _rel(got, want, scale=None) -> float:
     return max(errs, default=0.0)
 
 
+def build_running(name: str, dtype: torch.dtype, r: dict):
+    """``build`` and one eager forward (stages "build", "eager"). A hybrid whose first layers are all linear
+    attention or state-space layers (Jamba, Kimi-Linear: the mask helper finds no attention layer) is built again
+    with 8 layers, which brings one in; ``r["layers"]`` says so."""
+    r["stage"] = "build"
+    model, inputs = build(name, dtype)
+    r["stage"] = "eager"
+    try:
+        _run(model, inputs)
+    except ValueError as exc:
+        if "Attention layers" not in str(exc):
+            raise
+        r["stage"], r["layers"] = "build", 8
+        model, inputs = build(name, dtype, layers=8)
+        r["stage"] = "eager"
+        _run(model, inputs)
+    return model, inputs
+
+
 def _train_step(model, inputs):
     """Outputs (fp32) and every parameter gradient of a fixed projection of them."""
     outs = [o.float() for o in _run(model, inputs)]
@@ -134,12 +155,9 @@ def _train_step(model, inputs):
 
 def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
-    r["stage"] = "build"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, inputs = build(name, dtype)
-        r["stage"] = "eager"
-        _run(model, inputs)
+        model, inputs = build_running(name, dtype, r)
         r["stage"] = "fuse"
         fused, plan = ol.fusion.fuse(model, inputs)
         pickle.dumps(fused)

@@ -39,7 +39,7 @@ import torch
 
 from opsnn_lab.fusion.graph import Ref
 from opsnn_lab.fusion.patterns import Match
-from opsnn_lab.fusion.runtime import RuntimeTrace, _storage_key
+from opsnn_lab.fusion.runtime import RuntimeTrace, _storage_key, graph_free_memo
 
 __all__ = ["CostModel"]
 
@@ -139,7 +139,8 @@ class CostModel:
         output's layout (shape, stride, offset, storage elements, dtype)."""
         # The op is built on copies of the chain's modules: building may repack weights (FusedQKV), and
         # the analysed model must not change.
-        mods = copy.deepcopy({k: v for k, v in m.params.items() if isinstance(v, torch.nn.Module)})  # one memo:
+        mods = {k: v for k, v in m.params.items() if isinstance(v, torch.nn.Module)}
+        mods = copy.deepcopy(mods, graph_free_memo(*mods.values()))  # one memo:
         m = dataclasses.replace(m, params={**m.params, **mods})  # a module shared by two params stays shared
         op = self.build(m).train()
         xs = [self.trace.tensors[i].detach().clone().requires_grad_(self.trace.tensors[i].requires_grad)

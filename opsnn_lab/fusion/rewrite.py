@@ -30,7 +30,7 @@ from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
 from opsnn_lab.fusion.regions import bind_call, facts_hold, fx_graph, library_hooks, trace_region
-from opsnn_lab.fusion.runtime import own_dtypes
+from opsnn_lab.fusion.runtime import graph_free_memo, own_dtypes
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert"]
 
@@ -298,7 +298,8 @@ def _module_rewrites(model: nn.Module, fused: nn.Module, plan: FusionPlan, decis
         done.add((d.key, d.route, tuple(d.carriers)))
         if analysis is not None and d.key in analysis.matches:
             m = analysis.matches[d.key]
-            m = dataclasses.replace(m, params=copy.deepcopy(m.params, dict(memo)))
+            owners = [v for v in m.params.values() if isinstance(v, nn.Module)]
+            m = dataclasses.replace(m, params=copy.deepcopy(m.params, {**graph_free_memo(*owners), **memo}))
         else:
             m = _rebuild(fused, d)
         with torch.random.fork_rng(devices=[]):
@@ -341,7 +342,7 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     """
     check_type("model", model, nn.Module)
     check_type("plan", plan, FusionPlan)
-    fused = copy.deepcopy(model)
+    fused = copy.deepcopy(model, graph_free_memo(model))
     with own_dtypes(fused):  # the copy's own Linear subclasses and activations, as analysis found the model's
         probe_modules(fused)
     memo = _copy_memo(model, fused)  # the op of a module-level decision shares the copy's Parameters

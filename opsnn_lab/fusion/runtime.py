@@ -28,7 +28,7 @@ from opsnn_lab.fusion.graph import (
 )
 from opsnn_lab.fusion.probe import probe_modules
 
-__all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors", "own_dtypes"]
+__all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors", "own_dtypes", "graph_free_memo"]
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -101,6 +101,23 @@ def flatten_tensors(value, out=None) -> list[torch.Tensor]:
         for f in dataclasses.fields(value):
             flatten_tensors(getattr(value, f.name), out)
     return out
+
+
+def graph_free_memo(*modules: nn.Module) -> dict:
+    """A ``copy.deepcopy`` memo giving every tensor a forward left in an attribute of ``modules`` (or their
+    submodules) with its autograd graph a detached copy: a recurrent-state cache (RecurrentGemma's
+    ``recurrent_states`` and ``conv1d_state``) would make deepcopy raise, and a copy has no use for the graph (its
+    next forward writes the cache again). Parameters are leaves and go through deepcopy as usual."""
+    memo: dict = {}
+    for module in modules:
+        for m in module.modules():
+            for key, value in vars(m).items():
+                if key in ("_parameters", "_modules"):
+                    continue
+                for t in flatten_tensors(value):
+                    if not t.is_leaf and id(t) not in memo:
+                        memo[id(t)] = t.detach().clone()
+    return memo
 
 
 @contextlib.contextmanager

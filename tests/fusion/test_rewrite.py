@@ -357,3 +357,34 @@ def test_a_region_whose_rewrite_fails_runs_unfused_and_the_plan_says_so(monkeypa
     _assert_same(model, fused, (x,))
     with pytest.raises(ValueError, match="was the plan made for this model"):  # a plan from JSON still raises
         ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(as_json))
+
+
+class StateCachingMLP(nn.Module):
+    """Keeps its last hidden state, graph and all, in a plain attribute and in a buffer (recurrent models cache
+    their state so): ``copy.deepcopy`` refuses such tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
+        self.register_buffer("last_mean", torch.zeros(8), persistent=False)
+        self.state = None
+
+    def forward(self, x):
+        y = self.fc2(self.act(self.fc1(x)))
+        self.state, self.last_mean = [y[:, :2]], y.mean(0)
+        return y
+
+
+def test_a_model_caching_graph_tensors_in_attributes_fuses_and_stays_as_it_was():
+    torch.manual_seed(0)
+    model, x = StateCachingMLP(), seeded(4, 8, requires_grad=True)
+    model(x).sum().backward()  # the caches now hold tensors with their autograd graph
+    with pytest.raises(RuntimeError, match="deepcopy"):
+        copy.deepcopy(model)
+    cached = model.state[0]
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert [d.pattern for d in plan.fused] == ["linear_gelu_linear"]
+    # the model keeps its own cache (the analysis's forward writes it again, as any forward does)
+    assert torch.equal(model.state[0], cached) and model.state[0].grad_fn is not None
+    assert fused.state[0].grad_fn is None and torch.equal(fused.state[0], cached)  # copied, detached
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-6, atol=1e-6)
