@@ -114,10 +114,20 @@ def graph_free_memo(*modules: nn.Module) -> dict:
             for key, value in vars(m).items():
                 if key in ("_parameters", "_modules"):
                     continue
-                for t in flatten_tensors(value):
+                for t in _held_tensors(value):
                     if not t.is_leaf and id(t) not in memo:
                         memo[id(t)] = t.detach().clone()
     return memo
+
+
+def _held_tensors(value, depth: int = 0):
+    """Tensors in an attribute value and in the lists, tuples and dicts it holds; not inside other objects (a
+    config's properties may raise when read: Gemma-4's per-layer ``head_dim``)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 4 and isinstance(value, (list, tuple, dict)):
+        for v in value.values() if isinstance(value, dict) else value:
+            yield from _held_tensors(v, depth + 1)
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -359,6 +360,18 @@ def test_a_region_whose_rewrite_fails_runs_unfused_and_the_plan_says_so(monkeypa
         ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(as_json))
 
 
+@dataclass
+class PerLayerConfig:
+    """A config whose global ``head_dim`` field raises when read (Gemma-4's per-layer attributes)."""
+
+    head_dim: int = 8
+
+    def __getattribute__(self, name):
+        if name == "head_dim":
+            raise AttributeError("head_dim is a per-layer attribute")
+        return super().__getattribute__(name)
+
+
 class StateCachingMLP(nn.Module):
     """Keeps its last hidden state, graph and all, in a plain attribute and in a buffer (recurrent models cache
     their state so): ``copy.deepcopy`` refuses such tensors."""
@@ -368,6 +381,7 @@ class StateCachingMLP(nn.Module):
         self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
         self.register_buffer("last_mean", torch.zeros(8), persistent=False)
         self.state = None
+        self.config = PerLayerConfig()
 
     def forward(self, x):
         y = self.fc2(self.act(self.fc1(x)))
