@@ -33,6 +33,7 @@ class Odd(nn.Module):
 
 
 def test_graph_of_a_model_no_tracer_accepts():
+    torch.manual_seed(0)  # the branch below is data-dependent: these weights take it (h.sum() = 1.83)
     model = Odd()
     tr = trace_runtime(model, (seeded(3, 4),), {"scale": 3.0})
     g = tr.graph
