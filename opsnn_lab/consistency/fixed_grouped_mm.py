@@ -36,15 +36,19 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
     if offs is None:
         raise ValueError(f"_grouped_mm of a {a.dim()}-d and a {b.dim()}-d tensor needs offs")
     groups = _groups(offs)
+
+    def biased(product, g):
+        return product if bias is None else product + bias[g].to(dtype)
+
     if a.dim() == 2 and b.dim() == 3:
         out = a.new_zeros(a.shape[0], b.shape[-1])
         for g, (s, e) in enumerate(groups):
-            out[s:e] = torch.mm(a[s:e], b[g]) if bias is None else torch.mm(a[s:e], b[g]) + bias[g].to(dtype)
+            out[s:e] = biased(torch.mm(a[s:e], b[g]), g)
         return out
     if a.dim() == 3 and b.dim() == 2:
         out = a.new_zeros(a.shape[1], b.shape[-1])
         for g, (s, e) in enumerate(groups):
-            out[:, s:e] = torch.mm(a[g], b[:, s:e]) if bias is None else torch.mm(a[g], b[:, s:e]) + bias[g].to(dtype)
+            out[:, s:e] = biased(torch.mm(a[g], b[:, s:e]), g)
         return out
     if a.dim() == 2 and b.dim() == 2:
         out = a.new_zeros(len(groups), a.shape[0], b.shape[-1])

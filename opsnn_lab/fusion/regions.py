@@ -37,8 +37,8 @@ from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module, is_leaf_module
 from opsnn_lab.fusion.wrappers import forward_wrapper, passes_through, unwrapped_forward
 
-__all__ = ["Region", "find_regions", "trace_region", "fx_graph", "bind_call", "concrete_args", "tensor_facts",
-           "facts_hold", "library_hooks"]
+__all__ = ["Region", "find_regions", "trace_region", "fx_graph", "bind_call", "error_line", "concrete_args",
+           "tensor_facts", "facts_hold", "library_hooks"]
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -375,9 +375,15 @@ def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wr
         del module._modules[_PROBE_CHILD]
 
 
+def error_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message ('' for none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def _reason(exc: BaseException) -> str:
     """The error and the line of model code that stopped the tracer (the last frame outside torch)."""
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    msg = error_line(exc)
     msg = msg.split(". ")[0]  # the error, not fx's advice after it ("... See the torch.fx docs on ...")
     user = [f for f in traceback.extract_tb(exc.__traceback__)
             if f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.startswith("<")]

@@ -29,7 +29,7 @@ from opsnn_lab.fusion.patch import Patch, Route, inline_after, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
-from opsnn_lab.fusion.regions import bind_call, facts_hold, fx_graph, library_hooks, trace_region
+from opsnn_lab.fusion.regions import bind_call, error_line, facts_hold, fx_graph, library_hooks, trace_region
 from opsnn_lab.fusion.runtime import graph_free_memo, own_dtypes
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert"]
@@ -321,8 +321,7 @@ def _leave_unfused(fused: nn.Module, plan: FusionPlan, route: dict, slots: dict,
         name, _ = slots.pop(key)
         del host._modules[name]
     region = route["path"] or "<model>"
-    msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-    why = f"the fx rewrite of `{region}` failed ({type(exc).__name__}: {msg}); its chains run unfused"
+    why = f"the fx rewrite of `{region}` failed ({type(exc).__name__}: {error_line(exc)[:200]}); its chains run unfused"
     for d in plan.decisions:
         if d.fused and d.route == f"fx:{region}":
             d.fused, d.reason, d.route = False, why, ""
