@@ -6,6 +6,7 @@ in a notebook knows what to change without opening the source.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -64,6 +65,28 @@ def check_range(name: str, value, low, high, *, low_inclusive=True, high_inclusi
         lb = "[" if low_inclusive else "("
         hb = "]" if high_inclusive else ")"
         raise ValueError(f"{name} must be in {lb}{low}, {high}{hb}, got {value}")
+    return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
+
+
+def check_bytes(name: str, value, *, allow_none: bool = False) -> int | None:
+    """A size in bytes: an int >= 0, or a string such as ``"512MB"``, ``"2GiB"``, ``"1.5G"`` (K/M/G alone are
+    binary units, as in ``ulimit``); returns the int."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", value)
+        unit = m and _UNITS.get(m.group(2).lower())
+        if not unit:
+            raise ValueError(f"{name} must be a number of bytes or a size such as '512MB' or '2GiB', got {value!r}")
+        return int(float(m.group(1)) * unit)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (bytes) or a str such as '2GiB', got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
     return value
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opsnn_lab._checks import check_choice, check_positive, check_range, check_tensor, check_type, same_device
+from opsnn_lab._checks import (
+    check_bytes,
+    check_choice,
+    check_positive,
+    check_range,
+    check_tensor,
+    check_type,
+    same_device,
+)
 
 
 def test_check_tensor():
@@ -58,3 +66,17 @@ def test_check_linear_input_names_x():
         check_linear_input(torch.ones(2, 4, dtype=torch.float64), lin)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         check_linear_input([1.0, 2.0], lin)
+
+
+@pytest.mark.parametrize("value, want", [(0, 0), (4096, 4096), ("512MB", 512 * 10**6), ("2GiB", 2 * 2**30),
+                                         ("1.5G", 3 * 2**29), (" 10 kb ", 10_000), ("64m", 64 * 2**20)])
+def test_check_bytes_reads_sizes(value, want):
+    assert check_bytes("limit", value) == want
+
+
+@pytest.mark.parametrize("value, exc", [("lots", ValueError), ("-1MB", ValueError), ("3 parsecs", ValueError),
+                                        (-1, ValueError), (1.5, TypeError), (True, TypeError), (None, TypeError)])
+def test_check_bytes_names_the_argument(value, exc):
+    with pytest.raises(exc, match="limit"):
+        check_bytes("limit", value)
+    assert check_bytes("limit", None, allow_none=True) is None

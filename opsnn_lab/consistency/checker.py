@@ -8,6 +8,13 @@
         ...
     checker.report.first_divergence     # op, module path, source line, statistics of both runs, errors
 
+A trace holds every op's tensors until it is compared (the reference: for as long as it is the reference),
+several times what the step itself holds at its peak. ``memory_limit`` ("2GiB", or bytes) bounds that: a
+trace holds the tensors of its first events up to the limit, and each event after it keeps statistics and
+hashes only, summarised as it is recorded. Rows past the limit are compared by hash and judged from their
+statistics (``Row.measured == "statistics"``: beyond tolerance where the minimum or maximum alone moved beyond
+it); ``report.unresolved_rows()`` lists those whose bits differ while their statistics cannot tell.
+
 ``checker.last_trace`` is the latest step's trace. The reference copies the parameters, inputs and
 gradients it read; a compared trace holds them by reference (its statistics and hashes are from the end
 of the step, and ``Trace.save(tensors=True)`` refuses once an optimizer step has changed them).
@@ -23,7 +30,7 @@ import warnings
 
 import torch
 
-from opsnn_lab._checks import check_positive, check_type
+from opsnn_lab._checks import check_bytes, check_positive, check_type
 from opsnn_lab.consistency.compare import compare_traces, make_row
 from opsnn_lab.consistency.report import ConsistencyReport
 from opsnn_lab.consistency.tracer import OpTracer, Trace, gc_paused
@@ -35,13 +42,14 @@ class ConsistencyChecker:
     """Record steps at operator level and compare them (see the module docstring)."""
 
     def __init__(self, precision: float | None = 1e-6, check_gradients: bool = True, dump_on_failure: bool = True,
-                 dump_dir: str | os.PathLike = "consistency_dumps"):
+                 dump_dir: str | os.PathLike = "consistency_dumps", *, memory_limit: int | str | None = None):
         if precision is not None:
             check_positive("precision", precision)
         self.precision = precision
         self.check_gradients = check_type("check_gradients", check_gradients, bool)
         self.dump_on_failure = check_type("dump_on_failure", dump_on_failure, bool)
         self.dump_dir = os.fspath(check_type("dump_dir", dump_dir, (str, os.PathLike)))
+        self.memory_limit = check_bytes("memory_limit", memory_limit, allow_none=True)
         self.reference: Trace | None = None
         self.last_trace: Trace | None = None
         self.report: ConsistencyReport | None = None
@@ -50,7 +58,8 @@ class ConsistencyChecker:
     def __repr__(self) -> str:
         ref = f"{len(self.reference)} events" if self.reference is not None else "none"
         return (f"ConsistencyChecker(precision={self.precision}, check_gradients={self.check_gradients}, "
-                f"dump_on_failure={self.dump_on_failure}, dump_dir={self.dump_dir!r}, reference={ref})")
+                f"dump_on_failure={self.dump_on_failure}, dump_dir={self.dump_dir!r}, "
+                f"memory_limit={self.memory_limit}, reference={ref})")
 
     @contextlib.contextmanager
     def trace(self, model: torch.nn.Module | None = None, *, across_ranks: bool | None = None):
@@ -70,7 +79,7 @@ class ConsistencyChecker:
         # (the peak stays one step's), and the memory it frees is what this step's ops allocate again
         self.last_trace = None
         tracer = OpTracer(model, check_gradients=self.check_gradients, copy_leaves=keep,
-                          reference=None if across_ranks else self.reference)
+                          reference=None if across_ranks else self.reference, memory_limit=self.memory_limit)
         with gc_paused():  # the comparison allocates a row per op too (see gc_paused)
             with tracer:
                 yield tracer
@@ -125,7 +134,7 @@ class ConsistencyChecker:
             torch.set_rng_state(state[0])
             if cuda:
                 torch.cuda.set_rng_state_all(state[1])
-            with OpTracer(model, check_gradients=self.check_gradients) as tracer:
+            with OpTracer(model, check_gradients=self.check_gradients, memory_limit=self.memory_limit) as tracer:
                 fn()
             traces.append(tracer.trace)
         self.last_trace = traces[1]

@@ -5,6 +5,7 @@ A dump holds only the diverging ops (kilobytes to megabytes), never every tensor
     <dump_dir>/divergence_000/
         forward_op.pt    args/kwargs, outputs and the gradients of that op, from the run and the reference
         backward_op.pt   the same for the first backward divergence (when there is one)
+                         (neither for an event past a trace's memory limit: it kept statistics only)
         report.json      the whole report
         replay.py        ``python replay.py`` reruns each op from its dump and prints the errors
 
@@ -118,7 +119,7 @@ def write_dump(dump_dir: str | os.PathLike, report, records: dict, run_trace=Non
                    "floor": max(report.rows[div.index].atol, 2.2250738585072014e-308),
                    "run": _side(run, _grads(run_trace.records, run.index) if run_trace else []),
                    "reference": _side(ref, _grads(ref_trace.records, ref.index) if ref_trace else [])}
-        if run.kind == "op":
+        if run.kind == "op" and not (run.summarised or ref.summarised):  # summarised: no tensors to replay
             torch.save(payload, out / f"{div.phase}_op.pt")
     (out / "report.json").write_text(report.to_json(indent=1))
     (out / "replay.py").write_text(REPLAY_SCRIPT)

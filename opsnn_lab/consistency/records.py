@@ -11,12 +11,22 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from opsnn_lab.consistency.stats import TensorStats, dtype_name, hash_many, stats_from_dict, summarize_many
+from opsnn_lab.consistency.gemm_probe import one_thread
+from opsnn_lab.consistency.stats import (
+    TensorStats,
+    dtype_name,
+    hash_many,
+    stats_from_dict,
+    summarize,
+    summarize_many,
+    tensor_hash,
+)
 
 # /2: the hash's position weights became a grid (row weight x column weight); /1 files hash differently
 FORMAT = "opsnn_lab.trace/2"
 
-__all__ = ["OpRecord", "Trace", "flatten", "unflatten", "portable", "restore", "summarize_records"]
+__all__ = ["OpRecord", "Trace", "flatten", "unflatten", "portable", "restore", "summarize_records",
+           "summarize_like"]
 
 
 @dataclass
@@ -39,6 +49,8 @@ class OpRecord:
     flat_args: list | None = field(default=None, repr=False)
     spec: object = field(default=None, repr=False)
     outputs: list | None = field(default=None, repr=False)
+    # summarised as it was recorded, its tensors released: the trace had reached its memory limit
+    summarised: bool = False
 
     @property
     def key(self) -> tuple:
@@ -49,7 +61,7 @@ class OpRecord:
 
     def meta(self) -> dict:
         d = {k: getattr(self, k) for k in ("index", "phase", "kind", "op", "module_path", "location",
-                                           "occurrence", "forward_index", "input_producers")}
+                                           "occurrence", "forward_index", "input_producers", "summarised")}
         d["input_stats"] = [None if s is None else s.as_dict() for s in self.input_stats]
         d["output_stats"] = [s.as_dict() for s in self.output_stats]
         return d
@@ -61,11 +73,17 @@ class Trace:
 
     records: list[OpRecord]
     rank: int = 0
+    memory_limit: int | None = None  # bytes of tensors the trace could hold; later events kept statistics only
     # (tensor, version at the end of the step) for leaves and gradients held by reference, not copied
     live: list = field(default_factory=list, repr=False)
 
     def __len__(self) -> int:
         return len(self.records)
+
+    @property
+    def summarised(self) -> int:
+        """How many events kept only statistics and hashes (recorded after the memory limit was reached)."""
+        return sum(r.summarised for r in self.records)
 
     def changed_since_recorded(self) -> int:
         """How many held-by-reference leaves (parameters, inputs, gradients) were written after the step."""
@@ -88,12 +106,12 @@ class Trace:
         recs = []
         for r in self.records:
             d = r.meta()
-            if tensors:
+            if tensors and not r.summarised:
                 d["flat_args"] = [portable(a) for a in r.flat_args or []]
                 d["spec"] = r.spec
                 d["outputs"] = [t.detach().cpu() for t in r.outputs or []]
             recs.append(d)
-        torch.save({"format": FORMAT, "rank": self.rank, "records": recs}, path)
+        torch.save({"format": FORMAT, "rank": self.rank, "memory_limit": self.memory_limit, "records": recs}, path)
 
     @classmethod
     def load(cls, path) -> Trace:
@@ -111,7 +129,7 @@ class Trace:
             if d.get("flat_args") is not None:
                 d["flat_args"] = [restore(a) for a in d["flat_args"]]
             records.append(OpRecord(**d))
-        return cls(records, rank=data.get("rank", 0))
+        return cls(records, rank=data.get("rank", 0), memory_limit=data.get("memory_limit"))
 
 
 _MARK = "__torch_attr__"
@@ -171,6 +189,7 @@ def summarize_records(records: list[OpRecord], reference: Trace | None = None) -
     dtype) takes the reference's statistics: only the tensors that differ are summarised in full. A step
     that replays its reference exactly costs its hashes, one pass over each tensor (on CPU).
     """
+    records = [rec for rec in records if not rec.summarised]  # summarised as they were recorded
     tensors: list[torch.Tensor] = []
     slot: dict[tuple, int] = {}
 
@@ -228,3 +247,20 @@ def _reuse(records: list[OpRecord], plan: list, tensors: list, reference: Trace,
     for i, st in found.items():
         if i not in differs:
             stats[i] = st
+
+
+def summarize_like(tensors: list[torch.Tensor], theirs: list) -> list[TensorStats]:
+    """Statistics of one event's ``tensors`` as it is recorded; where ``theirs[i]`` (the reference's statistics of
+    the tensor in the same place, or None) has the same bits, shape and dtype, that one: only the hash is computed.
+
+    One tensor at a time: ``summarize_many`` groups small tensors through a layout cached per set of sizes, made
+    for one call per step; called per event, its cache would churn (and hold several copies of the layout)."""
+    out = []
+    with one_thread():
+        for t, st in zip(tensors, theirs):
+            if st is not None and st.shape == tuple(t.shape) and st.dtype == dtype_name(t) \
+                    and st.hash == tensor_hash(t):
+                out.append(st)
+            else:
+                out.append(summarize(t))
+    return out

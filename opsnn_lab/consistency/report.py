@@ -168,7 +168,9 @@ class Row:
     atol: float
     rtol: float
     origin: str = ""            # "input" (a leaf input differs), "op" (same inputs, new output), "propagated"
-    measured: str = "elementwise"  # or "hash": only hashes and statistics were available
+    # "hash": only hashes and statistics here (another rank's, a file's), tensors to be fetched where they differ;
+    # "statistics": an event summarised past a trace's memory limit, judged from its statistics only
+    measured: str = "elementwise"
     run_stats: list = field(default_factory=list)
     ref_stats: list = field(default_factory=list)
 
@@ -201,10 +203,14 @@ class Divergence:
     input_stats: dict = field(default_factory=dict)    # {"reference": [...], "run": [...]}
     output_stats: dict = field(default_factory=dict)
     aten_op: str = ""
+    measured: str = "elementwise"
 
     def __str__(self) -> str:
-        return (f"{self.phase} divergence at {self.module_path or '<root>'} / {self.op} ({self.location}): "
-                f"max abs err {self.max_abs_err:.3g}, max rel err {self.max_rel_err:.3g}, "
+        where = f"{self.phase} divergence at {self.module_path or '<root>'} / {self.op} ({self.location})"
+        if self.measured == "statistics":
+            return (f"{where}: max abs err >= {self.max_abs_err:.3g} (from statistics: past the trace's "
+                    f"memory limit), origin {self.origin}")
+        return (f"{where}: max abs err {self.max_abs_err:.3g}, max rel err {self.max_rel_err:.3g}, "
                 f"cosine {self.cosine:.6f}, origin {self.origin}")
 
 
@@ -238,10 +244,24 @@ class ConsistencyReport:
     def diverged_rows(self) -> list[Row]:
         return [r for r in self.rows if r.diverged]
 
+    def unresolved_rows(self) -> list[Row]:
+        """Events past a trace's memory limit whose bits differ while their statistics stay within tolerance:
+        whether they diverge is unknown (a larger ``memory_limit`` keeps their tensors)."""
+        return [r for r in self.rows if r.measured == "statistics" and not r.exact and not r.diverged]
+
+    def _unresolved_line(self) -> str:
+        rows = self.unresolved_rows()
+        if not rows:
+            return ""
+        first = rows[0]
+        return (f"{len(rows)} events past the memory limit differ in bits within what their statistics show "
+                f"(first: {first.phase} {first.module_path or '<root>'} / {first.short_op}); a larger "
+                "memory_limit keeps their tensors")
+
     def to_dict(self) -> dict:
         d = {"ok": self.ok, "precision": self.precision, "reference_only": self.reference_only,
              "unaligned": self.unaligned, "dump_path": self.dump_path, "dump_error": self.dump_error,
-             "rank": self.rank, "exchanged": self.exchanged,
+             "rank": self.rank, "exchanged": self.exchanged, "unresolved": len(self.unresolved_rows()),
              "forward_divergence": asdict(self.forward_divergence) if self.forward_divergence else None,
              "backward_divergence": asdict(self.backward_divergence) if self.backward_divergence else None,
              "rows": [asdict(r) for r in self.rows]}
@@ -256,6 +276,8 @@ class ConsistencyReport:
         head = f"ConsistencyReport(ok={self.ok}, rows={len(self.rows)}, diverged={len(self.diverged_rows())}"
         lines = [head + ")"]
         lines += [f"  {d}" for d in (self.forward_divergence, self.backward_divergence) if d is not None]
+        if self._unresolved_line():
+            lines.append(f"  {self._unresolved_line()}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -268,10 +290,13 @@ class ConsistencyReport:
                f"{len(self.diverged_rows())} beyond tolerance (precision {self.precision})</div>"]
         for d in (self.forward_divergence, self.backward_divergence):
             if d is not None:
+                errors = (f"max abs &ge; {d.max_abs_err:.3g} (from statistics)" if d.measured == "statistics"
+                          else f"max abs {d.max_abs_err:.3g}, max rel {d.max_rel_err:.3g}, cosine {d.cosine:.6f}")
                 out.append(f"<div>first {d.phase} divergence: <code>{esc(d.module_path or '<root>')}</code> "
-                           f"<code>{esc(d.op)}</code> at <code>{esc(d.location)}</code>: max abs "
-                           f"{d.max_abs_err:.3g}, max rel {d.max_rel_err:.3g}, cosine {d.cosine:.6f} "
+                           f"<code>{esc(d.op)}</code> at <code>{esc(d.location)}</code>: {errors} "
                            f"({esc(d.origin)})</div>")
+        if self._unresolved_line():
+            out.append(f"<div>{esc(self._unresolved_line())}</div>")
         if self.dump_path or self.dump_error:
             out.append(f"<div>dump: {esc(self.dump_path or 'failed: ' + str(self.dump_error))}</div>")
         shown = self.diverged_rows()[:20]

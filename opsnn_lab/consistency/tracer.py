@@ -11,6 +11,8 @@ tensor first swaps the held one for a copy (copy-on-write). At exit the leaves (
 inputs) and parameter gradients are copied, because an optimizer step mutates them later, unless the
 caller uses the trace right away and says so (``copy_leaves=False``: the checker's compared steps). Statistics and
 the bitwise hash are computed once per tensor at exit, the small ones together (``stats.summarize_many``).
+With ``memory_limit``, the records hold tensors (distinct storages, counted once) until the next event would
+pass the limit; from that event on, each is summarised as it is recorded and holds none (``OpRecord.summarised``).
 The records themselves (``OpRecord``, ``Trace``) live in ``records.py``.
 """
 
@@ -28,6 +30,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from opsnn_lab._checks import check_bytes
 from opsnn_lab.consistency.gemm_probe import one_thread
 from opsnn_lab.consistency.records import (
     OpRecord,
@@ -35,6 +38,7 @@ from opsnn_lab.consistency.records import (
     flatten,
     portable,
     restore,
+    summarize_like,
     summarize_records,
     unflatten,
 )
@@ -143,6 +147,8 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tr = self.tracer
+        if tr._quiet:
+            return func(*args, **kwargs)
         info = _op_info(func)
         node = _current_node()
         if info.passthrough:
@@ -179,8 +185,16 @@ class OpTracer:
     """Context manager recording one step; the result is ``tracer.trace`` (a ``Trace``)."""
 
     def __init__(self, model: torch.nn.Module | None = None, *, check_gradients: bool = True,
-                 copy_leaves: bool = True, reference: Trace | None = None):
+                 copy_leaves: bool = True, reference: Trace | None = None, memory_limit: int | str | None = None):
         self.model = model
+        # bytes of distinct storages the records may hold; from the first event past it on, each event is
+        # summarised as it is recorded and keeps statistics and hashes only (None: hold every tensor)
+        self.memory_limit = check_bytes("memory_limit", memory_limit, allow_none=True)
+        self.held_bytes = 0
+        self._counted: set = set()
+        self._full = False
+        self._quiet = False  # summarising: ops pass through unrecorded
+        self._ref_keys: dict | None = None
         # the trace this one will be compared with: tensors with its bits take its statistics (hashes only)
         self.reference = reference
         self.check_gradients = check_gradients
@@ -233,26 +247,76 @@ class OpTracer:
                          outs)
 
     # ----------------------------------------------------------------- recording
-    def _append(self, rec: OpRecord, outs: list[torch.Tensor]) -> OpRecord:
+    def _append(self, rec: OpRecord, outs: list[torch.Tensor], slots=(), keys=()) -> OpRecord:
         rec.index = len(self.records)
         k = (rec.phase, rec.kind, rec.module_path, rec.op)
         rec.occurrence = self._count[k]
         self._count[k] += 1
-        rec.outputs = list(outs)
-        for i, t in enumerate(rec.outputs):
-            p = _storage_key(t)
-            if p is not None:
-                self._held[p].append((rec.outputs, i))
-                if rec.kind == "op":
+        out_keys = [_storage_key(t) for t in outs]
+        if rec.kind == "op":
+            for p in out_keys:
+                if p is not None:
                     self._producer[p] = rec.index
         self.records.append(rec)
-        return rec
-
-    def _record_op(self, name, flat, spec, slots, keys, producers, outs, node) -> None:
+        if self.memory_limit is not None and not self._fits(rec, outs, keys, out_keys):
+            self._summarise_now(rec, outs)
+            return rec
         held = self._held
         for i, p in zip(slots, keys):
             if p is not None:
-                held[p].append((flat, i))
+                held[p].append((rec.flat_args, i))
+        rec.outputs = list(outs)
+        for i, p in enumerate(out_keys):
+            if p is not None:
+                held[p].append((rec.outputs, i))
+        return rec
+
+    def _fits(self, rec: OpRecord, outs: list, keys, out_keys) -> bool:
+        """Whether the trace may hold this event's tensors too (counted once per storage); once one event does
+        not fit, none after it is held either (the trace keeps a prefix of the step: its first divergence,
+        most often)."""
+        if self._full:
+            return False
+        new = {}
+        for t, p in zip([*rec.input_tensors(), *outs], [*keys, *out_keys]):
+            key = p if p is not None else id(t)
+            if key not in self._counted and key not in new:
+                new[key] = t.untyped_storage().nbytes() if p is not None else t.numel() * t.element_size()
+        extra = sum(new.values())
+        if self.held_bytes + extra > self.memory_limit:
+            self._full = True
+            return False
+        self.held_bytes += extra
+        self._counted.update(new)
+        return True
+
+    def _summarise_now(self, rec: OpRecord, outs: list[torch.Tensor]) -> None:
+        """Statistics and hashes of the event's outputs and leaf inputs now; its tensors are not kept."""
+        ref = None
+        if self.reference is not None:
+            if self._ref_keys is None:
+                self._ref_keys = self.reference.by_key()
+            ref = self._ref_keys.get(rec.key)
+        leaves = [t for t, p in zip(rec.input_tensors(), rec.input_producers) if p is None]
+        theirs = [None] * (len(outs) + len(leaves))
+        if ref is not None:
+            mine = [i for i, p in enumerate(rec.input_producers) if p is None]
+            theirs = [*(ref.output_stats + [None] * len(outs))[:len(outs)],
+                      *[ref.input_stats[i] if i < len(ref.input_stats) else None for i in mine]]
+        # a module hook calls this too, under the dispatch mode: these reductions are not the step's ops
+        self._quiet = True
+        try:
+            with torch.no_grad():
+                stats = summarize_like([t.detach() for t in [*outs, *leaves]], theirs)
+        finally:
+            self._quiet = False
+        rec.output_stats = stats[:len(outs)]
+        rest = iter(stats[len(outs):])
+        rec.input_stats = [next(rest) if p is None else None for p in rec.input_producers]
+        rec.flat_args = rec.spec = rec.outputs = None
+        rec.summarised = True
+
+    def _record_op(self, name, flat, spec, slots, keys, producers, outs, node) -> None:
         if node is None:
             path = self._stack[-1] if self._stack else ""
             loc = _user_location()
@@ -263,7 +327,7 @@ class OpTracer:
             path, loc, fwd = self._node_owner(node)
             rec = OpRecord(0, "backward", "op", name, path, loc, forward_index=fwd)
         rec.input_producers, rec.flat_args, rec.spec = producers, flat, spec
-        self._append(rec, outs)
+        self._append(rec, outs, slots, keys)
 
     def _map_node(self, path: str, loc: str | None) -> None:
         # the autograd node an op creates is numbered just before the op reaches this dispatch mode
@@ -296,6 +360,8 @@ class OpTracer:
         """Before a write to storage ``key``: every held tensor over it is swapped for a copy."""
         for lst, i in self._held.pop(key, ()):
             lst[i] = lst[i].clone()
+            if self.memory_limit is not None:  # a copy the step would not have made: it counts (not refused)
+                self.held_bytes += lst[i].numel() * lst[i].element_size()
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> OpTracer:
@@ -329,7 +395,7 @@ class OpTracer:
         with one_thread():  # many small copies: a thread-pool fork/join each costs more than the copy
             live = self._freeze()
         summarize_records(self.records, self.reference)
-        self.trace = Trace(self.records, live=live)
+        self.trace = Trace(self.records, live=live, memory_limit=self.memory_limit)
         self._held.clear()
         self._producer.clear()
         self._nodes.clear()
@@ -350,9 +416,11 @@ class OpTracer:
         """
         if not self.copy_leaves:
             return self._mark_live()
-        grads = {_storage_key(r.outputs[0]) for r in self.records if r.kind == "grad"}
+        grads = {_storage_key(r.outputs[0]) for r in self.records if r.kind == "grad" and not r.summarised}
         copies: dict[int, torch.UntypedStorage] = {}
         for rec in self.records:
+            if rec.summarised:
+                continue
             if rec.flat_args:
                 for slot, prod in zip(_tensor_slots(rec.flat_args), rec.input_producers):
                     t = rec.flat_args[slot]
@@ -366,6 +434,8 @@ class OpTracer:
         """The leaves and parameter gradients, kept as they are, with their version counters."""
         live: dict[int, torch.Tensor] = {}
         for rec in self.records:
+            if rec.summarised:
+                continue
             if rec.flat_args:
                 for slot, prod in zip(_tensor_slots(rec.flat_args), rec.input_producers):
                     if prod is None:

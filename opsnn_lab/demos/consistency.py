@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from opsnn_lab._checks import check_bytes
 from opsnn_lab.consistency import ConsistencyChecker
 from opsnn_lab.models import EncoderConfig, MaskedTokenTask
 from opsnn_lab.parallel.runtime import destroy_process_group, free_port
@@ -24,7 +25,7 @@ __all__ = ["run_rank_check", "rank_check_worker"]
 
 
 def rank_check_worker(rank: int, world_size: int, port: int, perturb_rank: int, perturb: str, out_dir: str,
-                      eps: float = 1e-4) -> None:
+                      eps: float = 1e-4, memory_limit=None) -> None:
     """One rank: the tiny encoder (same seed everywhere), one traced step; ``perturb_rank`` nudges
     ``perturb``'s weight by ``eps``. Writes ``rank{r}.json`` (the report) under ``out_dir``."""
     torch.set_num_threads(1)
@@ -37,7 +38,7 @@ def rank_check_worker(rank: int, world_size: int, port: int, perturb_rank: int, 
             w = model.get_parameter(f"{perturb}.weight")
             with torch.no_grad():
                 w.add_(eps * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
-        checker = ConsistencyChecker(dump_dir=os.path.join(out_dir, "dumps"))
+        checker = ConsistencyChecker(dump_dir=os.path.join(out_dir, "dumps"), memory_limit=memory_limit)
         with checker.trace(model):
             task.loss(model, task.batch(0)).backward()
         Path(out_dir, f"rank{rank}.json").write_text(checker.report.to_json())
@@ -46,18 +47,21 @@ def rank_check_worker(rank: int, world_size: int, port: int, perturb_rank: int, 
 
 
 def run_rank_check(world_size: int = 2, perturb_rank: int = 1, perturb: str = "layers.0.mlp.fc1",
-                   out_dir: str | os.PathLike | None = None, eps: float = 1e-4) -> list[dict]:
-    """Spawn ``world_size`` gloo ranks on 127.0.0.1, perturb one; return each rank's report as a dict."""
+                   out_dir: str | os.PathLike | None = None, eps: float = 1e-4,
+                   memory_limit: int | str | None = None) -> list[dict]:
+    """Spawn ``world_size`` gloo ranks on 127.0.0.1, perturb one; return each rank's report as a dict.
+    ``memory_limit``: each rank's ``ConsistencyChecker(memory_limit=...)``."""
     import torch.multiprocessing as mp
 
     if not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"world_size must be an int >= 2, got {world_size!r}")
     if not isinstance(perturb_rank, int) or not 0 <= perturb_rank < world_size:
         raise ValueError(f"perturb_rank must be in [0, {world_size}), got {perturb_rank!r}")
+    memory_limit = check_bytes("memory_limit", memory_limit, allow_none=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.fspath(out_dir) if out_dir is not None else tmp
         os.makedirs(out, exist_ok=True)
-        mp.spawn(rank_check_worker, args=(world_size, free_port(), perturb_rank, perturb, out, eps),
+        mp.spawn(rank_check_worker, args=(world_size, free_port(), perturb_rank, perturb, out, eps, memory_limit),
                  nprocs=world_size, join=True)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
 

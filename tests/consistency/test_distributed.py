@@ -29,8 +29,20 @@ def test_perturbed_rank_names_the_module_and_others_agree(tmp_path):
     assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == ["rank2"]
 
 
+def test_past_the_memory_limit_statistics_name_the_rank_and_no_tensor_travels(tmp_path):
+    r0, r1 = run_rank_check(world_size=2, perturb_rank=1, perturb="layers.0.mlp.fc2", out_dir=tmp_path,
+                            memory_limit=0)
+    assert r0["ok"] and r1["rank"] == 1 and not r1["ok"] and r1["exchanged"] == []
+    fwd = r1["forward_divergence"]
+    assert (fwd["module_path"], fwd["op"], fwd["measured"]) == ("layers.0.mlp.fc2", "aten.addmm", "statistics")
+    assert 0 < fwd["max_abs_err"] < 1e-2  # a lower bound, from the extremes rank 0 sent
+    assert all(row["measured"] in ("hash", "statistics") for row in r1["rows"])
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="world_size"):
         run_rank_check(world_size=1)
     with pytest.raises(ValueError, match="perturb_rank"):
         run_rank_check(world_size=2, perturb_rank=2)
+    with pytest.raises(ValueError, match="memory_limit"):
+        run_rank_check(world_size=2, memory_limit="plenty")
