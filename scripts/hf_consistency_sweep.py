@@ -8,6 +8,7 @@ against itself (bit for bit). Prints a line per model; ``--out`` writes the deta
 
     python scripts/hf_consistency_sweep.py --models Bert,GPT2,Pvt
     python scripts/hf_consistency_sweep.py --models all --out consistency.json
+    python scripts/hf_consistency_sweep.py --models all --strict --memory-limit 512MiB
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _step(model, inputs):
     return outs, [g if g is not None else torch.zeros(0) for g in grads]
 
 
-def check(name: str, r: dict, strict: bool = False) -> None:
+def check(name: str, r: dict, strict: bool = False, memory_limit=None) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -46,7 +47,7 @@ def check(name: str, r: dict, strict: bool = False) -> None:
             m.p = DROPOUT
         r["dropouts"] = len(drops)
         r["stage"] = "checker"
-        checker = ol.consistency.ConsistencyChecker(precision=1e-12, dump_on_failure=False)
+        checker = ol.consistency.ConsistencyChecker(precision=1e-12, dump_on_failure=False, memory_limit=memory_limit)
         for _ in range(2):
             with checker.trace(model):
                 _step(model, inputs)
@@ -93,8 +94,11 @@ def main(argv=None) -> None:
     ap = S.argument_parser(__doc__)
     ap.add_argument("--strict", action="store_true", help="also: under ol.consistency.strict(), the same bits "
                     "with 1 and 2 threads, unfused and fused")
+    ap.add_argument("--memory-limit", default=None, help="the checker's memory_limit ('1GiB'): traces hold the tensors "
+                    "of their first events up to it and statistics after it (large models' steps fit in memory)")
     args = ap.parse_args(argv)
-    S.run_sweep(S.model_names(args.models), lambda name, r: check(name, r, args.strict), _line, args.out)
+    S.run_sweep(S.model_names(args.models), lambda name, r: check(name, r, args.strict, args.memory_limit), _line,
+                args.out)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ embedded encoder (masked-token task; one step = zero_grad, forward, loss, backwa
 * ``trace``: forward+backward inside ``with ConsistencyChecker(...).trace(model):`` (operator-level
   statistics and hashes, compared with the first traced step: the checker's use, replaying one step)
   over the same forward+backward untraced (``fwd_bwd``), on fixed weights without dropout; aim <= 2.
+* ``memory``: peak bytes of tensors alive during the reference trace and a compared trace, over the untraced
+  forward+backward's (``measuring.peak_bytes``), without a limit and with ``memory_limit`` (``--memory-limit``,
+  default: the untraced step's own peak), with the limited traces' time over the untraced step's.
 """
 
 from __future__ import annotations
@@ -120,6 +123,10 @@ def _parse(argv):
     ap.add_argument("--trace-repeat", type=int, default=5, help="timed traced steps (they are slow)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
     ap.add_argument("--no-trace", action="store_true", help="time strict() only")
+    ap.add_argument("--memory-limit", default="step",
+                    help="the checker's memory_limit for the memory rows: bytes, a size ('64MiB'), or 'step' "
+                         "(the untraced step's peak)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory rows")
     ap.add_argument("--quick", action="store_true", help="CI size: tiny model, few steps")
     ap.add_argument("--out", default=None, help="directory for consistency.json (default build/bench)")
     args = ap.parse_args(argv)
@@ -132,6 +139,36 @@ def _parse(argv):
 @keeps_threads
 def main(argv: list[str] | None = None) -> int:
     return _run(_parse(argv))
+
+
+def _memory_rows(model, fwd_bwd, limit_arg: str) -> tuple[list[dict], int]:
+    """Peak tensor bytes of traced steps over the untraced step's, with and without a memory limit."""
+    from opsnn_lab._checks import check_bytes
+    from opsnn_lab.consistency import ConsistencyChecker
+    from opsnn_lab.measuring import peak_bytes
+
+    fwd_bwd()
+    plain = peak_bytes(fwd_bwd)
+    limit = plain if limit_arg == "step" else check_bytes("--memory-limit",
+                                                          int(limit_arg) if limit_arg.isdigit() else limit_arg)
+    rows = []
+    for name, value in (("no limit", None), (f"memory_limit {limit / 2**20:.1f} MiB", limit)):
+        checker = ConsistencyChecker(precision=None, dump_on_failure=False, memory_limit=value)
+
+        def traced(checker=checker):
+            with checker.trace(model):
+                fwd_bwd()
+
+        traced()  # the hash's caches fill once per process
+        checker.reset()
+        ref = peak_bytes(traced)
+        compared = peak_bytes(traced)
+        times = _interleaved({"fwd_bwd": fwd_bwd, "trace": traced}, {"fwd_bwd": 3, "trace": 3}, warmup=1)
+        rows.append({"variant": name, "step_peak_MiB": plain / 2**20, "reference_peak_ratio": ref / plain,
+                     "compared_peak_ratio": compared / plain, "trace_time_ratio": times["trace"][0] /
+                     times["fwd_bwd"][0], "summarised": f"{checker.last_trace.summarised}/{len(checker.last_trace)}",
+                     "ok": checker.report.ok})
+    return rows, limit
 
 
 def _run(args) -> int:
@@ -169,6 +206,11 @@ def _run(args) -> int:
     print(f"strict() GEMM paths (probed on this machine): {_gemm_paths()}")
     if checker is None and not args.no_trace:
         print("trace: ConsistencyChecker not available in this build; trace overhead not measured")
+    memory, limit = ([], None) if checker is None or args.no_memory else _memory_rows(fixed, fwd_bwd, args.memory_limit)
+    if memory:
+        print("trace memory (peak tensor bytes over the untraced forward+backward's):")
+        print(format_table(memory, ["variant", "step_peak_MiB", "reference_peak_ratio", "compared_peak_ratio",
+                                    "trace_time_ratio", "summarised", "ok"]))
 
     def ratio(name, col):
         return next((r[col] for r in rows if r["variant"] == name), None)
@@ -184,6 +226,8 @@ def _run(args) -> int:
         "trace_cpu_ratio": ratio("trace", "cpu_ratio"),
         "strict_switch_ms": switch * 1e3,
         "strict_gemm_paths": _gemm_paths(),
+        "memory_limit": limit,
+        "memory": memory,
         "targets": {"strict_ratio": 1.15, "strict_ratio_aim": 1.10, "trace_ratio_aim": 2.0},
     }
     path = write_json("consistency", data, args.out)

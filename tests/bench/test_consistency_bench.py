@@ -25,3 +25,9 @@ def test_quick_run_writes_json(tmp_path, capsys):
     assert "strict" in out and "cpu_ratio" in out and "page_faults" in out
     assert all(isinstance(r["page_faults"], int) and r["page_faults"] >= 0 for r in data["rows"])
     assert not is_strict()
+    if "trace" in variants:  # peak memory of traced steps, without a limit and with the step's peak as one
+        unlimited, limited = data["memory"]
+        assert data["memory_limit"] > 0 and unlimited["ok"] and limited["ok"]
+        assert limited["reference_peak_ratio"] < unlimited["reference_peak_ratio"]
+        assert limited["compared_peak_ratio"] < unlimited["compared_peak_ratio"]
+        assert "trace memory" in out
