@@ -138,17 +138,26 @@ class DivergenceViewer(StaticFigureMixin, W.VBox):
         parts = []
         for d in (r.forward_divergence, r.backward_divergence):
             if d is not None:
+                bound = "&ge; " if d.measured == "statistics" else ""
                 parts.append(f"first {d.phase} divergence: <code>{html.escape(d.module_path or '<root>')}</code> "
                              f"<code>{html.escape(d.op)}</code> at <code>{html.escape(d.location)}</code> "
-                             f"(max abs {d.max_abs_err:.3g}, {html.escape(d.origin)})")
+                             f"(max abs {bound}{d.max_abs_err:.3g}, {html.escape(d.origin)})")
+        unresolved = getattr(r, "unresolved_summary", "")
+        if unresolved:
+            parts.append(html.escape(unresolved))
         return "<br>".join(parts)
 
 
 def _stats_table(row) -> str:
     """Both runs' output statistics for one row, side by side."""
+    if getattr(row, "measured", "") == "statistics":  # past the trace's memory limit: no tensors, a lower bound
+        errors = (f"max abs &ge; {row.max_abs_err:.3g} (from statistics, past the memory limit; "
+                  f"{'beyond tolerance' if row.diverged else 'within what they show'})")
+    else:
+        errors = (f"max abs {row.max_abs_err:.3g}, max rel {row.max_rel_err:.3g}, cosine {row.cosine:.6f}, "
+                  f"ulp {row.ulp}, beyond {row.frac_beyond:.2%}")
     head = (f"<div><b>{html.escape(row.module_path or '<root>')}</b> <code>{html.escape(row.op)}</code> "
-            f"({row.phase}, {html.escape(row.location)}): max abs {row.max_abs_err:.3g}, max rel "
-            f"{row.max_rel_err:.3g}, cosine {row.cosine:.6f}, ulp {row.ulp}, beyond {row.frac_beyond:.2%}"
+            f"({row.phase}, {html.escape(row.location)}): {errors}"
             f"{', ' + html.escape(row.origin) if row.origin else ''}</div>")
     cells = []
     for i, (ref, run) in enumerate(zip(row.ref_stats, row.run_stats)):

@@ -249,7 +249,9 @@ class ConsistencyReport:
         whether they diverge is unknown (a larger ``memory_limit`` keeps their tensors)."""
         return [r for r in self.rows if r.measured == "statistics" and not r.exact and not r.diverged]
 
-    def _unresolved_line(self) -> str:
+    @property
+    def unresolved_summary(self) -> str:
+        """One line on the unresolved rows ('' when there are none)."""
         rows = self.unresolved_rows()
         if not rows:
             return ""
@@ -276,8 +278,8 @@ class ConsistencyReport:
         head = f"ConsistencyReport(ok={self.ok}, rows={len(self.rows)}, diverged={len(self.diverged_rows())}"
         lines = [head + ")"]
         lines += [f"  {d}" for d in (self.forward_divergence, self.backward_divergence) if d is not None]
-        if self._unresolved_line():
-            lines.append(f"  {self._unresolved_line()}")
+        if self.unresolved_summary:
+            lines.append(f"  {self.unresolved_summary}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -295,8 +297,8 @@ class ConsistencyReport:
                 out.append(f"<div>first {d.phase} divergence: <code>{esc(d.module_path or '<root>')}</code> "
                            f"<code>{esc(d.op)}</code> at <code>{esc(d.location)}</code>: {errors} "
                            f"({esc(d.origin)})</div>")
-        if self._unresolved_line():
-            out.append(f"<div>{esc(self._unresolved_line())}</div>")
+        if self.unresolved_summary:
+            out.append(f"<div>{esc(self.unresolved_summary)}</div>")
         if self.dump_path or self.dump_error:
             out.append(f"<div>dump: {esc(self.dump_path or 'failed: ' + str(self.dump_error))}</div>")
         shown = self.diverged_rows()[:20]

@@ -101,3 +101,26 @@ def test_ok_report_and_bad_argument():
     assert all(y == pytest.approx(1e-12) for y in v.figure.data[0].y if y is not None and not math.isnan(y))
     with pytest.raises(TypeError, match="report"):
         DivergenceViewer([1, 2])
+
+
+def test_rows_past_a_memory_limit_show_a_lower_bound_from_statistics():
+    torch.manual_seed(0)
+    model = TASK.model(EncoderConfig.tiny(dropout=0.0, attn_dropout=0.0))
+    checker = ConsistencyChecker(dump_on_failure=False, memory_limit=0)
+    for step in range(2):
+        if step:
+            w = model.layers[1].mlp.fc1.weight
+            with torch.no_grad():
+                w.add_(1e-4 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+        model.zero_grad(set_to_none=True)
+        with checker.trace(model):
+            TASK.loss(model, TASK.batch(0)).backward()
+    report = checker.report
+    v = DivergenceViewer(report)
+    fwd = report.forward_divergence
+    assert fwd.measured == "statistics" and f"max abs &ge; {fwd.max_abs_err:.3g}" in v.details.value
+    assert report.unresolved_rows()  # later rows whose extremes stay put: named in the summary
+    assert "differ in bits within what their statistics show" in v.details.value
+    v.op_select.value = fwd.index
+    assert "from statistics, past the memory limit; beyond tolerance" in v.details.value
+    assert "nan%" not in v.details.value
