@@ -31,6 +31,7 @@ DROPOUT = 0.1
 
 def _step(model, inputs):
     ol.consistency.make_reproducible(model, 7)  # step 0 again: both runs draw the same masks
+    model.zero_grad(set_to_none=True)  # Reformer's reversible backward accumulates into .grad itself
     outs = S._run(model, inputs)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(projected_loss(outs), params, allow_unused=True)

@@ -42,6 +42,21 @@ TEXT_SIZES = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attenti
                   qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
                   moe_intermediate_size=32, n_routed_experts=4, num_experts=4, num_experts_per_tok=2,
                   first_k_dense_replace=1)
+# per-architecture settings the small sizes above need to pass the config's own checks (two layers, small heads)
+CONFIG_FIXES = {
+    "GPTNeo": dict(attention_types=[[["global", "local"], 1]]),
+    "Mamba2": dict(num_heads=8, n_groups=1, chunk_size=8),
+    "Bamba": dict(mamba_n_heads=8, mamba_d_head=8, attn_layer_indices=[1], mamba_chunk_size=8),
+    "GraniteMoeHybrid": dict(mamba_n_heads=8, mamba_d_head=8, layer_types=["mamba", "attention"], mamba_chunk_size=8),
+    "Zamba": dict(layers_block_type=["hybrid", "mamba", "hybrid"], num_hidden_layers=3, n_mamba_heads=2),
+    "Zamba2": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=8, chunk_size=8),
+    "Dots3Note": dict(num_key_value_heads=4),
+    "Zaya": dict(num_experts_per_tok=1),
+    "Dots1": dict(n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2),
+    "Lfm2Moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "Reformer": dict(axial_pos_embds_dim=(16, 16), axial_pos_shape=(4, 2), attention_head_size=8,
+                     attn_layers=["local", "local"], local_attn_chunk_length=4, lsh_attn_chunk_length=4),
+}
 VIT_SIZES = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64, num_channels=3)
 TEXT = ["Bert", "Roberta", "Electra", "Albert", "DistilBert", "DebertaV2", "Deberta", "MPNet", "XLMRoberta", "Ernie",
@@ -87,7 +102,8 @@ def build(name: str, dtype: torch.dtype, layers: int | None = None):
         params = inspect.signature(cfg_cls.__init__).parameters
         sizes = TEXT_SIZES if layers is None else {**TEXT_SIZES, "num_hidden_layers": layers, "n_layer": layers,
                                                    "num_layers": layers, "n_layers": layers}
-        cfg = eager_without_dropout(cfg_cls(**{k: v for k, v in sizes.items() if k in params}))
+        fixes = CONFIG_FIXES.get(name, {})
+        cfg = eager_without_dropout(cfg_cls(**{**{k: v for k, v in sizes.items() if k in params}, **fixes}))
         cfg.decoder_start_token_id = getattr(cfg, "decoder_start_token_id", None) or 0
         if hasattr(cfg, "rotary_dim"):
             cfg.rotary_dim = 4

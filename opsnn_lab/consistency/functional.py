@@ -164,11 +164,16 @@ class GlobalGenerators:
     forward, C++ ops) then depend on (seed, step) and on nothing the caller drew before, and the caller's own
     stream (data order, augmentation) does not move with the model's randomness.
     ``exit`` also says whether Python's ``random`` or numpy's global generator moved during the forward: draws
-    no torch generator controls, which no seed pool can make reproducible."""
+    no torch generator controls, which no seed pool can make reproducible.
+
+    ``torch.seed()`` inside the forward (reseeding from the operating system's entropy: Reformer's reversible
+    layers pick their dropout seeds so) takes its seed from the seeded CPU generator instead, so it repeats with
+    the step. ``Generator.seed()`` called on a generator object (Reformer on CUDA) cannot be intercepted."""
 
     def __init__(self, cuda_devices: tuple[int, ...] = ()):
         self.cuda_devices = cuda_devices
         self.saved = None
+        self.torch_seed = None
 
     def enter(self, seed: int) -> None:
         cuda = [i for i in self.cuda_devices if torch.cuda.is_available()]
@@ -176,9 +181,22 @@ class GlobalGenerators:
         torch.default_generator.manual_seed(seed)
         for i in cuda:
             torch.cuda.default_generators[i].manual_seed(seed)
+        self.torch_seed = torch.seed, torch.random.seed
+        torch.seed = torch.random.seed = self._seed
+
+    def _seed(self) -> int:
+        """``torch.seed()`` within the forward: a seed drawn from the forward's CPU stream, set as torch's does."""
+        seed = position()
+        torch.default_generator.manual_seed(seed)
+        for i in self.cuda_devices if torch.cuda.is_available() else ():
+            torch.cuda.default_generators[i].manual_seed(seed)
+        return seed
 
     def exit(self) -> list[str]:
         """Put the caller's states back; returns the foreign generators that moved (``"random"``, ``"numpy"``)."""
+        if self.torch_seed is not None:
+            torch.seed, torch.random.seed = self.torch_seed
+            self.torch_seed = None
         if self.saved is None:
             return []
         cpu, cuda, foreign = self.saved

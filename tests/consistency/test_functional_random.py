@@ -219,6 +219,27 @@ def test_composite_and_generator_none_draws_repeat_across_global_seeds_and_chang
     assert not torch.equal(outs[0][0], outs[0][1])  # step 0 vs step 1
 
 
+def test_torch_seed_in_a_forward_repeats_with_the_step_and_is_torch_s_again_after():
+    class Reseeding(nn.Module):  # Reformer's reversible layers pick their seeds so: torch.seed(), then manual_seed
+        def forward(self, x):
+            seed = torch.seed() % (1 << 62)
+            torch.manual_seed(seed)
+            return F.rrelu(x, training=True) * (1 + seed % 7)
+
+    x = seeded(4, 6, seed=1)
+    outs = []
+    for global_seed in (1, 2):
+        model = make_reproducible(Reseeding().train(), seed=5)
+        torch.manual_seed(global_seed)
+        outs.append([model(x), model(x)])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][0], outs[0][1])  # step 0 vs step 1
+    # outside the forward torch.seed is torch's own again: it reseeds from the system and leaves no patch behind
+    assert torch.seed is torch.random.seed and torch.seed.__module__ == "torch.random"
+    torch.manual_seed(0)
+    assert torch.seed() != torch.seed()
+
+
 def test_draws_from_python_or_numpy_generators_are_named_once():
     import random
 

@@ -61,3 +61,24 @@ def test_the_consistency_sweep_reports_each_model(tmp_path, capsys):
         assert r["out_err"] < 1e-5 and r["grad_err"] < 1e-5, r  # the fused model draws the unfused one's masks
     assert results["NoSuchModel"]["error"].startswith("build: AttributeError")
     assert "NoSuchModel" in capsys.readouterr().out
+
+
+def test_configs_that_need_their_own_settings_build_run_and_fuse(tmp_path):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "fixed.json"
+    models = ["GPTNeo", "Mamba2", "Zamba", "Reformer"]  # attention types, heads x head_dim, hybrids, axial positions
+    main(["--models", ",".join(models), "--dtype", "float32", "--out", str(out)])
+    results = json.loads(out.read_text())
+    for name in models:
+        r = results[name]
+        assert "error" not in r and r["fused"], r
+        assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-5, r
+
+
+def test_the_consistency_sweep_repeats_a_model_that_reseeds_torch_and_takes_a_memory_limit(tmp_path):
+    # Reformer calls torch.seed() in its forward and accumulates into .grad in its own backward
+    main = runpy.run_path(str(CONSISTENCY))["main"]
+    out = tmp_path / "consistency.json"
+    main(["--models", "Reformer", "--memory-limit", "0", "--out", str(out)])
+    r = json.loads(out.read_text())["Reformer"]
+    assert "error" not in r and r["repeat_consistent"] and r["fused_repeat_equal"], r
