@@ -169,10 +169,12 @@ class _Mode(TorchDispatchMode):
             # only the storages the op writes: its other inputs keep their bits, and a later write to
             # them is caught by the copy-on-write of the records that hold them
             hit = _written_storages(info.written, args, kwargs) if info.written else None
-            for i, k in zip(slots, keys):
+            for i, k, prod in zip(slots, keys, producers):
                 if hit is None or k in hit:
                     tr._copy_on_write(k)
-                    flat[i] = flat[i].detach().clone()
+                    # past the memory limit the record keeps only its leaf inputs' statistics: no other copy
+                    if not tr._full or prod is None:
+                        flat[i] = flat[i].detach().clone()
         out = func(*args, **kwargs)
         outs = [out] if isinstance(out, torch.Tensor) else [
             o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]

@@ -251,3 +251,35 @@ def test_memory_limit_units():
     assert ConsistencyChecker(memory_limit="1.5G").memory_limit == 3 * 2**29
     assert ConsistencyChecker(memory_limit=4096).memory_limit == 4096
     assert "memory_limit=4096" in repr(ConsistencyChecker(memory_limit=4096))
+
+
+def test_past_the_limit_an_in_place_op_copies_no_activation():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):  # outside the tracer's mode: sees the copies the tracer makes
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.clone.default:
+                self.bytes += out.numel() * out.element_size()
+            return out
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(inplace=True),
+                                torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU(inplace=True))
+    x = torch.randn(8, 3, 32, 32)
+    copied = {}
+    for limit in (None, 0):
+        checker = ConsistencyChecker(dump_on_failure=False, memory_limit=limit)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with Copies() as copies, checker.trace(model):
+                model(x).sum().backward()
+        assert checker.report.ok and any(r.op == "aten.relu_.default" for r in checker.reference.records)
+        copied[limit] = copies.bytes
+    activation = 8 * 16 * 32 * 32 * 4
+    assert copied[None] >= 2 * activation  # held: each relu_ keeps its input as it was (copy-on-write)
+    assert copied[0] < activation // 8  # past the limit: nothing kept, nothing copied (a relu_ copied its input)
