@@ -82,3 +82,18 @@ def test_the_consistency_sweep_repeats_a_model_that_reseeds_torch_and_takes_a_me
     main(["--models", "Reformer", "--memory-limit", "0", "--out", str(out)])
     r = json.loads(out.read_text())["Reformer"]
     assert "error" not in r and r["repeat_consistent"] and r["fused_repeat_equal"], r
+
+
+def test_errors_count_matching_nan_and_inf_as_equal_and_others_as_infinite():
+    import math
+
+    import torch
+
+    sweep = runpy.run_path(str(SCRIPT))
+    rel, largest = sweep["_rel"], sweep["largest_finite"]
+    want = torch.tensor([1.0, float("nan"), float("inf"), -4.0])
+    assert rel([want.clone()], [want]) == 0.0
+    assert rel([want + torch.tensor([0.5, 0, 0, 0])], [want]) == 0.5 / 4  # over the largest finite magnitude
+    assert rel([torch.tensor([1.0, 2.0, float("inf"), -4.0])], [want]) == math.inf  # a NaN lost
+    assert rel([torch.tensor([1.0, float("nan"), 3.0, -4.0])], [want]) == math.inf  # an Inf lost
+    assert largest([want, torch.tensor([float("nan")]), torch.zeros(0)]) == 4.0
