@@ -1,8 +1,8 @@
 """Reproducible dropout and the consistency checker on many Hugging Face architectures, fused and not.
 
 Per model (built as ``hf_sweep.py`` builds it, then every ``nn.Dropout`` at p = 0.1): ``make_reproducible``;
-two identical training steps under one ``ConsistencyChecker`` (the second must agree with the first op by op,
-or the report names where not: a model that updates state in its forward does); then the fused model against
+two identical training steps under one ``ConsistencyChecker``, each from the same buffers (the second must agree
+with the first op by op, or the report names where not); then the fused model against
 the unfused one under the same seed (outputs and every parameter gradient, relative), and the fused model
 against itself (bit for bit). Prints a line per model; ``--out`` writes the details as JSON.
 
@@ -49,7 +49,11 @@ def check(name: str, r: dict, strict: bool = False, memory_limit=None) -> None:
         r["dropouts"] = len(drops)
         r["stage"] = "checker"
         checker = ol.consistency.ConsistencyChecker(precision=1e-12, dump_on_failure=False, memory_limit=memory_limit)
-        for _ in range(2):
+        buffers = [b.detach().clone() for b in model.buffers()]
+        for _ in range(2):  # the same step twice: from the same buffers (running statistics, counters, ranges)
+            with torch.no_grad():
+                for b, saved in zip(model.buffers(), buffers):
+                    b.copy_(saved)
             with checker.trace(model):
                 _step(model, inputs)
         r["repeat_consistent"] = bool(checker.report.ok)

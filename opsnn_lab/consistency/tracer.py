@@ -171,6 +171,8 @@ class _Mode(TorchDispatchMode):
             hit = _written_storages(info.written, args, kwargs) if info.written else None
             for i, k, prod in zip(slots, keys, producers):
                 if hit is None or k in hit:
+                    if prod is None and k is not None:  # a leaf written in place (a buffer): see _freeze
+                        tr._written_leaves.add(k)
                     tr._copy_on_write(k)
                     # past the memory limit the record keeps only its leaf inputs' statistics: no other copy
                     if not tr._full or prod is None:
@@ -196,6 +198,7 @@ class OpTracer:
         self._counted: set = set()
         self._full = False
         self._quiet = False  # summarising: ops pass through unrecorded
+        self._written_leaves: set = set()  # storages of leaves (buffers) an op wrote in place
         self._ref_keys: dict | None = None
         # the trace this one will be compared with: tensors with its bits take its statistics (hashes only)
         self.reference = reference
@@ -399,6 +402,7 @@ class OpTracer:
         summarize_records(self.records, self.reference)
         self.trace = Trace(self.records, live=live, memory_limit=self.memory_limit)
         self._held.clear()
+        self._written_leaves.clear()
         self._producer.clear()
         self._nodes.clear()
 
@@ -418,7 +422,10 @@ class OpTracer:
         """
         if not self.copy_leaves:
             return self._mark_live()
-        grads = {_storage_key(r.outputs[0]) for r in self.records if r.kind == "grad" and not r.summarised}
+        # gradients, and op outputs over a leaf written in place (a buffer: BatchNorm's num_batches_tracked.add_),
+        # change with the next step as the leaves do
+        kept = {_storage_key(r.outputs[0]) for r in self.records if r.kind == "grad" and not r.summarised}
+        kept |= self._written_leaves
         copies: dict[int, torch.UntypedStorage] = {}
         for rec in self.records:
             if rec.summarised:
@@ -426,15 +433,17 @@ class OpTracer:
             if rec.flat_args:
                 for slot, prod in zip(_tensor_slots(rec.flat_args), rec.input_producers):
                     t = rec.flat_args[slot]
-                    if prod is None or _storage_key(t) in grads:
+                    if prod is None or _storage_key(t) in kept:
                         rec.flat_args[slot] = _copy_view(t, copies)
             for i, t in enumerate(rec.outputs):
-                rec.outputs[i] = _copy_view(t, copies) if _storage_key(t) in grads else t.detach()
+                rec.outputs[i] = _copy_view(t, copies) if _storage_key(t) in kept else t.detach()
         return []
+
 
     def _mark_live(self) -> list:
         """The leaves and parameter gradients, kept as they are, with their version counters."""
         live: dict[int, torch.Tensor] = {}
+        leaves = self._written_leaves
         for rec in self.records:
             if rec.summarised:
                 continue
@@ -447,6 +456,8 @@ class OpTracer:
             outs = rec.outputs
             for i, t in enumerate(outs):
                 outs[i] = t.detach()  # shares the version counter: a later write still shows
+                if _storage_key(t) in leaves:  # a buffer updated in place: the next step changes it
+                    live.setdefault(id(outs[i]), outs[i])
             if rec.kind == "grad":
                 live.setdefault(id(outs[0]), outs[0])
         return [(t, t._version) for t in live.values()]

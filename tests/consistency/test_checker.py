@@ -364,3 +364,28 @@ def test_compare_cpu_against_gpu_aligns_every_op():
     assert report.ok, report
     assert {r.phase for r in report.rows} == {"forward", "backward"}
     assert report.max_abs_err < 1e-4 and any(not r.exact for r in report.rows)
+
+
+@pytest.mark.parametrize("memory_limit", [None, 0])
+def test_a_buffer_updated_in_place_is_the_step_s_value_and_a_restored_one_repeats(memory_limit):
+    # BatchNorm's num_batches_tracked.add_ returns the buffer itself: the reference held it by reference and
+    # compared the next step's value with itself (a changed state went unseen) unless the limit summarised it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(16, 4)
+    checker = ConsistencyChecker(dump_on_failure=False, memory_limit=memory_limit)
+    state = copy.deepcopy(model.state_dict())
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with checker.trace(model):
+            model(x).sum().backward()
+        return checker.report
+
+    step()
+    report = step()  # the running statistics and the counter moved on: not the same step
+    fwd = report.forward_divergence
+    assert (fwd.module_path, fwd.op, fwd.origin) == ("1", "aten.add_", "input")
+    model.load_state_dict(state)
+    step()
+    assert checker.report.ok and checker.report.first_divergence is None  # from the same state: op for op

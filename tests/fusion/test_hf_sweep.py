@@ -97,3 +97,11 @@ def test_errors_count_matching_nan_and_inf_as_equal_and_others_as_infinite():
     assert rel([torch.tensor([1.0, 2.0, float("inf"), -4.0])], [want]) == math.inf  # a NaN lost
     assert rel([torch.tensor([1.0, float("nan"), 3.0, -4.0])], [want]) == math.inf  # an Inf lost
     assert largest([want, torch.tensor([float("nan")]), torch.zeros(0)]) == 4.0
+
+
+def test_the_consistency_sweep_repeats_a_batch_norm_model_from_the_same_buffers(tmp_path):
+    main = runpy.run_path(str(CONSISTENCY))["main"]
+    out = tmp_path / "consistency.json"
+    main(["--models", "MobileNetV2", "--out", str(out)])  # its BatchNorms count steps in a buffer
+    r = json.loads(out.read_text())["MobileNetV2"]
+    assert "error" not in r and r["repeat_consistent"] and "divergence" not in r, r
