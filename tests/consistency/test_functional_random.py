@@ -209,10 +209,14 @@ def test_composite_and_generator_none_draws_repeat_across_global_seeds_and_chang
             nn.init.normal_(d)
             return a + b + c + d
 
+    _repeats_across_global_seeds_and_changes_with_the_step(Composite, seed=9)
+
+
+def _repeats_across_global_seeds_and_changes_with_the_step(module_class, seed: int) -> None:
     x = seeded(4, 6, seed=1)
     outs = []
     for global_seed in (1, 2):
-        model = make_reproducible(Composite().train(), seed=9)
+        model = make_reproducible(module_class().train(), seed=seed)
         torch.manual_seed(global_seed)
         outs.append([model(x), model(x)])
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
@@ -226,14 +230,7 @@ def test_torch_seed_in_a_forward_repeats_with_the_step_and_is_torch_s_again_afte
             torch.manual_seed(seed)
             return F.rrelu(x, training=True) * (1 + seed % 7)
 
-    x = seeded(4, 6, seed=1)
-    outs = []
-    for global_seed in (1, 2):
-        model = make_reproducible(Reseeding().train(), seed=5)
-        torch.manual_seed(global_seed)
-        outs.append([model(x), model(x)])
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert not torch.equal(outs[0][0], outs[0][1])  # step 0 vs step 1
+    _repeats_across_global_seeds_and_changes_with_the_step(Reseeding, seed=5)
     # outside the forward torch.seed is torch's own again: it reseeds from the system and leaves no patch behind
     assert torch.seed is torch.random.seed and torch.seed.__module__ == "torch.random"
     torch.manual_seed(0)
