@@ -105,3 +105,11 @@ def test_the_consistency_sweep_repeats_a_batch_norm_model_from_the_same_buffers(
     main(["--models", "MobileNetV2", "--out", str(out)])  # its BatchNorms count steps in a buffer
     r = json.loads(out.read_text())["MobileNetV2"]
     assert "error" not in r and r["repeat_consistent"] and "divergence" not in r, r
+
+
+def test_checker_memory_prints_the_traced_peaks_per_limit(capsys):
+    main = runpy.run_path(str(SCRIPT.with_name("checker_memory.py")))["main"]
+    unlimited, limited = main(["Bert", "--limits", "none", "0"])
+    assert unlimited["ok"] and limited["ok"] and unlimited["compared_ratio"] > 2 * limited["compared_ratio"]
+    assert limited["summarised"].split("/")[0] == limited["summarised"].split("/")[1]  # limit 0: every event
+    assert "memory_limit 0" in capsys.readouterr().out
