@@ -42,7 +42,7 @@ TEXT_SIZES = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attenti
                   # multi-head latent attention (DeepSeek-V2/V3 and their kin): every width small and consistent
                   qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
                   moe_intermediate_size=32, n_routed_experts=4, num_experts=4, num_experts_per_tok=2,
-                  first_k_dense_replace=1)
+                  first_k_dense_replace=1, n_group=1, topk_group=1)  # grouped routing: 4 experts in one group
 # per-architecture settings the small sizes above need to pass the config's own checks (two layers, small heads)
 CONFIG_FIXES = {
     "GPTNeo": dict(attention_types=[[["global", "local"], 1]]),

@@ -66,7 +66,8 @@ def test_the_consistency_sweep_reports_each_model(tmp_path, capsys):
 def test_configs_that_need_their_own_settings_build_run_and_fuse(tmp_path):
     main = runpy.run_path(str(SCRIPT))["main"]
     out = tmp_path / "fixed.json"
-    models = ["GPTNeo", "Mamba2", "Zamba", "Reformer"]  # attention types, heads x head_dim, hybrids, axial positions
+    models = ["GPTNeo", "Mamba2", "Zamba", "Reformer", "DeepseekV3"]  # attention types, heads x head_dim, hybrids,
+    # axial positions, grouped expert routing
     main(["--models", ",".join(models), "--dtype", "float32", "--out", str(out)])
     results = json.loads(out.read_text())
     for name in models:
