@@ -1,11 +1,15 @@
-"""Convolution backward whose bits do not depend on the thread count, for ``strict()`` on CPU.
+"""Convolution forward and backward whose bits do not depend on the thread count, for ``strict()`` on CPU.
 
 oneDNN splits the weight-gradient reduction of some convolutions (a 1x1 stride-2 one, for instance) and the
 forward reduction of 1x1 ones over threads, so its bits follow ``torch.set_num_threads``. ``strict()`` turns
-oneDNN off (aten's own kernels work sample by sample) and runs aten's convolution backward on one intra-op
-thread (the pool is restored after it): every thread count gets the bits one thread gives, for any
-convolution (1-d to 3-d, grouped, transposed), within fp32 tolerance of oneDNN's. The cost is that op's
-parallelism while strict mode is on and more than one thread is set.
+oneDNN off (aten's own kernels work sample by sample) and runs aten's convolution forward and backward on one
+intra-op thread (the pool is restored after each): every thread count and batch size gets the bits one thread
+gives, for any convolution (1-d to 3-d, grouped, transposed), within fp32 tolerance of oneDNN's. The forward
+needs it too: aten's kernel runs one GEMM per sample, inside its batch loop's threads, except where the loop
+runs inline (one thread, or a batch too small to split), and there MKL splits a deep reduction (a 7x7 or 5x5
+kernel over 64 channels) over the threads it is given: on an AVX-512 Xeon the same sample came out with other
+bits at 1 and 2 threads, and alone or in a batch of 8. The cost is those ops' parallelism while strict mode is
+on and more than one thread is set.
 
 It is registered at the autograd key with the dispatch key set, redispatching below autograd. A backward
 that records its own graph (``create_graph=True``, for a double backward) needs the autograd kernel it
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 
 from opsnn_lab.consistency import gemm_probe as gp
 
-__all__ = ["convolution_backward", "covers"]
+__all__ = ["convolution", "convolution_backward", "covers"]
 
 
 def covers(x: torch.Tensor, transposed: bool) -> bool:
@@ -50,6 +54,17 @@ def _weight_grad(grad, x, weight, stride, padding, dilation, groups):
         # its inner dimension the data batch, whose size a weight gradient depends on anyway
         warnings.filterwarnings("ignore", message=r"strict\(\): the reference GEMM path is not row-local")
         return torch.bmm(a, b).reshape(weight.shape)  # strict()'s fixed-order bmm, through autograd
+
+
+def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """``aten::convolution`` (same schema) below autograd on CPU: what its own kernel runs
+    (``aten::_convolution``, with the context's flags), on one intra-op thread."""
+    flags = torch.backends.cudnn
+    with gp.one_thread():
+        return torch.ops.aten._convolution.default(
+            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, flags.benchmark,
+            flags.deterministic or torch.are_deterministic_algorithms_enabled(), flags.enabled,
+            flags.allow_tf32)
 
 
 def convolution_backward(keyset, grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,

@@ -20,7 +20,8 @@ While strict mode is on:
   threads: it runs on one intra-op thread (:mod:`opsnn_lab.consistency.fixed_conv`; a double backward
   through a 1-d or 2-d convolution takes a differentiable fixed-order composite instead); and oneDNN is off
   (``torch.backends.mkldnn.enabled``), so convolutions run aten's own sample-by-sample kernels: oneDNN's
-  1x1 convolution forward split its reduction over threads too.
+  1x1 convolution forward split its reduction over threads too. The forward runs on one intra-op thread as
+  well: aten's per-sample GEMM, where its batch loop runs inline, lets MKL split a deep reduction over threads.
 * on CPU, batch norm forward and backward, whose statistics and weight/bias gradients aten reduces per thread
   where the channels are innermost (``(N, C)`` inputs, channels-last maps): they run on one intra-op thread
   (:mod:`opsnn_lab.consistency.fixed_batch_norm`).
@@ -202,6 +203,7 @@ class _StrictState:
                     lib.impl(op, fn, key)
             # at the autograd key: it redispatches below autograd to aten's kernel, on one intra-op thread
             lib.impl("convolution_backward", fixed_conv.convolution_backward, "AutogradCPU", with_keyset=True)
+            lib.impl("convolution", fixed_conv.convolution, "CPU")  # below autograd, inference mode included
             # below autograd: aten's own graph, its kernels on one intra-op thread
             lib.impl("native_batch_norm", fixed_batch_norm.native_batch_norm, "CPU")
             lib.impl("native_batch_norm_backward", fixed_batch_norm.native_batch_norm_backward, "CPU")

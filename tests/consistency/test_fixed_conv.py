@@ -120,17 +120,23 @@ def test_double_backward_takes_the_fixed_order_composite(case):
 
 
 @pytest.mark.parametrize("dims, kernel, stride, groups", [(1, 1, 1, 1), (2, 1, 1, 1), (2, 1, 2, 1), (2, 3, 1, 8),
-                                                          (2, 7, 2, 1)])
+                                                          (2, 7, 2, 1), (2, 5, 1, 1), (1, 9, 1, 1)])
 def test_forward_keeps_its_bits_at_any_thread_count_and_batch_size(dims, kernel, stride, groups):
-    """oneDNN's 1x1 convolution forward split its reduction over threads; under strict() oneDNN is off."""
+    """oneDNN's 1x1 convolution forward split its reduction over threads; under strict() oneDNN is off. aten's
+    per-sample GEMM let MKL split a deep reduction (7x7 or 5x5 over 64 channels) over threads where its batch
+    loop ran inline (one sample, or one thread): other bits at 1 and 2 threads on an AVX-512 Xeon."""
     conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(64, 64, kernel, stride=stride, groups=groups)
     x = seeded(8, 64, *([96] if dims == 1 else [17, 17]), seed=3)
     outs = []
     for n in (1, 2):
         with strict(), threads(n):
             outs.append(conv(x))
-            head = conv(x[:3])
+            head, first = conv(x[:3]), conv(x[:1])
+            with torch.inference_mode():
+                inferred = conv(x[:1])
         assert torch.equal(head, outs[-1][:3])
+        assert torch.equal(first, outs[-1][:1])
+        assert torch.equal(inferred, outs[-1][:1])
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0], conv(x), atol=1e-5, rtol=1e-5)
     assert torch.backends.mkldnn.enabled  # restored
