@@ -386,7 +386,7 @@ class FusedConvBNAct(nn.Module):
             raise TypeError(f"input dtype {x.dtype} does not match conv.weight dtype {w.dtype}")
         if x.device != w.device:
             raise ValueError(f"input is on {x.device} but conv.weight is on {w.device}")
-        if self.training and x.numel() and x.shape[0] * self._conv_plane(x) == 1:
+        if self.training and x.shape[0] == 1 and x.numel() and self._conv_plane(x) == 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input of shape "
                              f"{tuple(x.shape)} (one conv output value per channel)")
 

@@ -44,6 +44,33 @@ def test_other_layouts_keep_atens_statistics(layout):
     assert K._one_pass_stats(y) is None
 
 
+@pytest.fixture
+def row_stats_at_any_size(monkeypatch):
+    """The forward takes the row statistics at these small test shapes too."""
+    monkeypatch.setattr(K, "ROW_STATS_MIN_ELEMENTS", 0)
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_small_tensors_take_atens_statistics_large_ones_the_rows(size):
+    """Below ROW_STATS_MIN_ELEMENTS aten's one op is faster than ~20 small row reductions: its bits exactly."""
+    c = 8
+    hw = 4 if size == "small" else int((K.ROW_STATS_MIN_ELEMENTS // (2 * c)) ** 0.5) + 1
+    y = seeded(2, c, hw, hw, seed=3, scale=2.0)
+    weight, bias = seeded(c, seed=1).abs() + 0.5, seeded(c, seed=2)
+    rm, rv = torch.zeros(c), torch.ones(c)
+    out, mean, invstd, _ = K.bn_act_forward_torch(y, weight, bias, rm, rv, training=True, momentum=0.1,
+                                                  eps=1e-5, act=K.Act("relu"))
+    ref_rm, ref_rv = torch.zeros(c), torch.ones(c)
+    z, ref_mean, ref_invstd = torch.ops.aten.native_batch_norm(y, weight, bias, ref_rm, ref_rv, True, 0.1, 1e-5)
+    same = [torch.equal(a, b) for a, b in ((out, z.relu()), (mean, ref_mean), (invstd, ref_invstd), (rv, ref_rv))]
+    if size == "small":
+        assert all(same)
+    else:
+        assert K._one_pass_stats(y) is not None and not all(same)  # the row statistics: other rounding
+        torch.testing.assert_close(out, z.relu())
+        torch.testing.assert_close(rv, ref_rv)
+
+
 def _forward_matches_batch_norm(y):
     c = y.shape[1]
     weight, bias = (seeded(c, seed=8).abs() + 0.5).to(y.dtype), seeded(c, seed=9).to(y.dtype)
@@ -58,7 +85,7 @@ def _forward_matches_batch_norm(y):
 
 
 @pytest.mark.parametrize("case", ["far_mean", "constant"])
-def test_a_channel_far_from_its_mean_is_taken_again_in_two_passes(case):
+def test_a_channel_far_from_its_mean_is_taken_again_in_two_passes(case, row_stats_at_any_size):
     y = seeded(4, 16, 5, 5, seed=7)
     k = 1 if case == "far_mean" else 2
     if case == "far_mean":
@@ -93,7 +120,7 @@ def test_declined_statistics_fall_back_to_aten(case):
 
 @pytest.mark.parametrize("momentum", [0.1, 1.0, 0.5])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
-def test_running_statistics_and_output_match_batch_norm(momentum, layout):
+def test_running_statistics_and_output_match_batch_norm(momentum, layout, row_stats_at_any_size):
     y = _layouts(3, 5, 6, 7, torch.float32)[layout]
     weight, bias = seeded(5, seed=1).abs() + 0.5, seeded(5, seed=2)
     rm, rv = seeded(5, seed=3, scale=0.1), seeded(5, seed=4).abs() + 0.5
@@ -113,7 +140,7 @@ def test_running_statistics_and_output_match_batch_norm(momentum, layout):
                                                  (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)],
                          ids=str)
 @pytest.mark.parametrize("with_params", [True, False])
-def test_saved_statistics_have_atens_dtype(y_dtype, param_dtype, with_params):
+def test_saved_statistics_have_atens_dtype(y_dtype, param_dtype, with_params, row_stats_at_any_size):
     """aten's batch-norm backward, which the torch path's backward calls, asks for the dtype its forward gives."""
     y = seeded(2, 3, 4, 5, seed=1).to(y_dtype)
     params = [torch.ones(3, dtype=param_dtype), torch.zeros(3, dtype=param_dtype)] if with_params else [None, None]
