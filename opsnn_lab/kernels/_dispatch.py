@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["backend_for", "backend_for_device", "calculate_settings", "triton_available"]
+__all__ = ["backend_for", "backend_for_device", "calculate_settings", "forced_backend", "triton_available"]
 
 _MAX_BLOCK = 65536 // 4  # elements per program: 64 KiB of fp32, the most one block keeps in registers
 
@@ -38,6 +38,12 @@ def backend_for(*tensors: torch.Tensor) -> str:
 def backend_for_device(device) -> str:
     """``"triton"`` or ``"torch"`` for an op that makes a new tensor on ``device`` (a draw) from no tensor."""
     return _choose(torch.device(device).type == "cuda")
+
+
+def forced_backend() -> str | None:
+    """``"torch"`` or ``"triton"`` where ``OPSNN_BACKEND`` forces one, else None (``auto``)."""
+    choice = os.environ.get("OPSNN_BACKEND", "auto").lower()
+    return choice if choice in ("torch", "triton") else None
 
 
 def _choose(on_cuda: bool) -> str:

@@ -19,7 +19,8 @@ effective weight, ``|bias| <= 4 |weight|``), decided at run time, once per param
 op saves its input as before. ``save_output=False`` (or ``module.save_output = False``) always saves the
 input: the choice for a norm whose output nothing else keeps, where saving ``y`` gains no bytes and
 LayerNorm's recovery costs time (on the torch path a LayerNorm alone saving its output takes ~1.5x eager's
-step; the rewrite fuses a LayerNorm only where the next op keeps its output). Autograd refuses an in-place
+step; the rewrite fuses a LayerNorm only where the next op keeps its output). An fp32/fp64 LayerNorm saving its
+input is then aten's ``layer_norm``, on CPU and CUDA: eager's kernels and bits. Autograd refuses an in-place
 change of a saved ``y`` (as it refuses one of the saved sum), never giving wrong gradients.
 
 The fused ops compute the statistics and the output in fp32 and round once to the input dtype (HF's
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opsnn_lab._checks import check_tensor, check_type, same_device
+from opsnn_lab.kernels._dispatch import forced_backend
 from opsnn_lab.kernels.norm import norm_bwd, norm_bwd_from_output, norm_fwd, output_recoverable, uses_triton
 from opsnn_lab.ops import _amp
 
@@ -213,9 +215,12 @@ class _FusedNorm(nn.Module):
 
     def _apply_norm(self, x, residual):
         keep_y = self._saves_output(x.dtype)
-        if not keep_y and not self._rms and not self.weight_offset and x.dtype in _ATEN_EXACT and not uses_triton(x):
-            # saving its input, an fp32/fp64 LayerNorm on the torch path is aten's: run it through aten's own
-            # autograd node (the same kernels and bits, without the Function's Python: ~0.2 ms a step)
+        if (not keep_y and not self._rms and not self.weight_offset and x.dtype in _ATEN_EXACT
+                and (not uses_triton(x) or forced_backend() != "triton")):
+            # saving its input, an fp32/fp64 LayerNorm is aten's, on CPU and CUDA alike: run it through aten's own
+            # autograd node (eager's kernels and bits; on CPU without the Function's Python, ~0.2 ms a step; on
+            # CUDA without the Triton launches, which took the H200's step to 3.3x eager's wall time). Only
+            # OPSNN_BACKEND=triton keeps the kernels here (their tests)
             s = x if residual is None else x + residual
             y = F.layer_norm(s, self.normalized_shape, self.weight, self.bias, self.eps)
             return y if residual is None else (y, s)

@@ -195,6 +195,45 @@ def test_save_output_false_saves_the_input_and_matches_eager(kind, add):
         _fused_cls(kind, add).from_modules(norm, save_output="no")
 
 
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("forced", [None, "triton"])
+def test_a_layer_norm_saving_its_input_runs_atens_where_triton_would_run(monkeypatch, add, forced):
+    """On CUDA (here: the op told its input takes the Triton path) a LayerNorm whose output nothing keeps is
+    aten's layer_norm, eager's kernels and bits; OPSNN_BACKEND=triton keeps the kernels."""
+    import opsnn_lab.ops.norm as norm_ops
+
+    monkeypatch.setattr(norm_ops, "uses_triton", lambda t: True)
+    monkeypatch.setattr(norm_ops, "forced_backend", lambda: forced)
+    norm = _module("layer_norm")
+    fused = _fused_cls("layer_norm", add).from_modules(norm, save_output=False)
+    inputs = [t.requires_grad_() for t in _inputs((3, 5, H), torch.float32, add)]
+    out = fused(*inputs)
+    y = out[0] if add else out
+    assert (type(y.grad_fn).__name__ == "NativeLayerNormBackward0") == (forced is None)
+    if forced is None:
+        want = _eager_fn(norm, add)(*[t.detach() for t in inputs])
+        assert torch.equal(y, want[0] if add else want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("add", [False, True])
+def test_gpu_layer_norm_saving_its_input_is_eagers(add):
+    """Eager's kernels, so eager's bits and time (the Triton launches took the H200's step to 3.3x eager's)."""
+    norm = _module("layer_norm").cuda()
+    fused = _fused_cls("layer_norm", add).from_modules(norm, save_output=False)
+    inputs = [t.detach().cuda().requires_grad_() for t in _inputs((3, 5, H), torch.float32, add)]
+    leaves = inputs + list(norm.parameters())
+    results = []
+    for fn in (fused, _eager_fn(norm, add)):
+        outs = fn(*inputs)
+        outs = list(outs) if isinstance(outs, tuple) else [outs]
+        grads = [seeded(*o.shape, seed=11 + i).cuda() for i, o in enumerate(outs)]
+        results.append([o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, grads)))
+    for i, (got, want) in enumerate(zip(*results)):
+        assert torch.equal(got, want), f"#{i}"
+
+
 def test_output_modified_in_place_is_refused_not_wrong():
     fused = ops.FusedLayerNorm.from_modules(_module("layer_norm"))
     x = _inputs((4, H), torch.float32, False)[0]
