@@ -29,7 +29,15 @@ from opsnn_lab.fusion.patch import Patch, Route, inline_after, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
-from opsnn_lab.fusion.regions import bind_call, error_line, facts_hold, fx_graph, library_hooks, trace_region
+from opsnn_lab.fusion.regions import (
+    bind_call,
+    error_line,
+    facts_hold,
+    fx_graph,
+    library_hooks,
+    signature,
+    trace_region,
+)
 from opsnn_lab.fusion.runtime import graph_free_memo, own_dtypes
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert"]
@@ -149,9 +157,9 @@ class FxForward(Patch):
         if bound is None:
             return type(self.host).forward(self.host, *args, **kwargs)
         pos, kw = [], {}
-        traced = list(inspect.signature(type(gm).forward).parameters.items())[1:]
+        traced = list(signature(type(gm).forward).parameters.items())[1:]
         empty = self.facts.get(self.host.training, {})  # a **kwargs the traced code took as {}: not an argument
-        original = [n for n in list(inspect.signature(type(self.host).forward).parameters)[1:]
+        original = [n for n in list(signature(type(self.host).forward).parameters)[1:]
                     if not empty.get(n, {}).get("empty")]
         if len(original) != len(traced):
             original = [name for name, _ in traced]
