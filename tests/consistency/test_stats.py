@@ -183,3 +183,17 @@ def test_hash_many_gives_tensor_hash_for_every_kind_of_tensor():
                seeded(33, dtype=torch.bfloat16, seed=5), seeded(17, dtype=torch.float64, seed=6), seeded(5, seed=1)]
     assert stats.hash_many(tensors) == [tensor_hash(t) for t in tensors]
     assert len(set(stats.hash_many(tensors[:4]))) == 4
+
+
+@pytest.mark.parametrize("n", [1000, 50000])
+def test_std_of_values_far_from_their_mean_is_taken_centred(n):
+    """E[x^2] - mean^2 cancels for 1000 +- 0.001 (fp32 sums: std read 0 or ~0.06); the std is taken again."""
+    x = 1000.0 + 1e-3 * seeded(n, seed=3)
+    want = x.double().std().item()
+    for got in (summarize(x), summarize_many([x])[0], summarize_many([x, seeded(3, seed=1)])[0]):
+        assert got.std == pytest.approx(want, rel=1e-4)
+        assert got.mean == pytest.approx(x.double().mean().item(), rel=1e-6)
+    y = x.clone()
+    y[0] = math.nan
+    assert summarize(y).std == pytest.approx(x[1:].double().std().item(), rel=1e-4)
+    assert summarize(torch.full((9,), 1000.0)).std == 0.0
