@@ -89,8 +89,10 @@ class Analysis:
         self.regions: list[Region] = find_regions(model, trace.calls) if self.why_not or self.shared else []
         self.rewritable: dict[tuple, str] = {k: r.label for k, r in self.routes.items()}  # match key -> route
         self.fx_routes: dict[tuple, str] = {}  # match key -> fx region, for keys a module patch does not carry
+        verdicts = {k: v for k, v in trace.graph.memo.items() if isinstance(k, tuple) and k[0] == "norm"}
         for r in self.regions:
             if r.route == "fx":
+                r.graph.memo.update(verdicts)  # Python norms fx inlined: what the run-time record found them to be
                 for m in find_all(r.graph):
                     if m.viable and (m.key in self.why_not or m.key in self.shared):
                         self.fx_routes.setdefault(m.key, f"fx:{r.path or '<model>'}")

@@ -29,8 +29,8 @@ from opsnn_lab.fusion.match import (
     past_identities,
 )
 
-__all__ = ["find_gated_mlp", "find_norms", "find_add_norms", "find_linear_cross_entropy", "build_gated_mlp",
-           "build_norm", "build_linear_cross_entropy"]
+__all__ = ["find_gated_mlp", "find_norms", "find_add_norms", "norm_verdicts", "find_linear_cross_entropy",
+           "build_gated_mlp", "build_norm", "build_linear_cross_entropy"]
 
 
 def _positions(g: Graph) -> dict[str, int]:
@@ -232,15 +232,17 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
     if not weightless and (not isinstance(weight, nn.Parameter) or weight.dim() != 1):
         return None
     names = {n.name for n in nodes}
-    ext = list(dict.fromkeys(i for n in nodes for i in n.inputs if i not in names))
+    # an fx graph reads the weight as a node of its own (``get_attr``); the run-time record does not
+    ext = list(dict.fromkeys(i for n in nodes for i in n.inputs if i not in names and g[i].op != "param"))
     ops = {n.op for n in nodes}
     if len(ext) != 1 or not ops <= _NORM_OPS or not ops & {"mean", "var", "layer_norm", "rms_norm", "var_mean"}:
         return None
     x, y = g[ext[0]], nodes[-1]
-    if x.shape is None or not x.shape or (not weightless and x.shape[-1] != weight.shape[0]):
+    key = ("norm", scope)
+    fx_seen = x.shape is None and key in g.memo  # an fx graph (no shapes) of a norm the run-time record judged
+    if not fx_seen and (x.shape is None or not x.shape or (not weightless and x.shape[-1] != weight.shape[0])):
         return None
     escapes = [n for n in nodes[:-1] if any(u.name not in names for u in g.users.get(n.name, []))]
-    key = ("norm", scope)
     if key not in g.memo:
         t = g.tensors.get(x.name)
         if t is None:
@@ -258,8 +260,8 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
     kind, eps, offset = form
     m = Match(f"{kind}_norm", nodes, False, "", inputs=[x.name], outputs=[y],
               params={"norm": module, "kind": kind, "eps": eps, "offset": offset})
-    if weightless:  # the op needs the normalised size its weight would have given
-        m.params["shape"] = (x.shape[-1],)
+    if weightless:  # the op needs the normalised size its weight would have given (an fx graph: the plan's)
+        m.params["shape"] = (x.shape[-1],) if x.shape else None
     if escapes:
         m.reason = f"`{escapes[0].label}` inside `{scope}` is also read outside it"
     elif kind == "rms" and isinstance(getattr(module, "bias", None), torch.Tensor):
@@ -268,6 +270,16 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
         m.reason = _common_checks(g, nodes[-1:])
     m.ok = not m.reason
     return m
+
+
+def norm_verdicts(planned: dict) -> dict:
+    """``Graph.memo`` entries for the Python norms of planned decisions (``{key: params}``): an fx graph traced again
+    for the rewrite has no tensors to judge them by, and the plan says what the run-time record found."""
+    out = {}
+    for (pattern, modules), p in planned.items():
+        if pattern.endswith(("rms_norm", "layer_norm")) and p and {"kind", "eps", "offset"} <= p.keys():
+            out[("norm", modules[-1])] = (p["kind"], p["eps"], p["offset"])
+    return out
 
 
 def find_norms(g: Graph) -> list[Match]:

@@ -452,7 +452,7 @@ def find_regions(model: nn.Module, calls: dict) -> list[Region]:
             else:
                 if not _runs_its_children(module, gm, concrete, wrapped, facts, bool(unwrapped)):
                     regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped],
-                                          fx_graph(gm, path), facts, unwrapped))
+                                          fx_graph(gm, path, module), facts, unwrapped))
                     for name, inner in module.named_modules():  # kept as calls for their hooks: regions too
                         if name and has_hooks(inner) and not is_leaf_module(inner):
                             visit(f"{path}.{name}" if path else name, inner)
@@ -494,8 +494,10 @@ def _scope(n: fx.Node, prefix: str, module_node: bool) -> str:
     return ".".join(p for p in (prefix, inner) if p)
 
 
-def fx_graph(gm: fx.GraphModule, prefix: str) -> Graph:
-    """The dataflow graph of an fx GraphModule, names qualified from the model's root."""
+def fx_graph(gm: fx.GraphModule, prefix: str, root: nn.Module | None = None) -> Graph:
+    """The dataflow graph of an fx GraphModule, names qualified from the model's root. ``root``, the module that
+    was traced, gives the graph its modules by path: a norm written in Python is inlined by fx, and its finder
+    needs the module its ops ran in (with the verdict the run-time record reached, ``Graph.memo``)."""
     nodes, meta = [], set()
 
     def ref(a):
@@ -520,7 +522,10 @@ def fx_graph(gm: fx.GraphModule, prefix: str) -> Graph:
             node = Node(n.name, "function", op, ins, ref(n.args), ref(dict(n.kwargs)), scope=_scope(n, prefix, False))
         node.ref = n
         nodes.append(node)
-    return Graph(nodes)
+    g = Graph(nodes)
+    if root is not None:
+        g.modules = {".".join(p for p in (prefix, name) if p): m for name, m in root.named_modules()}
+    return g
 
 
 def _tensor_nodes(value) -> list[fx.Node]:

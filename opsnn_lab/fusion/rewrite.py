@@ -27,6 +27,7 @@ from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
 from opsnn_lab.fusion.patch import Patch, Route, inline_after, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
+from opsnn_lab.fusion.patterns_blocks import norm_verdicts
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
 from opsnn_lab.fusion.regions import (
@@ -229,7 +230,8 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
     for training in (True, False):
         gm, _ = trace_region(region, route["concrete"], training, wrapped, route.get("tensors") or None,
                              bool(route.get("unwrapped")))
-        g, moved = fx_graph(gm, path), {}
+        g, moved = fx_graph(gm, path, region), {}
+        g.memo.update(norm_verdicts(keys))
         # Planned matches take their nodes in table order, as in the analysis: a node is rewritten once. A module
         # called twice gives one key two matches, and another planned match may hold one of them (ALBERT's
         # shared layer: add_layer_norm on the second call of its LayerNorm, layer_norm on the first).

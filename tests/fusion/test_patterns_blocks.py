@@ -322,6 +322,28 @@ def test_residual_add_and_built_in_norm_fuse_in_traceable_code(norm, pattern):
         torch.testing.assert_close(fused(x)[0], model(x)[0])
 
 
+@pytest.mark.parametrize("norm, pattern, params", [
+    (lambda: Normalizer(16), "add_rms_norm", {"kind": "rms", "eps": 1e-3, "offset": 0.0}),
+    (lambda: Normalizer(16, offset=True), "add_rms_norm", {"kind": "rms", "eps": 1e-3, "offset": 1.0}),
+    (lambda: PyLayerNorm(16), "add_layer_norm", {"kind": "layer", "eps": 1e-5, "offset": 0.0})])
+def test_residual_add_and_python_norm_fuse_in_traceable_code(norm, pattern, params):
+    """fx inlines a norm written in Python (Llama's, Gemma's, T5's): its ops are matched in the traced forward with
+    the verdict the run-time record reached, and a plan from JSON (no record) rewrites it from its params."""
+    torch.manual_seed(0)
+    model = Residual(norm())
+    x = seeded(2, 5, 16)
+    fused, plan = ol.fusion.fuse(model, x)
+    (d,) = [d for d in plan.decisions if d.pattern == pattern]
+    assert d.fused and d.route == "fx:<model>" and d.modules == ["<model>", "norm"] and d.params == params, d
+    (alone,) = [d for d in plan.decisions if d.pattern == pattern.removeprefix("add_")]
+    assert not alone.fused and f"overlaps the fused {pattern}" in alone.reason
+    assert d.saved_bytes == _measured_saving(model, fused, x)
+    _same(model, fused, x)
+    again = ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(plan.to_json()))
+    assert any(type(m).__name__ == "FusedSlot" for m in again.modules())
+    _same(model, again, x)
+
+
 def test_residual_add_the_rewrite_cannot_reach_leaves_the_norm_to_fuse_alone():
     class Untraceable(Residual):
         def forward(self, x):
