@@ -67,6 +67,15 @@ def signature(fn) -> inspect.Signature:
     return inspect.signature(fn)
 
 
+def _holds_tensors(value) -> bool:
+    """An object (not a tensor or a container of tensors alone) whose attributes hold tensors: a cache."""
+    attrs = getattr(value, "__dict__", None)
+    if not attrs or isinstance(value, nn.Module):
+        return False
+    return any(isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(
+        isinstance(x, torch.Tensor) or _holds_tensors(x) for x in v)) for v in attrs.values())
+
+
 def bind_call(module: nn.Module, call) -> inspect.BoundArguments | None:
     """``call`` (``(args, kwargs)``) bound to ``type(module).forward``'s signature, defaults applied; None when it
     does not fit."""
@@ -428,9 +437,17 @@ def _first_trace(module: nn.Module, concrete: dict, call) -> tuple[fx.GraphModul
         _note(exc, f"traced as the function `{wrapper}` wraps")
         raise
     state = _instance_state(module)  # the forward runs twice below; what it caches in `self` is put back
-    if not passes_through(module, call, lambda: _restore_instance_state(state)):
+    why = passes_through(module, call, lambda: _restore_instance_state(state))
+    if why == "other values":
         raise RuntimeError(f"its forward is wrapped by `{wrapper}`, which returns other values than the function "
                            "it wraps on the example call (traced, that function would leave the wrapper out)")
+    if why:
+        err = RuntimeError(f"its forward is wrapped by `{wrapper}`; replayed, it raised")
+        _note(err, f"the example call, replayed to check that the wrapped function returns the same: {why[:160]}")
+        if any(_holds_tensors(v) for v in (*call[0], *call[1].values())):
+            _note(err, "an argument holding tensors (a key/value cache) was updated in place after the call: with "
+                       "Hugging Face models, train with `model.config.use_cache = False`")
+        raise err
     return gm, wrapped, facts, wrapper
 
 

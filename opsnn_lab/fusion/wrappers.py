@@ -63,11 +63,14 @@ def _same(a, b) -> bool:
         return False
 
 
-def passes_through(module: nn.Module, call, restore) -> bool:
-    """Whether the wrapper and the function it wraps return the same on ``call`` (``(args, kwargs)``).
+def passes_through(module: nn.Module, call, restore) -> str:
+    """'' when the wrapper and the function it wraps return the same on ``call`` (``(args, kwargs)``), else how
+    they did not: ``"other values"``, or the error a replay of the call raised.
 
     Both run under ``no_grad`` from one RNG state; ``restore()`` puts the module's attributes back after each
-    run, and its buffers (a BatchNorm's statistics) are put back here."""
+    run, and its buffers (a BatchNorm's statistics) are put back here. A replay sees the call's objects as they
+    are now: an argument the model updated in place after the call (a key/value cache that grew by this layer's
+    keys) makes the replay fail, and the forward stays untraced."""
     args, kwargs = call
     fwd = type(module).forward
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
@@ -83,6 +86,6 @@ def passes_through(module: nn.Module, call, restore) -> bool:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-    except Exception:  # noqa: BLE001 - either failing: not shown to pass through
-        return False
-    return _same(*outs)
+    except Exception as exc:  # noqa: BLE001 - either failing: not shown to pass through
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return "" if _same(*outs) else "other values"

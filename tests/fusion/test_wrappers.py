@@ -149,3 +149,70 @@ def test_forward_wrapper_names_only_varargs_wrappers():
     with unwrapped_forward(layer):
         assert type(layer).forward is Layer.forward.__wrapped__
     assert "forward" not in SubLayer.__dict__ and SubLayer.forward is Layer.forward
+
+
+class Cache:
+    """A key/value cache as Hugging Face passes one: each layer appends its keys in place."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+
+
+class CacheAttention(nn.Module):
+    """Reads and grows the cache; a module with hooks, so the layer's trace keeps it one call (as Hugging Face's
+    attention, which records attention weights through hooks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_forward_hook(lambda module, args, out: None)
+
+    def forward(self, h, cache):
+        if cache is None or h.sum() > 1e9:
+            return h
+        cache.keys.append(h)
+        if len(cache.keys) > 2:
+            raise RuntimeError("the cache holds more keys than the calls so far")
+        return h * (1.0 / len(cache.keys))
+
+
+class CachedLayer(Layer):
+    def __init__(self):
+        super().__init__()
+        self.attn = CacheAttention()
+
+    @checkpointed
+    def forward(self, x, cache=None, **kwargs):
+        h = x + self.attn(self.fc(self.ln1(x)), cache)
+        return h + self.out(self.ln2(h))
+
+
+class CachedStack(Stack):
+    def __init__(self, use_cache):
+        super().__init__(CachedLayer)
+        self.use_cache = use_cache
+
+    def forward(self, x):
+        if x.sum() > 1e9:
+            x = x * 0.5
+        cache = Cache() if self.use_cache else None
+        for layer in self.layers:
+            x = layer(x, cache=cache)
+        return x
+
+
+def test_a_cache_updated_in_place_after_the_call_keeps_the_layer_untraced_and_says_so():
+    """The replay that checks the wrapper sees the cache as the model left it; without a cache the layer traces."""
+    torch.manual_seed(0)
+    x = seeded(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    for use_cache in (True, False):
+        model = CachedStack(use_cache).double().train()
+        fused, plan = ol.fusion.fuse(model, (x,))
+        route = next(r for r in plan.routes if r["path"] == "layers.1")
+        if use_cache:
+            assert route["route"] == "untraceable" and "replayed, it raised" in route["reason"], route
+            assert "`model.config.use_cache = False`" in route["reason"]
+        else:
+            assert route["route"] == "fx"
+            assert [d.route for d in plan.decisions if d.fused and d.pattern == "add_layer_norm"] == [
+                "fx:layers.0", "fx:layers.1"]
+        _assert_same(model, fused, x)
