@@ -97,7 +97,14 @@ def test_encoder_sample_is_bit_identical_at_every_batch_size_and_position_under_
 
 
 def test_encoder_sample_changes_bits_with_batch_size_without_strict():
-    assert _batch_mismatches(_model(), sample=5, first_only=True) != []
+    """The control of the test above: the default kernels give a sample other bits in other batches. With the
+    instruction set restricted below the CPU's (ATEN_CPU_CAPABILITY=default, MKL_ENABLE_INSTRUCTIONS=SSE4_2 on
+    an AVX-512 Xeon) MKL's GEMM can be row-local for this model: nothing to control there, and it says so."""
+    bad = _batch_mismatches(_model(), sample=5, first_only=True)
+    restricted = [k for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS") if os.environ.get(k)]
+    if not bad and restricted:
+        pytest.skip(f"the default kernels are batch-invariant for this model with {', '.join(restricted)} set")
+    assert bad != []
 
 
 def _thread_mismatches(model) -> list:
