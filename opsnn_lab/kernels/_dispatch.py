@@ -42,14 +42,19 @@ def backend_for_device(device) -> str:
 
 def forced_backend() -> str | None:
     """``"torch"`` or ``"triton"`` where ``OPSNN_BACKEND`` forces one, else None (``auto``)."""
-    choice = os.environ.get("OPSNN_BACKEND", "auto").lower()
-    return choice if choice in ("torch", "triton") else None
+    choice = _setting()
+    return None if choice == "auto" else choice
 
 
-def _choose(on_cuda: bool) -> str:
+def _setting() -> str:
     choice = os.environ.get("OPSNN_BACKEND", "auto").lower()
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"OPSNN_BACKEND must be auto, torch or triton, got {choice!r}")
+    return choice
+
+
+def _choose(on_cuda: bool) -> str:
+    choice = _setting()
     if choice == "torch":
         return "torch"
     if choice == "triton":
