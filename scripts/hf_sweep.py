@@ -147,8 +147,7 @@ def _rel(got, want, scale=None) -> float:
             continue
         same = (a == b) | (a.isnan() & b.isnan())
         d = torch.where(same, torch.zeros((), dtype=a.dtype), (a - b).abs()).nan_to_num(nan=math.inf, posinf=math.inf)
-        finite = b[b.isfinite()]
-        errs.append(float(d.max()) / (scale or (float(finite.abs().max()) if finite.numel() else 0.0) or 1.0))
+        errs.append(float(d.max()) / (scale or largest_finite([b]) or 1.0))
     return max(errs, default=0.0)
 
 

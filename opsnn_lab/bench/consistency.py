@@ -149,8 +149,7 @@ def _memory_rows(model, fwd_bwd, limit_arg: str) -> tuple[list[dict], int]:
 
     fwd_bwd()
     plain = peak_bytes(fwd_bwd)
-    limit = plain if limit_arg == "step" else check_bytes("--memory-limit",
-                                                          int(limit_arg) if limit_arg.isdigit() else limit_arg)
+    limit = plain if limit_arg == "step" else check_bytes("--memory-limit", limit_arg)
     rows = []
     for name, value in (("no limit", None), (f"memory_limit {limit / 2**20:.1f} MiB", limit)):
         checker = ConsistencyChecker(precision=None, dump_on_failure=False, memory_limit=value)

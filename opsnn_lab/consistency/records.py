@@ -258,9 +258,9 @@ def summarize_like(tensors: list[torch.Tensor], theirs: list) -> list[TensorStat
     out = []
     with one_thread():
         for t, st in zip(tensors, theirs):
-            if st is not None and st.shape == tuple(t.shape) and st.dtype == dtype_name(t) \
-                    and st.hash == tensor_hash(t):
-                out.append(st)
-            else:
+            if st is None or st.shape != tuple(t.shape) or st.dtype != dtype_name(t):
                 out.append(summarize(t))
+                continue
+            h = tensor_hash(t)
+            out.append(st if st.hash == h else summarize(t, known_hash=h))  # the hash is one pass: not twice
     return out

@@ -227,8 +227,9 @@ def tensor_hash(t: torch.Tensor) -> str:
     return _hex(_hash_words(*_dense_order(t.detach())).tolist())
 
 
-def summarize(t: torch.Tensor) -> TensorStats:
-    """Shape, dtype, min/max/mean/std/norm and NaN/Inf counts plus the bitwise hash.
+def summarize(t: torch.Tensor, known_hash: str | None = None) -> TensorStats:
+    """Shape, dtype, min/max/mean/std/norm and NaN/Inf counts plus the bitwise hash (``known_hash``: ``t``'s
+    ``tensor_hash``, where the caller computed it already).
 
     Four passes over the tensor, no float64 copy of it: the hash's one (on CPU), sum, dot (norm) and
     aminmax. Statistics accumulate in float32 (float64 for float64 tensors): they are for people to read,
@@ -240,7 +241,7 @@ def summarize(t: torch.Tensor) -> TensorStats:
     # the hash is computed for t's logical order), or one copy that the hash and the statistics share
     t, dims = _dense_order(t)
     n = t.numel()
-    h = _hex(_hash_words(t, dims).tolist())
+    h = known_hash if known_hash is not None else _hex(_hash_words(t, dims).tolist())
     if n == 0:
         return TensorStats(shape, dtype, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, h)
     x = t.abs() if t.is_complex() else t

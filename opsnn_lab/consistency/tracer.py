@@ -439,7 +439,6 @@ class OpTracer:
                 rec.outputs[i] = _copy_view(t, copies) if _storage_key(t) in kept else t.detach()
         return []
 
-
     def _mark_live(self) -> list:
         """The leaves and parameter gradients, kept as they are, with their version counters."""
         live: dict[int, torch.Tensor] = {}
