@@ -36,7 +36,7 @@ from torch import nn
 
 from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module, is_leaf_module
-from opsnn_lab.fusion.wrappers import forward_wrapper, passes_through, unwrapped_forward
+from opsnn_lab.fusion.wrappers import forward_wrapper, holds_tensors, passes_through, unwrapped_forward
 
 __all__ = ["Region", "find_regions", "trace_region", "fx_graph", "bind_call", "error_line", "concrete_args",
            "tensor_facts", "facts_hold", "library_hooks"]
@@ -65,15 +65,6 @@ def signature(fn) -> inspect.Signature:
     """``inspect.signature(fn)``, computed once per function: a rewritten region binds every call it gets, and
     three signatures a call cost ~30 us (a tenth of a tiny BERT's fused step)."""
     return inspect.signature(fn)
-
-
-def _holds_tensors(value) -> bool:
-    """An object (not a tensor or a container of tensors alone) whose attributes hold tensors: a cache."""
-    attrs = getattr(value, "__dict__", None)
-    if not attrs or isinstance(value, nn.Module):
-        return False
-    return any(isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(
-        isinstance(x, torch.Tensor) or _holds_tensors(x) for x in v)) for v in attrs.values())
 
 
 def bind_call(module: nn.Module, call) -> inspect.BoundArguments | None:
@@ -444,7 +435,8 @@ def _first_trace(module: nn.Module, concrete: dict, call) -> tuple[fx.GraphModul
     if why:
         err = RuntimeError(f"its forward is wrapped by `{wrapper}`; replayed, it raised")
         _note(err, f"the example call, replayed to check that the wrapped function returns the same: {why[:160]}")
-        if any(_holds_tensors(v) for v in (*call[0], *call[1].values())):
+        state = getattr(call, "state", None)
+        if (state is None or not state.complete) and any(holds_tensors(v) for v in (*call[0], *call[1].values())):
             _note(err, "an argument holding tensors (a key/value cache) was updated in place after the call: with "
                        "Hugging Face models, train with `model.config.use_cache = False`")
         raise err

@@ -27,6 +27,7 @@ from opsnn_lab.fusion.graph import (
     is_leaf_module,
 )
 from opsnn_lab.fusion.probe import probe_modules
+from opsnn_lab.fusion.wrappers import ArgumentState, RecordedCall
 
 __all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors", "own_dtypes", "graph_free_memo"]
 
@@ -272,7 +273,9 @@ class _Recorder(TorchFunctionMode):
             return
         path = self.paths.get(id(module))  # None: a module built inside forward, not part of the model
         if path is not None:
-            self.calls.setdefault(path, []).append((args, kwargs))
+            first = path not in self.calls  # its objects' state (a cache) as the call found it, for a replay
+            state = ArgumentState([*args, *kwargs.values()]) if first else None
+            self.calls.setdefault(path, []).append(RecordedCall(args, kwargs, state if state and state.items else None))
             ins = [self.producer.get(id(t), "") for t in flatten_tensors([list(args), kwargs])]
             self.module_calls.append(ModuleCall(path, ins, [], len(self.nodes), -1, False, len(args), tuple(kwargs)))
             self.open_calls.append(len(self.module_calls) - 1)

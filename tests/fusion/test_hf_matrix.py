@@ -248,3 +248,31 @@ def test_noise_floor_only_for_gradients_eager_gets_no_digit_of():
     with pytest.raises(AssertionError, match="bn.bias"):
         assert_within_eager_error(torch.tensor([0.5, 0.0]), noise, truth["bn.bias"],
                                   floor=_noise_floor("bn.bias", noise, truth), name="bn.bias")
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_decoders_with_a_cache_and_a_padded_mask_fuse_their_residual_norms(name):
+    """Training with the config's default ``use_cache=True``: every layer gets the model's key/value cache, and
+    with padding the mask has the keys' length. The layers trace from the cache as each call found it, both
+    residual adds of each layer fuse with their norms, and the fused model's loss, gradients and returned cache
+    are eager's."""
+    model, inputs = zoo.build(name, dropout=0.0)
+    assert model.config.use_cache
+    inputs["attention_mask"][:, :3] = 0  # left padding
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model).train(), inputs)
+    adds = [d.route for d in plan.decisions if d.pattern == "add_rms_norm" and d.fused]
+    assert adds == ["fx:model.layers.0", "fx:model.layers.1"], [(d.route, d.reason) for d in plan.decisions
+                                                                if d.pattern == "add_rms_norm"]
+    model.train()
+    want, got = model(**inputs), fused(**inputs)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(want.past_key_values.layers, got.past_key_values.layers):
+        torch.testing.assert_close(b.keys, a.keys)
+        torch.testing.assert_close(b.values, a.values)
+    want.loss.backward()
+    got.loss.backward()
+    grads = dict(fused.named_parameters())
+    for key, p in model.named_parameters():
+        torch.testing.assert_close(grads[key].grad, p.grad, rtol=1e-4, atol=1e-5 * max(1.0, p.grad.abs().max()),
+                                   msg=key)

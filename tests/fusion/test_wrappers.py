@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 import pickle
+import types
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import opsnn_lab as ol
-from opsnn_lab.fusion.wrappers import forward_wrapper, unwrapped_forward
+from opsnn_lab.fusion.wrappers import ArgumentState, RecordedCall, forward_wrapper, passes_through, unwrapped_forward
 from opsnn_lab.testing import seeded
 
 CALLS = []
@@ -200,19 +201,51 @@ class CachedStack(Stack):
         return x
 
 
-def test_a_cache_updated_in_place_after_the_call_keeps_the_layer_untraced_and_says_so():
-    """The replay that checks the wrapper sees the cache as the model left it; without a cache the layer traces."""
+def test_a_layer_given_a_cache_it_grows_is_checked_from_the_cache_as_it_was_and_fuses():
+    """The replay that checks the wrapper starts from the cache as the call found it (each later layer has grown it
+    since; replayed on that, CacheAttention raises), and the fused model fills its own cache as eager's."""
     torch.manual_seed(0)
     x = seeded(2, 5, 8, dtype=torch.float64, requires_grad=True)
     for use_cache in (True, False):
         model = CachedStack(use_cache).double().train()
         fused, plan = ol.fusion.fuse(model, (x,))
-        route = next(r for r in plan.routes if r["path"] == "layers.1")
-        if use_cache:
-            assert route["route"] == "untraceable" and "replayed, it raised" in route["reason"], route
-            assert "`model.config.use_cache = False`" in route["reason"]
-        else:
-            assert route["route"] == "fx"
-            assert [d.route for d in plan.decisions if d.fused and d.pattern == "add_layer_norm"] == [
-                "fx:layers.0", "fx:layers.1"]
+        assert [r["route"] for r in plan.routes if r["path"] in ("layers.0", "layers.1")] == ["fx", "fx"], plan.routes
+        assert [d.route for d in plan.decisions if d.fused and d.pattern == "add_layer_norm"] == [
+            "fx:layers.0", "fx:layers.1"]
         _assert_same(model, fused, x)
+
+
+def test_the_replay_restores_the_cache_the_model_left_and_without_the_call_state_says_what_to_do():
+    torch.manual_seed(0)
+    layer = CachedLayer().double()
+    h = seeded(2, 5, 8, dtype=torch.float64)
+    cache = Cache()
+    call = RecordedCall((h,), {"cache": cache}, ArgumentState([h, cache]))
+    layer(h, cache=cache)
+    cache.keys.append(h.clone())  # a later layer's keys
+    grown = list(cache.keys)
+    assert passes_through(layer, call, lambda: None) == ""
+    assert len(cache.keys) == 2 and all(a is b for a, b in zip(cache.keys, grown))  # as the model left it
+    why = passes_through(layer, ((h,), {"cache": cache}), lambda: None)  # replayed on the grown cache
+    assert why.startswith("RuntimeError: the cache holds more keys"), why
+    copied = pickle.loads(pickle.dumps(call))
+    assert torch.equal(copied[0][0], h) and list(copied[1]) == ["cache"] and copied.state is None
+
+
+def test_argument_state_restores_attributes_and_containers_by_reference_within_its_limit():
+    class Holder:
+        def __init__(self):
+            self.items, self.table, self.count, self.inner = [torch.ones(2)], {"a": 1}, 0, types.SimpleNamespace(k=None)
+
+    holder = Holder()
+    first = holder.items[0]
+    state = ArgumentState([holder, torch.zeros(1), 3])
+    holder.items.append(torch.zeros(2))
+    holder.items[0] = torch.full((2,), 5.0)
+    holder.table["b"] = 2
+    holder.count, holder.inner.k, holder.extra = 4, torch.ones(1), "new"
+    state.restore()
+    assert len(holder.items) == 1 and holder.items[0] is first and holder.table == {"a": 1}
+    assert holder.count == 0 and holder.inner.k is None and not hasattr(holder, "extra")
+    assert state.complete and not ArgumentState([[[i] for i in range(50)]], limit=10).complete
+    assert ArgumentState([torch.ones(1), 2.0, "s", nn.Linear(1, 1)]).items == []
