@@ -58,6 +58,13 @@ def check_patterns(patterns) -> list[str] | None:
     return list(patterns)
 
 
+
+def _plain(value) -> bool:
+    """A parameter a plan keeps (JSON): a number, string or flag, or a shape (a weightless norm's size)."""
+    if isinstance(value, tuple):
+        return all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return isinstance(value, (int, float, str, bool))
+
 class Analysis:
     """Everything one trace found; ``plan(patterns)`` turns it into decisions without tracing again.
 
@@ -89,7 +96,8 @@ class Analysis:
         self.regions: list[Region] = find_regions(model, trace.calls) if self.why_not or self.shared else []
         self.rewritable: dict[tuple, str] = {k: r.label for k, r in self.routes.items()}  # match key -> route
         self.fx_routes: dict[tuple, str] = {}  # match key -> fx region, for keys a module patch does not carry
-        verdicts = {k: v for k, v in trace.graph.memo.items() if isinstance(k, tuple) and k[0] == "norm"}
+        verdicts = {k: v for k, v in trace.graph.memo.items()
+                    if isinstance(k, tuple) and k[0] in ("norm", "norm_shape")}
         for r in self.regions:
             if r.route == "fx":
                 r.graph.memo.update(verdicts)  # Python norms fx inlined: what the run-time record found them to be
@@ -138,7 +146,7 @@ class Analysis:
         d = Decision(m.pattern, m.modules, m.ok, m.reason, chain=[n.label for n in m.nodes],
                      nodes=[n.name for n in m.nodes],
                      shapes=[n.shape for n in m.nodes],
-                     params={k: v for k, v in m.params.items() if isinstance(v, (int, float, str, bool))})
+                     params={k: v for k, v in m.params.items() if _plain(v)})
         if m.ok and m.key not in rewritable:
             d.fused, d.reason = False, self._not_rewritable(m, self.why_not if why_not is None else why_not)
         elif m.ok:

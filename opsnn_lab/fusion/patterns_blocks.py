@@ -260,8 +260,11 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
     kind, eps, offset = form
     m = Match(f"{kind}_norm", nodes, False, "", inputs=[x.name], outputs=[y],
               params={"norm": module, "kind": kind, "eps": eps, "offset": offset})
-    if weightless:  # the op needs the normalised size its weight would have given (an fx graph: the plan's)
-        m.params["shape"] = (x.shape[-1],) if x.shape else None
+    if weightless:  # the op needs the normalised size its weight would have given: the record's, kept for fx graphs
+        shape_key = ("norm_shape", scope)
+        if x.shape:
+            g.memo[shape_key] = (x.shape[-1],)
+        m.params["shape"] = g.memo.get(shape_key)
     if escapes:
         m.reason = f"`{escapes[0].label}` inside `{scope}` is also read outside it"
     elif kind == "rms" and isinstance(getattr(module, "bias", None), torch.Tensor):
@@ -279,6 +282,8 @@ def norm_verdicts(planned: dict) -> dict:
     for (pattern, modules), p in planned.items():
         if pattern.endswith(("rms_norm", "layer_norm")) and p and {"kind", "eps", "offset"} <= p.keys():
             out[("norm", modules[-1])] = (p["kind"], p["eps"], p["offset"])
+            if p.get("shape"):  # a norm without parameters: the size it normalises
+                out[("norm_shape", modules[-1])] = tuple(p["shape"])
     return out
 
 

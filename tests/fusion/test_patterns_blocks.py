@@ -223,8 +223,8 @@ class Net(nn.Module):
     (lambda: PyLayerNorm(16), "layer_norm", {"kind": "layer", "eps": 1e-5, "offset": 0.0}),
     (lambda: nn.RMSNorm(16, eps=1e-4), "rms_norm", {"kind": "rms_norm"}),
     (lambda: nn.LayerNorm(16), "layer_norm", {"kind": "layer_norm"}),
-    (lambda: BareLayerNorm(16), "layer_norm", {"kind": "layer", "eps": 1e-5, "offset": 0.0}),
-    (lambda: BareRMSNorm(), "rms_norm", {"kind": "rms", "eps": 1e-6, "offset": 0.0}),
+    (lambda: BareLayerNorm(16), "layer_norm", {"kind": "layer", "eps": 1e-5, "offset": 0.0, "shape": (16,)}),
+    (lambda: BareRMSNorm(), "rms_norm", {"kind": "rms", "eps": 1e-6, "offset": 0.0, "shape": (16,)}),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_modules_are_recognised_by_what_they_compute(norm, pattern, params, dtype):
@@ -325,10 +325,13 @@ def test_residual_add_and_built_in_norm_fuse_in_traceable_code(norm, pattern):
 @pytest.mark.parametrize("norm, pattern, params", [
     (lambda: Normalizer(16), "add_rms_norm", {"kind": "rms", "eps": 1e-3, "offset": 0.0}),
     (lambda: Normalizer(16, offset=True), "add_rms_norm", {"kind": "rms", "eps": 1e-3, "offset": 1.0}),
-    (lambda: PyLayerNorm(16), "add_layer_norm", {"kind": "layer", "eps": 1e-5, "offset": 0.0})])
+    (lambda: PyLayerNorm(16), "add_layer_norm", {"kind": "layer", "eps": 1e-5, "offset": 0.0}),
+    (lambda: BareLayerNorm(16), "add_layer_norm", {"kind": "layer", "eps": 1e-5, "offset": 0.0, "shape": (16,)}),
+    (BareRMSNorm, "add_rms_norm", {"kind": "rms", "eps": 1e-6, "offset": 0.0, "shape": (16,)})])
 def test_residual_add_and_python_norm_fuse_in_traceable_code(norm, pattern, params):
     """fx inlines a norm written in Python (Llama's, Gemma's, T5's): its ops are matched in the traced forward with
-    the verdict the run-time record reached, and a plan from JSON (no record) rewrites it from its params."""
+    the verdict the run-time record reached, and a plan from JSON (no record) rewrites it from its params. A norm
+    without parameters (OLMo's, NanoChat's) takes the size it normalises from the record, or from the plan."""
     torch.manual_seed(0)
     model = Residual(norm())
     x = seeded(2, 5, 16)
