@@ -170,6 +170,16 @@ def test_output_recoverable_rules():
     assert not K.output_recoverable(w, b + 1.01 * edge, 0.0, torch.float32)
     assert not K.output_recoverable(w, b + float("nan"), 0.0, torch.float32)
     assert not K.output_recoverable(w * float("inf"), None, 0.0, torch.float32)
+    assert not K.output_recoverable(torch.tensor([1.0, float("nan"), 1.0]), None, 0.0, torch.float32)
+    assert not K.output_recoverable(w, b - float("inf"), 0.0, torch.float32)
+    assert not K.output_recoverable(w, torch.tensor([0.0, 0.0, 0.0, -4.5]), 0.0, torch.float32)  # one column
+    for dtype in (torch.bfloat16, torch.float16):  # the weight in its own dtype, the bias against it per column
+        assert K.output_recoverable(w.to(dtype), (b + edge).to(dtype), 0.0, dtype)
+        assert not K.output_recoverable(w.to(dtype), (b + 4.5).to(dtype), 0.0, dtype)
+        assert K.output_recoverable((w - 1).to(dtype), None, 1.0, dtype)  # Gemma's (1 + 0)
+        assert not K.output_recoverable(torch.full((4,), -1.0, dtype=dtype), None, 1.0, dtype)  # (1 - 1)
+    assert K.output_recoverable(torch.ones(2, 3), torch.zeros(2, 3), 0.0, torch.float32)  # a 2-D normalized shape
+    assert K.output_recoverable(torch.ones(0), None, 0.0, torch.float32)
 
 
 @pytest.mark.parametrize("m, n, rms, residual, offset", [(35, 37, False, True, 0.0), (35, 37, True, False, 1.0),
