@@ -7,10 +7,14 @@ real tensors in the rewritten model; (2) non-tensor arguments seen on the exampl
 flags) are specialised, and the rewritten forward guards on them at run time (fallback: original code);
 (3) when that still fails, the tensor arguments' rank and nestedness are those of the example call, so a
 forward's checks on them (``x.dim() == 3``, ``(*x.shape[:-1], -1)``, ``x.is_nested``) read plain values,
-and a ``**kwargs`` the call left empty is ``{}`` (Hugging Face forwards pass it on: ``f(..., **kwargs)``);
+and a ``**kwargs`` the call left empty is ``{}`` (Hugging Face forwards pass it on: ``f(..., **kwargs)``), one it
+filled with plain values only is those values (``output_router_logits=False``);
 each fact the traced code relied on is guarded at run time the same way. Sizes stay symbolic; (4) a forward
 wrapped by a ``(self, *args, **kwargs)`` decorator is traced as the function it wraps when the wrapper passes
-the example call through unchanged (``wrappers.py``: Hugging Face's gradient-checkpointing layers).
+the example call through unchanged (``wrappers.py``: Hugging Face's gradient-checkpointing layers); (5) a
+submodule whose own forward stops the tracer (a mixture-of-experts block routing tokens by their values) is kept
+as one call in its parent's trace (``Region.leaves``), so the parent's code around it (the residual adds and norms
+of a decoder layer) is still rewritten, and the submodule runs as it is.
 When a module still fails, its children are tried; the reason is kept for the plan.
 
 A module whose forward runs its children in turn (``nn.Sequential``, or any forward looping over
@@ -54,10 +58,11 @@ class Region:
     graph: Graph | None = field(default=None, repr=False)
     tensors: dict = field(default_factory=dict)  # the example's tensor facts, when tracing needed them
     unwrapped: str = ""  # the forward's wrapper, when the function it wraps was traced (wrappers.py)
+    leaves: list[str] = field(default_factory=list)  # submodules (paths from the region) kept as calls: they stop fx
 
     def to_dict(self) -> dict:
         return {"path": self.path, "route": self.route, "reason": self.reason, "concrete": self.concrete,
-                "wrapped": self.wrapped, "tensors": self.tensors, "unwrapped": self.unwrapped}
+                "wrapped": self.wrapped, "tensors": self.tensors, "unwrapped": self.unwrapped, "leaves": self.leaves}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -95,15 +100,28 @@ def concrete_args(module: nn.Module, call) -> dict:
 
 
 def tensor_facts(module: nn.Module, call) -> dict:
-    """``{name: {"ndim": int, "is_nested": bool}}`` for each tensor argument of the observed call, and
-    ``{name: {"empty": True}}`` for a ``**kwargs`` parameter the call left empty."""
+    """``{name: {"ndim": int, "is_nested": bool}}`` for each tensor argument of the observed call;
+    ``{name: {"empty": True}}`` for a ``**kwargs`` parameter the call left empty, and ``{name: {"constant":
+    {key: value}}}`` for one it filled with plain values only (flags: a mixture-of-experts layer's
+    ``output_router_logits=False``), which the traced code then reads as constants."""
     bound = bind_call(module, call)
     out = {name: {"ndim": value.dim(), "is_nested": bool(value.is_nested)}
            for name, value in _named_arguments(bound) if isinstance(value, torch.Tensor)}
     for p in bound.signature.parameters.values() if bound is not None else ():
-        if p.kind == inspect.Parameter.VAR_KEYWORD and not bound.arguments.get(p.name):
+        if p.kind != inspect.Parameter.VAR_KEYWORD:
+            continue
+        given = bound.arguments.get(p.name) or {}
+        if not given:
             out[p.name] = {"empty": True}
+        elif all(isinstance(v, _SCALARS) for v in given.values()):
+            out[p.name] = {"constant": dict(given)}
     return out
+
+
+def _same_constants(value, want: dict) -> bool:
+    """``value`` is a dict with ``want``'s keys and, per key, a value of the same type that compares equal."""
+    return isinstance(value, dict) and value.keys() == want.keys() and all(
+        type(value[k]) is type(v) and value[k] == v for k, v in want.items())
 
 
 def facts_hold(facts: dict, arguments: dict) -> bool:
@@ -112,6 +130,10 @@ def facts_hold(facts: dict, arguments: dict) -> bool:
         value = arguments.get(name)
         if wanted.get("empty"):  # a **kwargs the traced code took as {}
             if value:
+                return False
+            continue
+        if "constant" in wanted:  # a **kwargs of plain values the traced code took as constants
+            if not _same_constants(value or {}, wanted["constant"]):
                 return False
             continue
         if not isinstance(value, torch.Tensor):
@@ -177,18 +199,33 @@ class _Tracer(fx.Tracer):
     flat_output_type: type | None = None
     _depth = 0
 
-    def __init__(self, autowrap_functions=(), tensor_facts=None):
+    def __init__(self, autowrap_functions=(), tensor_facts=None, leaves=()):
         super().__init__(autowrap_functions=autowrap_functions)
         self.tensor_facts, self.facts_read = dict(tensor_facts or {}), {}
         self.empty_kwargs: list[fx.Node] = []  # their placeholders, dropped from the graph after the trace
+        self.leaves, self.leaf_ids = tuple(leaves), set()
+        self.failed_child: str | None = None  # the innermost submodule whose forward raised, by path
+
+    def trace(self, root, concrete_args=None):
+        self.leaf_ids = {id(root.get_submodule(p)) for p in self.leaves}
+        return super().trace(root, concrete_args)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_child is None:  # the innermost call sees the error first
+                self.failed_child = next((p for p, sub in self.root.named_modules() if sub is m), None)
+            raise
 
     def proxy(self, node: fx.Node):
         name = str(node.target).lstrip("*")
         if node.op == "placeholder" and name in self.tensor_facts:
-            if self.tensor_facts[name].get("empty"):  # **kwargs left empty: the forward sees {} (guarded)
-                self.facts_read[name] = {"empty": True}
+            facts = self.tensor_facts[name]
+            if facts.get("empty") or "constant" in facts:  # **kwargs: the forward sees {} or its constants (guarded)
+                self.facts_read[name] = dict(facts)
                 self.empty_kwargs.append(node)
-                return {}
+                return dict(facts.get("constant", {}))
             return _InputProxy(node, self, name, self.tensor_facts[name])
         return super().proxy(node)
 
@@ -198,7 +235,7 @@ class _Tracer(fx.Tracer):
         # Built-in modules are leaves as in fx, except the composites the run-time trace looks into too
         # (graph.is_leaf_module: nn.TransformerEncoderLayer runs its Linears and norms as a user module would).
         patched = callable(m.__dict__.get("forward"))
-        return patched or has_hooks(m) or is_leaf_module(m)
+        return patched or has_hooks(m) or is_leaf_module(m) or id(m) in self.leaf_ids
 
     def create_arg(self, a):
         if self._depth == 0:  # the last top-level value turned into graph arguments is the forward's output
@@ -211,6 +248,9 @@ class _Tracer(fx.Tracer):
             return super().create_arg(a)
         finally:
             self._depth -= 1
+
+
+_RETRIES = 8  # traces of one region: each retry keeps one more helper or submodule opaque
 
 
 @contextlib.contextmanager
@@ -262,8 +302,10 @@ def _hf_hook_installer():
 
 
 def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
-                 facts: dict | None = None, unwrap: bool = False) -> tuple[fx.GraphModule, list]:
-    """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer.
+                 facts: dict | None = None, unwrap: bool = False, leaves=()) -> tuple[fx.GraphModule, list]:
+    """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer and
+    keeping as one call each submodule whose own forward stops it (``leaves``: paths from ``module`` known to; the
+    final list is ``gm.meta["leaves"]``).
 
     ``facts`` (from ``tensor_facts``) gives the tensor arguments the example's rank; the facts the code read
     are in ``gm.meta["facts_read"]``, for the caller to guard on. ``unwrap``: trace the function the forward's
@@ -274,10 +316,10 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
     flags = {m: m.training for m in module.modules()}
     state = _instance_state(module)
     module.train(training)
-    wrapped = list(wrapped)
+    wrapped, leaves = list(wrapped), list(leaves)
     try:
-        for _ in range(4):
-            tracer = _Tracer(tuple(wrapped), facts)
+        for _ in range(_RETRIES):
+            tracer = _Tracer(tuple(wrapped), facts, leaves)
             try:
                 with unwrapped_forward(module) if unwrap else contextlib.nullcontext():
                     graph = tracer.trace(module, concrete_args=dict(concrete) or None)
@@ -289,13 +331,17 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
                 gm.meta["output_type"] = flattened_output or tracer.output_type
                 gm.meta["facts_read"] = tracer.facts_read
                 gm.meta["unwrapped"] = unwrap
+                gm.meta["leaves"] = leaves
                 return gm, wrapped
             except Exception as exc:  # noqa: BLE001 - any tracer failure sends us one level down
                 fn = _blocker(exc, module)
-                if fn is None or fn in wrapped:
+                if fn is not None and fn not in wrapped:
+                    wrapped.append(fn)
+                elif tracer.failed_child and tracer.failed_child not in leaves:
+                    leaves.append(tracer.failed_child)
+                else:
                     raise
-                wrapped.append(fn)
-        raise RuntimeError("too many helper functions stop the tracer")
+        raise RuntimeError("too many helper functions and submodules stop the tracer")
     finally:
         for m, flag in flags.items():
             m.training = flag
@@ -375,7 +421,7 @@ def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wr
         return False
     module.add_module(_PROBE_CHILD, nn.Identity())
     try:
-        probed, _ = trace_region(module, concrete, True, wrapped, facts, unwrap)
+        probed, _ = trace_region(module, concrete, True, wrapped, facts, unwrap, gm.meta.get("leaves", ()))
         return probed.code != gm.code
     except Exception:  # noqa: BLE001 - it traced without the extra child: the child is what stops it
         return True
@@ -460,10 +506,11 @@ def find_regions(model: nn.Module, calls: dict) -> list[Region]:
                 regions.append(Region(path, "untraceable", _reason(exc), concrete))
             else:
                 if not _runs_its_children(module, gm, concrete, wrapped, facts, bool(unwrapped)):
+                    leaves = list(gm.meta.get("leaves", ()))
                     regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped],
-                                          fx_graph(gm, path, module), facts, unwrapped))
-                    for name, inner in module.named_modules():  # kept as calls for their hooks: regions too
-                        if name and has_hooks(inner) and not is_leaf_module(inner):
+                                          fx_graph(gm, path, module), facts, unwrapped, leaves))
+                    for name, inner in module.named_modules():  # kept as calls (hooks, or fx stops in them): regions
+                        if name and (has_hooks(inner) or name in leaves) and not is_leaf_module(inner):
                             visit(f"{path}.{name}" if path else name, inner)
                     return
                 regions.append(Region(path, "container", f"`{type(module).__name__}` runs its children in turn: a "

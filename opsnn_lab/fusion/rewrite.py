@@ -159,9 +159,10 @@ class FxForward(Patch):
             return type(self.host).forward(self.host, *args, **kwargs)
         pos, kw = [], {}
         traced = list(signature(type(gm).forward).parameters.items())[1:]
-        empty = self.facts.get(self.host.training, {})  # a **kwargs the traced code took as {}: not an argument
+        # a **kwargs the traced code took as {} or as constants: not an argument of the traced code
+        facts = self.facts.get(self.host.training, {})
         original = [n for n in list(signature(type(self.host).forward).parameters)[1:]
-                    if not empty.get(n, {}).get("empty")]
+                    if not (facts.get(n, {}).get("empty") or "constant" in facts.get(n, {}))]
         if len(original) != len(traced):
             original = [name for name, _ in traced]
         for source, (name, p) in zip(original, traced):
@@ -229,7 +230,7 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
     variants, done = {}, 0
     for training in (True, False):
         gm, _ = trace_region(region, route["concrete"], training, wrapped, route.get("tensors") or None,
-                             bool(route.get("unwrapped")))
+                             bool(route.get("unwrapped")), route.get("leaves", ()))
         g, moved = fx_graph(gm, path, region), {}
         g.memo.update(norm_verdicts(keys))
         # Planned matches take their nodes in table order, as in the analysis: a node is rewritten once. A module

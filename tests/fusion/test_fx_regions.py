@@ -359,6 +359,93 @@ def test_an_empty_kwargs_is_traced_as_empty_and_a_call_with_keywords_runs_the_or
     torch.testing.assert_close(restored(x), model(x), rtol=1e-12, atol=1e-12)
 
 
+class HoldsScaledKwargs(HoldsTakesKwargs):
+    """Passes plain values into the block's ``**kwargs`` (a mixture-of-experts layer's ``output_router_logits``)."""
+
+    scale = 2.0
+
+    def forward(self, x):
+        if x.sum() > 1e9:
+            x = x * 0.5
+        return self.block(x, scale=self.scale)["out"]
+
+
+def test_a_kwargs_of_plain_values_is_traced_as_constants_and_another_value_runs_the_original():
+    model, x, fused, region = _fused_block(HoldsScaledKwargs)
+    assert region["tensors"]["kwargs"] == {"constant": {"scale": 2.0}}
+    calls = []
+    fused.block.fused_linear_gelu_dropout_linear_0.register_forward_hook(lambda *_: calls.append(1))
+    for scale, traced in ((2.0, True), (3.0, False), (2, False)):  # 2 (an int) is not the traced float
+        model.scale = fused.scale = scale
+        calls.clear()
+        got, want = fused(x), model(x)
+        assert calls == ([1] if traced else []), scale
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    again = ol.fusion.apply(model, ol.fusion.analyze(model.train(), (x,)))  # from the plan's facts, JSON-safe
+    torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+class ByValue(nn.Module):
+    """Routes by the values of its input (as a mixture-of-experts block does): fx cannot trace this forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, h):
+        return self.a(h) if h.sum() > 0 else self.b(h)
+
+
+class RoutedLayer(nn.Module):
+    """A pre-norm block around a child fx cannot trace: its residual add and norm are still the layer's own code."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.fc, self.ln2, self.route = nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8), ByValue()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = x + self.fc(self.ln1(x))
+        return h + self.out(self.route(self.ln2(h)))
+
+
+class RoutedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([RoutedLayer(), RoutedLayer()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+            if x.sum() > 1e9:  # data-dependent here too: the layers are the regions
+                x = x * 0.5
+        return x
+
+
+def test_a_child_fx_cannot_trace_stays_one_call_and_the_code_around_it_is_rewritten():
+    torch.manual_seed(0)
+    model, x = RoutedStack().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    routes = {r["path"]: r for r in plan.routes}
+    assert [routes[f"layers.{i}"]["leaves"] for i in range(2)] == [["route"], ["route"]]
+    assert routes["layers.0.route"]["route"] == "untraceable"  # visited as a region of its own: it stays as is
+    assert [(d.pattern, d.modules[-1], d.route) for d in plan.decisions if d.fused and d.pattern.startswith("add")] \
+        == [("add_layer_norm", f"layers.{i}.ln2", f"fx:layers.{i}") for i in range(2)]
+    for sign in (1.0, -1.0):  # both branches of the child, which runs its own forward in the rewritten layer
+        inp = (x.detach() * sign).requires_grad_()
+        want, got = model(inp), fused(inp)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        g_want = torch.autograd.grad(want.sin().sum(), [inp, *model.parameters()], allow_unused=True)
+        g_got = torch.autograd.grad(got.sin().sum(), [inp, *fused.parameters()], allow_unused=True)
+        for a, b in zip(g_got, g_want):  # the branch not taken has no gradient, in both
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    again = ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(plan.to_json()))
+    torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pickle.loads(pickle.dumps(fused))(x), model(x), rtol=1e-12, atol=1e-12)
+
+
 class _Inner(nn.Module):
     def __init__(self):
         super().__init__()
