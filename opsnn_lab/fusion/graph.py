@@ -73,8 +73,11 @@ def canonical_module(module: nn.Module) -> str:
     if module in Probed.activation:
         return Probed.activation[module]
     for cls in type(module).__mro__:
-        if cls in _MODULE_OPS:
-            return _MODULE_OPS[cls]
+        if cls in _MODULE_OPS:  # a subclass with a forward of its own (Nemotron's LayerNorm1P: 1 + weight) is that op
+            # only where probe.py found it to compute it (FalconLinear; timm's BatchNormAct2d: its BatchNorm)
+            if own_forward(module) is own_forward(cls) or module in Probed.linear or module in Probed.bn_act:
+                return _MODULE_OPS[cls]
+            break
     if type(module).__module__.startswith("opsnn_lab.ops") and type(module).__name__ == "Dropout":
         return "dropout"  # the counter-based dropout ol.consistency.make_reproducible swaps in
     return type(module).__name__.lower()

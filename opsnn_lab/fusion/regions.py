@@ -302,10 +302,14 @@ def _hf_hook_installer():
 
 
 def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
-                 facts: dict | None = None, unwrap: bool = False, leaves=()) -> tuple[fx.GraphModule, list]:
-    """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer and
-    keeping as one call each submodule whose own forward stops it (``leaves``: paths from ``module`` known to; the
-    final list is ``gm.meta["leaves"]``).
+                 facts: dict | None = None, unwrap: bool = False, leaves=(),
+                 leaf_ok=None) -> tuple[fx.GraphModule, list]:
+    """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer.
+
+    ``leaves``: submodules (paths from ``module``) kept as one call each. ``leaf_ok(path)``: whether a submodule
+    whose own forward stops the tracer may be kept so too (the caller knows it returned one tensor: the traced
+    code gets a proxy for its result, and a tuple holding None would take the wrong branch at an ``is None``);
+    the final list is ``gm.meta["leaves"]``.
 
     ``facts`` (from ``tensor_facts``) gives the tensor arguments the example's rank; the facts the code read
     are in ``gm.meta["facts_read"]``, for the caller to guard on. ``unwrap``: trace the function the forward's
@@ -337,7 +341,8 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
                 fn = _blocker(exc, module)
                 if fn is not None and fn not in wrapped:
                     wrapped.append(fn)
-                elif tracer.failed_child and tracer.failed_child not in leaves:
+                elif tracer.failed_child and tracer.failed_child not in leaves and leaf_ok and \
+                        leaf_ok(tracer.failed_child):
                     leaves.append(tracer.failed_child)
                 else:
                     raise
@@ -452,24 +457,24 @@ def _note(exc: BaseException, text: str) -> None:
     exc.__notes__ = [*getattr(exc, "__notes__", ()), text]
 
 
-def _first_trace(module: nn.Module, concrete: dict, call) -> tuple[fx.GraphModule, list, dict, str]:
+def _first_trace(module: nn.Module, concrete: dict, call, leaf_ok=None) -> tuple[fx.GraphModule, list, dict, str]:
     """A plain trace, else one with the example call's tensor facts, else (a wrapped forward that passes the call
     through) one of the function the wrapper wraps; the last error stands, with a note on the wrapper. Returns
     (gm, wrapped helpers, facts, the wrapper's name or '')."""
     try:
-        return (*trace_region(module, concrete, True), {}, "")
+        return (*trace_region(module, concrete, True, leaf_ok=leaf_ok), {}, "")
     except Exception:  # noqa: BLE001 - retried below
         facts = tensor_facts(module, call)
         wrapper = forward_wrapper(module)
         if not facts and not wrapper:
             raise
     try:
-        return (*trace_region(module, concrete, True, facts=facts or None), facts, "")
+        return (*trace_region(module, concrete, True, facts=facts or None, leaf_ok=leaf_ok), facts, "")
     except Exception:  # noqa: BLE001 - retried below when a wrapper is what fx cannot read
         if not wrapper:
             raise
     try:
-        gm, wrapped = trace_region(module, concrete, True, facts=facts or None, unwrap=True)
+        gm, wrapped = trace_region(module, concrete, True, facts=facts or None, unwrap=True, leaf_ok=leaf_ok)
     except Exception as exc:  # noqa: BLE001 - said where
         _note(exc, f"traced as the function `{wrapper}` wraps")
         raise
@@ -489,6 +494,12 @@ def _first_trace(module: nn.Module, concrete: dict, call) -> tuple[fx.GraphModul
     return gm, wrapped, facts, wrapper
 
 
+def _returned_tensors(calls: dict, region: str, child: str) -> bool:
+    """Whether every recorded call of ``child`` (a path from ``region``) returned one tensor."""
+    recorded = calls.get(f"{region}.{child}" if region else child, [])
+    return bool(recorded) and all(getattr(c, "bare", False) for c in recorded)
+
+
 def find_regions(model: nn.Module, calls: dict) -> list[Region]:
     """Largest traceable modules, top-down; an untraceable module is recorded with why, then its children."""
     regions: list[Region] = []
@@ -501,7 +512,8 @@ def find_regions(model: nn.Module, calls: dict) -> list[Region]:
         if path in calls:
             concrete = concrete_args(module, calls[path][0])
             try:
-                gm, wrapped, facts, unwrapped = _first_trace(module, concrete, calls[path][0])
+                gm, wrapped, facts, unwrapped = _first_trace(module, concrete, calls[path][0],
+                                                             functools.partial(_returned_tensors, calls, path))
             except Exception as exc:  # noqa: BLE001
                 regions.append(Region(path, "untraceable", _reason(exc), concrete))
             else:

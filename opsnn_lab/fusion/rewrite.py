@@ -229,8 +229,13 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
     wrapped = [getattr(inspect.getmodule(type(region)), n) for n in route.get("wrapped", [])]
     variants, done = {}, 0
     for training in (True, False):
-        gm, _ = trace_region(region, route["concrete"], training, wrapped, route.get("tensors") or None,
-                             bool(route.get("unwrapped")), route.get("leaves", ()))
+        try:
+            gm, _ = trace_region(region, route["concrete"], training, wrapped, route.get("tensors") or None,
+                                 bool(route.get("unwrapped")), route.get("leaves", ()))
+        except Exception:  # noqa: BLE001 - eval mode, which the analysis did not trace: the original runs there
+            if training:
+                raise
+            break
         g, moved = fx_graph(gm, path, region), {}
         g.memo.update(norm_verdicts(keys))
         # Planned matches take their nodes in table order, as in the analysis: a node is rewritten once. A module

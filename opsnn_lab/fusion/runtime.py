@@ -175,6 +175,7 @@ class _Recorder(TorchFunctionMode):
         self.counts: dict[str, int] = {}
         self.param_storages = {_storage_key(p) for p in model.parameters()}
         self.module_calls: list[ModuleCall] = []
+        self.records: dict[int, RecordedCall] = {}  # index in module_calls -> its call in ``calls``, until it returns
         self.open_calls: list[tuple[int, int] | None] = []  # (index in module_calls, first node index)
         self.called: set[int] = set()  # id of every module called, inside built-in modules too
         self.read: set[int] = set()  # id of every Parameter a recorded function call read
@@ -275,7 +276,9 @@ class _Recorder(TorchFunctionMode):
         if path is not None:
             first = path not in self.calls  # its objects' state (a cache) as the call found it, for a replay
             state = ArgumentState([*args, *kwargs.values()]) if first else None
-            self.calls.setdefault(path, []).append(RecordedCall(args, kwargs, state if state and state.items else None))
+            record = RecordedCall(args, kwargs, state if state and state.items else None)
+            self.calls.setdefault(path, []).append(record)
+            self.records[len(self.module_calls)] = record
             ins = [self.producer.get(id(t), "") for t in flatten_tensors([list(args), kwargs])]
             self.module_calls.append(ModuleCall(path, ins, [], len(self.nodes), -1, False, len(args), tuple(kwargs)))
             self.open_calls.append(len(self.module_calls) - 1)
@@ -310,6 +313,9 @@ class _Recorder(TorchFunctionMode):
         if index is not None:
             call = self.module_calls[index]
             call.end, call.bare = len(self.nodes), isinstance(output, torch.Tensor)
+            record = self.records.pop(index, None)
+            if record is not None:
+                record.bare = call.bare
             call.outputs = [self.producer.get(id(t), "") for t in flatten_tensors(output)]
 
     def pack(self, t: torch.Tensor):

@@ -116,11 +116,11 @@ class ArgumentState:
 
 class RecordedCall(tuple):
     """``(args, kwargs)`` of a recorded module call; ``state``: the ``ArgumentState`` of its non-tensor
-    arguments when the call began (None when not taken)."""
+    arguments when the call began (None when not taken); ``bare``: it returned one tensor (set when it returns)."""
 
     def __new__(cls, args: tuple, kwargs: dict, state: ArgumentState | None = None):
         call = super().__new__(cls, (args, kwargs))
-        call.state = state
+        call.state, call.bare = state, False
         return call
 
     def __reduce__(self):  # copy and pickle: the state is left out (it holds the objects by reference)

@@ -446,6 +446,86 @@ def test_a_child_fx_cannot_trace_stays_one_call_and_the_code_around_it_is_rewrit
     torch.testing.assert_close(pickle.loads(pickle.dumps(fused))(x), model(x), rtol=1e-12, atol=1e-12)
 
 
+class PairByValue(ByValue):
+    """Returns ``(tensor, None)``: kept as one call, the traced code would see a proxy where None is."""
+
+    def forward(self, h):
+        return super().forward(h), None
+
+
+class PairLayer(RoutedLayer):
+    def __init__(self):
+        super().__init__()
+        self.route = PairByValue()
+
+    def forward(self, x):
+        h = x + self.fc(self.ln1(x))
+        y, extra = self.route(self.ln2(h))
+        return h + self.out(y if extra is None else y + extra)
+
+
+class LayerNorm1P(nn.LayerNorm):
+    """A LayerNorm subclass with a forward of its own, ``(1 + weight)``, that fx cannot trace (Nemotron's norm)."""
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):  # fx cannot read a device type from a proxy
+            return nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class OwnNormLayer(RoutedLayer):
+    def __init__(self):
+        super().__init__()
+        self.ln2 = LayerNorm1P(8)
+
+    def forward(self, x):  # the norm's output read by a Linear, which keeps it: an nn.LayerNorm here would fuse
+        h = x + self.fc(self.ln1(x))
+        return h + self.out(self.ln2(h))
+
+
+class EvalStops(RoutedLayer):
+    """Traces in train mode; in eval mode its forward branches on values, which the analysis never traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.route = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = x + self.fc(self.ln1(x))
+        if not self.training and h.sum() > 1e9:
+            h = h * 0.5
+        return h + self.out(self.route(self.ln2(h)))
+
+
+@pytest.mark.parametrize("layer, untraceable", [(PairLayer, True), (OwnNormLayer, False), (EvalStops, False)])
+def test_children_fx_cannot_trace_are_kept_only_where_the_traced_code_stays_right(layer, untraceable):
+    """A child returning more than one tensor is not kept as a call (its ``None`` would be a proxy); a LayerNorm
+    subclass with its own forward, kept as a call, is not taken for an nn.LayerNorm; a region whose eval-mode
+    trace fails runs its original forward in eval mode."""
+    torch.manual_seed(0)
+    model = RoutedStack().double()
+    model.layers = nn.ModuleList([layer(), layer()]).double()
+    x = seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    route = next(r for r in plan.routes if r["path"] == "layers.0")
+    assert route["route"] == ("untraceable" if untraceable else "fx"), route
+    if layer is OwnNormLayer:
+        assert route["leaves"] == ["ln2"]
+        assert not any(d.fused and d.pattern.startswith("add") for d in plan.decisions)  # a norm of its own kind
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        fused.train(mode == "train")
+        want, got = model(x), fused(x)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        g_want = torch.autograd.grad(want.sin().sum(), [x, *model.parameters()], allow_unused=True)
+        g_got = torch.autograd.grad(got.sin().sum(), [x, *fused.parameters()], allow_unused=True)
+        for a, b in zip(g_got, g_want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if layer is EvalStops:
+        assert set(fused.layers[0].__dict__["forward"].variants) == {True}
+
+
 class _Inner(nn.Module):
     def __init__(self):
         super().__init__()
