@@ -296,6 +296,8 @@ def find_norms(g: Graph) -> list[Match]:
             m.reason = _op_support(op, n.obj) or _common_checks(g, [n])
             m.ok = not m.reason
             out.append(_keep_input_if_written(g, m))
+        elif n.kind == "module" and isinstance(g.memo.get(("norm", n.module)), tuple) and n.inputs:
+            out.append(_keep_input_if_written(g, _judged_norm_call(g, n)))
     if not g.modules:
         return out
     by_scope: dict[str, list[Node]] = {}
@@ -309,6 +311,20 @@ def find_norms(g: Graph) -> list[Match]:
             if m is not None:
                 out.append(_keep_input_if_written(g, m))
     return out
+
+
+def _judged_norm_call(g: Graph, n: Node) -> Match:
+    """A norm module kept as one call in an fx graph (its own forward stops the tracer: Nemotron's LayerNorm1P
+    under ``torch.autocast``), which the run-time record looked into and judged a norm: the same match, from that
+    verdict."""
+    kind, eps, offset = g.memo[("norm", n.module)]
+    m = Match(f"{kind}_norm", [n], False, "", inputs=n.inputs[:1], outputs=[n],
+              params={"norm": n.obj, "kind": kind, "eps": eps, "offset": offset})
+    if next(n.obj.parameters(), None) is None:
+        m.params["shape"] = g.memo.get(("norm_shape", n.module))
+    m.reason = _common_checks(g, [n])
+    m.ok = not m.reason
+    return m
 
 
 def _keep_input_if_written(g: Graph, m: Match) -> Match:

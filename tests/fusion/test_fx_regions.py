@@ -499,8 +499,8 @@ class EvalStops(RoutedLayer):
 @pytest.mark.parametrize("layer, untraceable", [(PairLayer, True), (OwnNormLayer, False), (EvalStops, False)])
 def test_children_fx_cannot_trace_are_kept_only_where_the_traced_code_stays_right(layer, untraceable):
     """A child returning more than one tensor is not kept as a call (its ``None`` would be a proxy); a LayerNorm
-    subclass with its own forward, kept as a call, is not taken for an nn.LayerNorm; a region whose eval-mode
-    trace fails runs its original forward in eval mode."""
+    subclass with its own forward, kept as a call, is not taken for an nn.LayerNorm but for what the run-time
+    record found it to compute; a region whose eval-mode trace fails runs its original forward in eval mode."""
     torch.manual_seed(0)
     model = RoutedStack().double()
     model.layers = nn.ModuleList([layer(), layer()]).double()
@@ -510,7 +510,9 @@ def test_children_fx_cannot_trace_are_kept_only_where_the_traced_code_stays_righ
     assert route["route"] == ("untraceable" if untraceable else "fx"), route
     if layer is OwnNormLayer:
         assert route["leaves"] == ["ln2"]
-        assert not any(d.fused and d.pattern.startswith("add") for d in plan.decisions)  # a norm of its own kind
+        # not an nn.LayerNorm by its class: the norm the run-time record found its ops to compute, (1 + weight)
+        assert [(d.route, d.params) for d in plan.decisions if d.fused and d.pattern == "add_layer_norm"] == [
+            (f"fx:layers.{i}", {"kind": "layer", "eps": 1e-5, "offset": 1.0}) for i in range(2)]
     for mode in ("train", "eval"):
         model.train(mode == "train")
         fused.train(mode == "train")
@@ -524,6 +526,9 @@ def test_children_fx_cannot_trace_are_kept_only_where_the_traced_code_stays_righ
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     if layer is EvalStops:
         assert set(fused.layers[0].__dict__["forward"].variants) == {True}
+    model.train()
+    again = ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(plan.to_json()))  # from the plan alone
+    torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
 
 
 class _Inner(nn.Module):
