@@ -93,15 +93,20 @@ class Analysis:
                 self.why_not[m.key] = route
         # module routes patching a module called more than once: every call is this chain (patch.RoutePlanner)
         self.shared: dict[tuple, tuple[str, int]] = {k: v for k, v in planner.shared.items() if k in self.routes}
-        self.regions: list[Region] = find_regions(model, trace.calls) if self.why_not or self.shared else []
-        self.rewritable: dict[tuple, str] = {k: r.label for k, r in self.routes.items()}  # match key -> route
-        self.fx_routes: dict[tuple, str] = {}  # match key -> fx region, for keys a module patch does not carry
         verdicts = {k: v for k, v in trace.graph.memo.items()
                     if isinstance(k, tuple) and k[0] in ("norm", "norm_shape")}
+
+        def wanted(graph) -> list:  # the chains a region's graph holds that only fx can rewrite
+            graph.memo.update(verdicts)  # Python norms fx inlined: what the run-time record found them to be
+            return [m for m in find_all(graph) if m.viable and (m.key in self.why_not or m.key in self.shared)]
+
+        self.regions: list[Region] = find_regions(model, trace.calls, lambda g: bool(wanted(g))) \
+            if self.why_not or self.shared else []
+        self.rewritable: dict[tuple, str] = {k: r.label for k, r in self.routes.items()}  # match key -> route
+        self.fx_routes: dict[tuple, str] = {}  # match key -> fx region, for keys a module patch does not carry
         for r in self.regions:
             if r.route == "fx":
-                r.graph.memo.update(verdicts)  # Python norms fx inlined: what the run-time record found them to be
-                for m in find_all(r.graph):
+                for m in wanted(r.graph):
                     if m.viable and (m.key in self.why_not or m.key in self.shared):
                         self.fx_routes.setdefault(m.key, f"fx:{r.path or '<model>'}")
         for k, label in self.fx_routes.items():

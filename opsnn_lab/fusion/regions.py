@@ -478,8 +478,19 @@ def _first_trace(module: nn.Module, concrete: dict, call, leaf_ok=None) -> tuple
     except Exception as exc:  # noqa: BLE001 - said where
         _note(exc, f"traced as the function `{wrapper}` wraps")
         raise
-    state = _instance_state(module)  # the forward runs twice below; what it caches in `self` is put back
-    why = passes_through(module, call, lambda: _restore_instance_state(state))
+    return gm, wrapped, facts, wrapper
+
+
+def _check_wrapper(module: nn.Module, call, wrapper: str, checked: dict) -> None:
+    """Raise unless ``module``'s forward wrapper passes ``call`` through (``wrappers.passes_through``). A wrapper is
+    replayed once per class, non-tensor arguments and flags (``gradient_checkpointing``, ``training``: what such a
+    wrapper reads; ``checked`` keeps the verdicts): twelve BERT layers need one replay, not twelve."""
+    flags = {k: v for k, v in vars(module).items() if isinstance(v, bool)}
+    key = (type(module), wrapper, _plain_key(concrete_args(module, call)), _plain_key(flags))
+    if key not in checked:
+        state = _instance_state(module)  # the forward runs twice below; what it caches in `self` is put back
+        checked[key] = passes_through(module, call, lambda: _restore_instance_state(state))
+    why = checked[key]
     if why == "other values":
         raise RuntimeError(f"its forward is wrapped by `{wrapper}`, which returns other values than the function "
                            "it wraps on the example call (traced, that function would leave the wrapper out)")
@@ -491,7 +502,10 @@ def _first_trace(module: nn.Module, concrete: dict, call, leaf_ok=None) -> tuple
             _note(err, "an argument holding tensors (a key/value cache) was updated in place after the call: with "
                        "Hugging Face models, train with `model.config.use_cache = False`")
         raise err
-    return gm, wrapped, facts, wrapper
+
+
+def _plain_key(values: dict) -> tuple:
+    return tuple(sorted((k, type(v).__name__, v) for k, v in values.items() if isinstance(v, _SCALARS)))
 
 
 def _returned_tensors(calls: dict, region: str, child: str) -> bool:
@@ -500,10 +514,15 @@ def _returned_tensors(calls: dict, region: str, child: str) -> bool:
     return bool(recorded) and all(getattr(c, "bare", False) for c in recorded)
 
 
-def find_regions(model: nn.Module, calls: dict) -> list[Region]:
-    """Largest traceable modules, top-down; an untraceable module is recorded with why, then its children."""
+def find_regions(model: nn.Module, calls: dict, hosts=None) -> list[Region]:
+    """Largest traceable modules, top-down; an untraceable module is recorded with why, then its children.
+
+    ``hosts(graph)``: whether a region's graph holds a chain that needs fx. A forward traced without its wrapper
+    is replayed to check the wrapper (``_check_wrapper``: two forwards of the module) only where it does: BERT-base's
+    encoder holds none (its layers are calls, for their hooks), and its replay was 5 of 16 s of the analysis."""
     regions: list[Region] = []
     seen: set[str] = set()
+    checked: dict = {}
 
     def visit(path: str, module: nn.Module) -> None:
         if is_leaf_module(module) or path in seen:
@@ -514,13 +533,17 @@ def find_regions(model: nn.Module, calls: dict) -> list[Region]:
             try:
                 gm, wrapped, facts, unwrapped = _first_trace(module, concrete, calls[path][0],
                                                              functools.partial(_returned_tensors, calls, path))
+                container = _runs_its_children(module, gm, concrete, wrapped, facts, bool(unwrapped))
+                graph = None if container else fx_graph(gm, path, module)
+                if unwrapped and (container or hosts is None or hosts(graph)):
+                    _check_wrapper(module, calls[path][0], unwrapped, checked)
             except Exception as exc:  # noqa: BLE001
                 regions.append(Region(path, "untraceable", _reason(exc), concrete))
             else:
-                if not _runs_its_children(module, gm, concrete, wrapped, facts, bool(unwrapped)):
+                if not container:
                     leaves = list(gm.meta.get("leaves", ()))
-                    regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped],
-                                          fx_graph(gm, path, module), facts, unwrapped, leaves))
+                    regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped], graph, facts,
+                                          unwrapped, leaves))
                     for name, inner in module.named_modules():  # kept as calls (hooks, or fx stops in them): regions
                         if name and (has_hooks(inner) or name in leaves) and not is_leaf_module(inner):
                             visit(f"{path}.{name}" if path else name, inner)

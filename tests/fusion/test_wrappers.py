@@ -249,3 +249,32 @@ def test_argument_state_restores_attributes_and_containers_by_reference_within_i
     assert holder.count == 0 and holder.inner.k is None and not hasattr(holder, "extra")
     assert state.complete and not ArgumentState([[[i] for i in range(50)]], limit=10).complete
     assert ArgumentState([torch.ones(1), 2.0, "s", nn.Linear(1, 1)]).items == []
+
+
+def test_a_wrapper_is_replayed_once_per_class_and_flags_and_only_where_a_chain_needs_the_region(monkeypatch):
+    from opsnn_lab.fusion import regions
+
+    replays = []
+    real = regions.passes_through
+    monkeypatch.setattr(regions, "passes_through", lambda m, *a: replays.append(m) or real(m, *a))
+    model, x, fused, plan = _fuse(Layer)  # two layers of one class: one replay
+    assert [type(m).__name__ for m in replays] == ["Layer"]
+    assert [d.route for d in plan.decisions if d.fused and d.pattern == "add_layer_norm"] == [
+        "fx:layers.0", "fx:layers.1"]
+    replays.clear()
+    model.layers[1].gradient_checkpointing = True  # another flag: replayed again (the rewrite then runs the original)
+    ol.fusion.analyze(model, (x,))
+    assert replays == [model.layers[0], model.layers[1]]
+    replays.clear()
+
+    class NothingToFuse(Layer):  # a wrapped forward whose code holds no chain that needs fx: not replayed
+        @checkpointed
+        def forward(self, x, **kwargs):
+            return x + self.out(self.fc(x))
+
+    model = Stack(Layer).double().train()
+    model.layers[1] = NothingToFuse().double()
+    plan = ol.fusion.analyze(model, (x,))
+    assert replays == [model.layers[0]]  # the region of the first layer holds add_layer_norm, the second none
+    assert {r["path"]: r["route"] for r in plan.routes if r["path"].startswith("layers.")} == {
+        "layers.0": "fx", "layers.1": "fx"}
