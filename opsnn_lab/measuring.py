@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["activation_bytes", "saved_tensors_report", "SavedTensorsReport", "peak_bytes", "median_time",
-           "interleaved_medians", "sync"]
+__all__ = ["activation_bytes", "saved_tensors_report", "SavedTensorsReport", "pack_detached", "peak_bytes",
+           "median_time", "interleaved_medians", "sync"]
 
 
 @dataclass
@@ -67,24 +67,40 @@ def saved_tensors_report(fn: Callable[[], object], exclude: tuple[torch.Tensor, 
     seen: set = set()
     excluded = {_storage_key(t) for t in exclude}
     param_storages: set = set()
+    rows: list[dict] = []
 
+    # The hooks stay with every tensor saved under them for as long as its autograd graph lives: ``pack`` holds
+    # plain values only, never ``report`` (whose ``output`` holds that graph), and returns a detached alias
+    # (``pack_detached``): either would make a cycle through C++ that no collector sees
     def pack(t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter):
             param_storages.add(_storage_key(t))
-            return t
+            return t.detach()
         key = _storage_key(t)
         if key not in seen and key not in excluded:
             seen.add(key)
-            report.tensors.append({"key": key, "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                                   "bytes": _nbytes(t)})
-        return t
+            rows.append({"key": key, "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                         "bytes": _nbytes(t)})
+        return t.detach()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         report.output = fn()
+    report.tensors = rows
     # Views of parameters (e.g. the transposed weight of a Linear) share the parameter's storage.
     report.tensors = [r for r in report.tensors if r["key"] not in param_storages]
     report.total_bytes = sum(r["bytes"] for r in report.tensors)
     return report
+
+
+def _unpack(t):
+    return t
+
+
+def pack_detached(t: torch.Tensor) -> torch.Tensor:
+    """What a counting ``saved_tensors_hooks`` pack returns: ``t.detach()``, the same storage and version counter.
+    Returning ``t`` itself keeps an op's saved OUTPUT (``exp``, ``rsqrt``, ``sigmoid``) alive from its own autograd
+    node, a cycle through C++ that Python's collector cannot see: the whole forward would never be freed."""
+    return t.detach()
 
 
 def activation_bytes(fn: Callable[[], object], exclude: tuple[torch.Tensor, ...] = ()) -> int:

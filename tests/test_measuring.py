@@ -128,3 +128,20 @@ def test_peak_bytes_sees_backward_and_the_grads_it_creates():
     assert lin.weight.grad is not None and step >= grads  # the .grad tensors autograd creates are counted
     with pytest.raises(TypeError, match="fn"):
         peak_bytes(3)
+
+
+def test_counting_saved_tensors_keeps_nothing_of_the_forward_alive():
+    """A pack hook returning the tensor itself, or holding the report, kept an op's saved output (exp, rsqrt) alive
+    from its own autograd node: a cycle through C++ the collector cannot see, and the forward leaked for good."""
+    import gc
+    import weakref
+
+    def measure():
+        w, x = torch.nn.Parameter(torch.randn(8, 8)), torch.randn(4, 8)
+        assert activation_bytes(lambda: torch.rsqrt((x @ w).exp() + 1).sum()) > 0
+        report = saved_tensors_report(lambda: torch.rsqrt((x @ w).exp() + 1))
+        return weakref.ref(report.output), weakref.ref(w)
+
+    out, param = measure()
+    gc.collect()
+    assert out() is None and param() is None

@@ -40,6 +40,7 @@ import torch
 from opsnn_lab.fusion.graph import Ref
 from opsnn_lab.fusion.patterns import Match
 from opsnn_lab.fusion.runtime import RuntimeTrace, _storage_key, graph_free_memo
+from opsnn_lab.measuring import pack_detached
 
 __all__ = ["CostModel"]
 
@@ -152,7 +153,7 @@ class CostModel:
         def pack(t):
             if not isinstance(t, torch.nn.Parameter):
                 seen.setdefault(_storage_key(t), t.untyped_storage().nbytes())
-            return t
+            return pack_detached(t)  # not t: no cycle through the graph (measuring.pack_detached)
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = op(*xs)

@@ -11,7 +11,7 @@ from opsnn_lab._checks import check_positive, check_type
 from opsnn_lab._hooks import passive
 from opsnn_lab.fusion.analysis import split_inputs
 from opsnn_lab.fusion.runtime import flatten_tensors
-from opsnn_lab.measuring import activation_bytes, interleaved_medians
+from opsnn_lab.measuring import activation_bytes, interleaved_medians, pack_detached
 
 __all__ = ["measure", "Measurement", "activation_bytes_by_module"]
 
@@ -92,7 +92,7 @@ def activation_bytes_by_module(model: nn.Module, example_inputs, depth: int = 2)
         if not isinstance(t, nn.Parameter) and key not in params and key not in seen:
             seen.add(key)
             out[stack[-1] or "<model>"] = out.get(stack[-1] or "<model>", 0) + t.untyped_storage().nbytes()
-        return t
+        return pack_detached(t)  # not t: no cycle through the graph (measuring.pack_detached)
 
     pre, post = passive(pre), passive(post)  # they measure the fused code as it runs: no region falls back
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre),

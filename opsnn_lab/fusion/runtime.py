@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -326,6 +327,28 @@ class _Recorder(TorchFunctionMode):
         return t
 
 
+def _unpack(t):
+    return t
+
+
+def _weak_pack(rec: _Recorder):
+    """``rec.pack`` through a weak reference, returning a detached alias (``measuring.pack_detached``). Every tensor
+    saved under a ``saved_tensors_hooks`` pair keeps the pair and what pack returned for as long as its autograd
+    graph lives: a pack hook holding the recorder (which holds the forward's tensors), or returning an op's own
+    output (``rsqrt``, ``exp`` save theirs), made a cycle through C++ that Python's collector cannot see, and each
+    analysis kept its example forward, activations and parameters for good (the 223-architecture sweep reached
+    22 GB and was killed once)."""
+    ref = weakref.ref(rec)
+
+    def pack(t):
+        recorder = ref()
+        if recorder is not None:
+            recorder.pack(t)
+        return t.detach()
+
+    return pack
+
+
 def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> RuntimeTrace:
     """Run ``model(*args, **kwargs)`` once and return its dataflow graph (the model runs as is)."""
     kwargs = kwargs or {}
@@ -336,7 +359,7 @@ def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     pre = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
     post = [m.register_forward_hook(post_hook, with_kwargs=True, always_call=True) for m in model.modules()]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), rec:
+        with torch.autograd.graph.saved_tensors_hooks(_weak_pack(rec), _unpack), rec:
             output = model(*args, **kwargs)
     finally:
         for h in pre + post:
