@@ -1,0 +1,308 @@
+"""torch.fx tracing of one region, widened beyond ``symbolic_trace`` (which stops at data-dependent control flow,
+loops over tensor sizes and isinstance checks on its proxies):
+
+1. a plain helper function that stops the tracer (argument checks, for instance) is retried as an opaque call
+   (``autowrap_functions``), so it still runs on real tensors in the rewritten model;
+2. non-tensor arguments seen on the example call (``mask=None``, flags) are specialised by the caller
+   (``regions.concrete_args``), and the rewritten forward guards on them at run time (fallback: original code);
+3. given ``facts`` (``regions.tensor_facts``), the tensor arguments' rank and nestedness are those of the example
+   call, so a forward's checks on them (``x.dim() == 3``, ``(*x.shape[:-1], -1)``, ``x.is_nested``) read plain
+   values, and a ``**kwargs`` the call left empty is ``{}`` (Hugging Face forwards pass it on: ``f(..., **kwargs)``),
+   one it filled with plain values only is those values (``output_router_logits=False``); each fact the traced
+   code relied on is guarded at run time the same way. Sizes stay symbolic;
+4. ``unwrap``: a forward wrapped by a ``(self, *args, **kwargs)`` decorator is traced as the function it wraps
+   (``wrappers.py``: Hugging Face's gradient-checkpointing layers; the caller checks that the wrapper passes the
+   call through);
+5. a submodule whose own forward stops the tracer (a mixture-of-experts block routing tokens by their values) is
+   kept as one call (``leaves``), so the code around it (a decoder layer's residual adds and norms) is still
+   rewritten, and the submodule runs as it is.
+
+``library_hooks`` installs the hooks a library adds on first use while the analysis and the rewrite trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import sys
+import traceback
+import types
+
+import torch.fx as fx
+from torch import nn
+
+from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
+from opsnn_lab.fusion.graph import is_leaf_module
+from opsnn_lab.fusion.wrappers import unwrapped_forward
+
+__all__ = ["trace_region", "library_hooks", "instance_state", "restore_instance_state"]
+
+
+def _blocker(exc: BaseException, module: nn.Module):
+    """The plain function called from ``forward`` that raised, if any (a candidate for autowrap)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    fwd_file = inspect.getsourcefile(type(module).forward)
+    for outer, inner in zip(frames, frames[1:]):
+        if outer.name == "forward" and outer.filename == fwd_file:
+            fn = type(module).forward.__globals__.get(inner.name)
+            if isinstance(fn, types.FunctionType):
+                return fn
+    return None
+
+
+class _InputProxy(fx.Proxy):
+    """A tensor argument of the traced forward whose rank and nestedness are the example's: ``dim()``, ``ndim``,
+    ``is_nested`` are plain values and ``shape`` / ``size()`` a tuple of one size proxy per dimension (so it
+    slices and unpacks). Each fact read is noted in ``tracer.facts_read`` for the run-time guard."""
+
+    def __init__(self, node: fx.Node, tracer, name: str, facts: dict):
+        super().__init__(node, tracer)
+        self._name, self._facts = name, facts
+
+    def _read(self, fact: str):
+        self.tracer.facts_read.setdefault(self._name, {})[fact] = self._facts[fact]
+        return self._facts[fact]
+
+    def _sizes(self) -> tuple:
+        size = super().__getattr__("size")
+        return tuple(size(i) for i in range(self._read("ndim")))
+
+    def __getattr__(self, k):
+        if k in ("ndim", "is_nested"):
+            return self._read(k)
+        if k in ("dim", "ndimension"):
+            ndim = self._read("ndim")
+            return lambda: ndim
+        if k == "shape":
+            return self._sizes()
+        if k == "size":
+            size = super().__getattr__("size")
+            return lambda *a, **kw: size(*a, **kw) if a or kw else self._sizes()
+        return super().__getattr__(k)
+
+
+class _Tracer(fx.Tracer):
+    """Keeps opsnn_lab.ops modules (e.g. the counter-based Dropout) as calls, as the run-time trace does.
+
+    ``output_type``: the class of the value the forward returned when it is a dict subclass (a Hugging Face
+    ``ModelOutput``): fx's code returns a plain dict there, which the rewritten forward turns back into it.
+    ``tensor_facts``: the example's facts per tensor argument (``tensor_facts``), given only on the retry.
+    """
+
+    output_type: type | None = None
+    flat_output_type: type | None = None
+    _depth = 0
+
+    def __init__(self, autowrap_functions=(), tensor_facts=None, leaves=()):
+        super().__init__(autowrap_functions=autowrap_functions)
+        self.tensor_facts, self.facts_read = dict(tensor_facts or {}), {}
+        self.empty_kwargs: list[fx.Node] = []  # their placeholders, dropped from the graph after the trace
+        self.leaves, self.leaf_ids = tuple(leaves), set()
+        self.failed_child: str | None = None  # the innermost submodule whose forward raised, by path
+
+    def trace(self, root, concrete_args=None):
+        self.leaf_ids = {id(root.get_submodule(p)) for p in self.leaves}
+        return super().trace(root, concrete_args)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_child is None:  # the innermost call sees the error first
+                self.failed_child = next((p for p, sub in self.root.named_modules() if sub is m), None)
+            raise
+
+    def proxy(self, node: fx.Node):
+        name = str(node.target).lstrip("*")
+        if node.op == "placeholder" and name in self.tensor_facts:
+            facts = self.tensor_facts[name]
+            if facts.get("empty") or "constant" in facts:  # **kwargs: the forward sees {} or its constants (guarded)
+                self.facts_read[name] = dict(facts)
+                self.empty_kwargs.append(node)
+                return dict(facts.get("constant", {}))
+            return _InputProxy(node, self, name, self.tensor_facts[name])
+        return super().proxy(node)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # A module already rewritten at module level (patch.py) stays a call, so its patch runs; so does one
+        # with hooks, so they fire (Hugging Face records hidden states and attentions with forward hooks).
+        # Built-in modules are leaves as in fx, except the composites the run-time trace looks into too
+        # (graph.is_leaf_module: nn.TransformerEncoderLayer runs its Linears and norms as a user module would).
+        patched = callable(m.__dict__.get("forward"))
+        return patched or has_hooks(m) or is_leaf_module(m) or id(m) in self.leaf_ids
+
+    def create_arg(self, a):
+        if self._depth == 0:  # the last top-level value turned into graph arguments is the forward's output
+            self.output_type = type(a) if isinstance(a, dict) and type(a) is not dict else None
+            # fx's flattened output (see _drop_empty_kwargs) is a list holding the value: its class
+            self.flat_output_type = next((type(v) for v in a if isinstance(v, dict) and type(v) is not dict),
+                                         None) if type(a) is list and len(a) == 1 else None
+        self._depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._depth -= 1
+
+
+_RETRIES = 8  # traces of one region: each retry keeps one more helper or submodule opaque
+
+
+@contextlib.contextmanager
+def library_hooks(model: nn.Module):
+    """The hooks a library adds on first use, installed while the analysis and the rewrite look at the model,
+    then removed (they hold closures that do not pickle, and ``model`` must leave as it came): Hugging Face
+    models record ``output_hidden_states`` / ``output_attentions`` with forward hooks on their layers, installed
+    the first time a call asks for them. With them present, a region's fx code calls those layers instead of
+    inlining them, so the outputs are recorded whenever a later call asks."""
+    install = _hf_hook_installer()
+    if install is None:
+        yield
+        return
+    before = {m: ({k: set(getattr(m, k)) for k in _HOOK_DICTS}, m.__dict__.get(_HF_FLAG, _ABSENT))
+              for m in model.modules()}
+    try:
+        for module in model.modules():
+            if getattr(module, "_can_record_outputs", None):
+                try:
+                    install(module)
+                except Exception:  # noqa: BLE001 - a model this installer does not know: its first call will
+                    pass
+        yield
+    finally:
+        for m, (kept, flag) in before.items():
+            for k, keys in kept.items():
+                hooks = getattr(m, k)
+                for key in [key for key in hooks if key not in keys]:
+                    del hooks[key]
+            if flag is _ABSENT:
+                m.__dict__.pop(_HF_FLAG, None)
+            else:
+                m.__dict__[_HF_FLAG] = flag
+
+
+_HF_FLAG = "_output_capturing_hooks_installed"  # set on each model the installer hooked
+_ABSENT = object()
+
+
+def _hf_hook_installer():
+    """transformers' installer of its output-capturing hooks, where transformers is loaded and has one."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # another transformers version: nothing to install here
+        return None
+    return maybe_install_capturing_hooks
+
+
+def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
+                 facts: dict | None = None, unwrap: bool = False, leaves=(),
+                 leaf_ok=None) -> tuple[fx.GraphModule, list]:
+    """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer.
+
+    ``leaves``: submodules (paths from ``module``) kept as one call each. ``leaf_ok(path)``: whether a submodule
+    whose own forward stops the tracer may be kept so too (the caller knows it returned one tensor: the traced
+    code gets a proxy for its result, and a tuple holding None would take the wrong branch at an ``is None``);
+    the final list is ``gm.meta["leaves"]``.
+
+    ``facts`` (from ``tensor_facts``) gives the tensor arguments the example's rank; the facts the code read
+    are in ``gm.meta["facts_read"]``, for the caller to guard on. ``unwrap``: trace the function the forward's
+    wrapper wraps (``gm.meta["unwrapped"]``; see wrappers.py).
+
+    The modules' own attributes are restored afterwards too: a forward that caches in ``self`` (LeViT's
+    eval-mode attention biases) would otherwise keep fx proxies there, which do not pickle."""
+    flags = {m: m.training for m in module.modules()}
+    state = instance_state(module)
+    module.train(training)
+    wrapped, leaves = list(wrapped), list(leaves)
+    try:
+        for _ in range(_RETRIES):
+            tracer = _Tracer(tuple(wrapped), facts, leaves)
+            try:
+                with unwrapped_forward(module) if unwrap else contextlib.nullcontext():
+                    graph = tracer.trace(module, concrete_args=dict(concrete) or None)
+                flattened_output = _drop_empty_kwargs(graph, tracer)
+                for node in graph.nodes:  # the call of a submodule named ``self`` (ConvBERT's attention.self):
+                    if node.name == "self":  # fx names its result ``self``, which shadows the module in the code
+                        node._rename("self_module")
+                gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
+                gm.meta["output_type"] = flattened_output or tracer.output_type
+                gm.meta["facts_read"] = tracer.facts_read
+                gm.meta["unwrapped"] = unwrap
+                gm.meta["leaves"] = leaves
+                return gm, wrapped
+            except Exception as exc:  # noqa: BLE001 - any tracer failure sends us one level down
+                fn = _blocker(exc, module)
+                if fn is not None and fn not in wrapped:
+                    wrapped.append(fn)
+                elif tracer.failed_child and tracer.failed_child not in leaves and leaf_ok and \
+                        leaf_ok(tracer.failed_child):
+                    leaves.append(tracer.failed_child)
+                else:
+                    raise
+        raise RuntimeError("too many helper functions and submodules stop the tracer")
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+        restore_instance_state(state)
+
+
+def _drop_empty_kwargs(graph: fx.Graph, tracer: _Tracer) -> type | None:
+    """Remove the ``**kwargs`` placeholders the forward saw as ``{}``. That ``{}`` was the one container among
+    the forward's arguments, for which fx generated code that flattens the arguments and the output against
+    specs kept on the GraphModule (``_PyTreeCodeGen``; the rewritten forward runs with the region as ``self``,
+    which has none): the output is given its structure back and the code is plain fx code again. Returns the
+    output's class when it is a dict subclass (``_Tracer.output_type``: fx saw only the flattened values)."""
+    if not tracer.empty_kwargs:
+        return None
+    for node in tracer.empty_kwargs:
+        graph.erase_node(node)
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is None:
+        return None
+    kind = None
+    if info.out_spec is not None:
+        import torch.utils._pytree as pytree
+
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        output.args = (pytree.tree_unflatten(list(output.args[0]), info.out_spec),)
+        kind = info.out_spec.type if isinstance(info.out_spec.type, type) and \
+            issubclass(info.out_spec.type, dict) and info.out_spec.type is not dict else None
+        if info.out_spec.is_leaf():  # a class pytree does not know (a dict subclass): one leaf, the value
+            kind = tracer.flat_output_type
+    graph._codegen = fx.graph.CodeGen()
+    return kind
+
+
+# nn.Module's own bookkeeping, restored by other means (flags) or never touched by a forward
+_MODULE_KEYS = frozenset({"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
+                          "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                          "_state_dict_hooks", "_load_state_dict_pre_hooks", "_state_dict_pre_hooks",
+                          "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                          "_forward_pre_hooks_with_kwargs", "_is_full_backward_hook"})
+
+
+def instance_state(module: nn.Module) -> list:
+    """Each module's plain attributes, with a shallow copy of each dict, list or set (a cache filled in place)."""
+    out = []
+    for m in module.modules():
+        attrs = {k: (v, copy.copy(v) if type(v) in (dict, list, set) else None)
+                 for k, v in m.__dict__.items() if k not in _MODULE_KEYS}
+        out.append((m, attrs))
+    return out
+
+
+def restore_instance_state(state: list) -> None:
+    for m, attrs in state:
+        for k in [k for k in m.__dict__ if k not in _MODULE_KEYS and k not in attrs]:
+            del m.__dict__[k]
+        for k, (value, contents) in attrs.items():
+            m.__dict__[k] = value
+            if contents is None:
+                continue
+            value.clear()  # refilled as it was (no == on contents: they may hold tensors)
+            if isinstance(value, list):
+                value.extend(contents)
+            else:
+                value.update(contents)
