@@ -75,25 +75,21 @@ def saved_tensors_report(fn: Callable[[], object], exclude: tuple[torch.Tensor, 
     def pack(t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter):
             param_storages.add(_storage_key(t))
-            return t.detach()
+            return pack_detached(t)
         key = _storage_key(t)
         if key not in seen and key not in excluded:
             seen.add(key)
             rows.append({"key": key, "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                          "bytes": _nbytes(t)})
-        return t.detach()
+        return pack_detached(t)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         report.output = fn()
     report.tensors = rows
     # Views of parameters (e.g. the transposed weight of a Linear) share the parameter's storage.
     report.tensors = [r for r in report.tensors if r["key"] not in param_storages]
     report.total_bytes = sum(r["bytes"] for r in report.tensors)
     return report
-
-
-def _unpack(t):
-    return t
 
 
 def pack_detached(t: torch.Tensor) -> torch.Tensor:

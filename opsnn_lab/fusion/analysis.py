@@ -58,12 +58,12 @@ def check_patterns(patterns) -> list[str] | None:
     return list(patterns)
 
 
-
 def _plain(value) -> bool:
     """A parameter a plan keeps (JSON): a number, string or flag, or a shape (a weightless norm's size)."""
     if isinstance(value, tuple):
         return all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     return isinstance(value, (int, float, str, bool))
+
 
 class Analysis:
     """Everything one trace found; ``plan(patterns)`` turns it into decisions without tracing again.
@@ -96,9 +96,12 @@ class Analysis:
         verdicts = {k: v for k, v in trace.graph.memo.items()
                     if isinstance(k, tuple) and k[0] in ("norm", "norm_shape")}
 
-        def wanted(graph) -> list:  # the chains a region's graph holds that only fx can rewrite
-            graph.memo.update(verdicts)  # Python norms fx inlined: what the run-time record found them to be
-            return [m for m in find_all(graph) if m.viable and (m.key in self.why_not or m.key in self.shared)]
+        def wanted(graph) -> list:  # the chains a region's graph holds that only fx can rewrite (found once)
+            if "wanted" not in graph.memo:
+                graph.memo.update(verdicts)  # Python norms fx inlined: what the run-time record found them to be
+                graph.memo["wanted"] = [m for m in find_all(graph)
+                                        if m.viable and (m.key in self.why_not or m.key in self.shared)]
+            return graph.memo["wanted"]
 
         self.regions: list[Region] = find_regions(model, trace.calls, lambda g: bool(wanted(g))) \
             if self.why_not or self.shared else []
@@ -107,8 +110,7 @@ class Analysis:
         for r in self.regions:
             if r.route == "fx":
                 for m in wanted(r.graph):
-                    if m.viable and (m.key in self.why_not or m.key in self.shared):
-                        self.fx_routes.setdefault(m.key, f"fx:{r.path or '<model>'}")
+                    self.fx_routes.setdefault(m.key, f"fx:{r.path or '<model>'}")
         for k, label in self.fx_routes.items():
             self.rewritable.setdefault(k, label)
         for k, why in self.why_not.items():

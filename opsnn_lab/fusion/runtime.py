@@ -29,6 +29,7 @@ from opsnn_lab.fusion.graph import (
 )
 from opsnn_lab.fusion.probe import probe_modules
 from opsnn_lab.fusion.wrappers import ArgumentState, RecordedCall
+from opsnn_lab.measuring import pack_detached
 
 __all__ = ["RuntimeTrace", "ModuleCall", "trace_runtime", "flatten_tensors", "own_dtypes", "graph_free_memo"]
 
@@ -327,10 +328,6 @@ class _Recorder(TorchFunctionMode):
         return t
 
 
-def _unpack(t):
-    return t
-
-
 def _weak_pack(rec: _Recorder):
     """``rec.pack`` through a weak reference, returning a detached alias (``measuring.pack_detached``). Every tensor
     saved under a ``saved_tensors_hooks`` pair keeps the pair and what pack returned for as long as its autograd
@@ -344,7 +341,7 @@ def _weak_pack(rec: _Recorder):
         recorder = ref()
         if recorder is not None:
             recorder.pack(t)
-        return t.detach()
+        return pack_detached(t)
 
     return pack
 
@@ -359,7 +356,7 @@ def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     pre = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
     post = [m.register_forward_hook(post_hook, with_kwargs=True, always_call=True) for m in model.modules()]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(_weak_pack(rec), _unpack), rec:
+        with torch.autograd.graph.saved_tensors_hooks(_weak_pack(rec), lambda t: t), rec:
             output = model(*args, **kwargs)
     finally:
         for h in pre + post:
