@@ -85,9 +85,8 @@ def saved_tensors_report(fn: Callable[[], object], exclude: tuple[torch.Tensor, 
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         report.output = fn()
-    report.tensors = rows
     # Views of parameters (e.g. the transposed weight of a Linear) share the parameter's storage.
-    report.tensors = [r for r in report.tensors if r["key"] not in param_storages]
+    report.tensors = [r for r in rows if r["key"] not in param_storages]
     report.total_bytes = sum(r["bytes"] for r in report.tensors)
     return report
 

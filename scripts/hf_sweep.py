@@ -29,6 +29,7 @@ import transformers as T
 from tqdm import tqdm
 
 import opsnn_lab as ol
+from opsnn_lab.fusion.rewrite import REWRITE_FAILED
 from opsnn_lab.fusion.runtime import flatten_tensors
 from opsnn_lab.testing import eager_without_dropout, projected_loss
 
@@ -194,7 +195,7 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False) -> Non
         r["fused"] = sorted(f"{d.pattern}@{d.route.split(':')[0]}" for d in plan.decisions if d.fused)
         r["fx_regions"] = sorted(x["path"] or "<model>" for x in plan.routes if x["route"] == "fx")
         # an fx region whose rewrite failed runs unfused with a warning (ignored above): a bug, kept in the record
-        r["rewrite_failed"] = sorted({d.reason for d in plan.decisions if d.reason.startswith("the fx rewrite of")})
+        r["rewrite_failed"] = sorted({d.reason for d in plan.decisions if d.reason.startswith(REWRITE_FAILED)})
         r["stage"] = "train"
         (outs_a, g_a), (outs_b, g_b) = (_train_step(m, inputs) for m in (model, fused))
         largest = largest_finite(g_a)  # a gradient 0 by symmetry is noise

@@ -257,17 +257,12 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
         named = "layer_norm" if "LayerNorm" in form else "rms_norm" if "RMSNorm" in form else None
         return Match(named or ("rms_norm" if "rsqrt" in ops else "layer_norm"), nodes, False, f"`{scope}`: {form}",
                      inputs=[x.name], outputs=[y])
-    kind, eps, offset = form
-    m = Match(f"{kind}_norm", nodes, False, "", inputs=[x.name], outputs=[y],
-              params={"norm": module, "kind": kind, "eps": eps, "offset": offset})
-    if weightless:  # the op needs the normalised size its weight would have given: the record's, kept for fx graphs
-        shape_key = ("norm_shape", scope)
-        if x.shape:
-            g.memo[shape_key] = (x.shape[-1],)
-        m.params["shape"] = g.memo.get(shape_key)
+    if weightless and x.shape:  # the size its weight would have given: the record's, kept for fx graphs
+        g.memo[("norm_shape", scope)] = (x.shape[-1],)
+    m = _judged_norm(g, scope, module, nodes, x.name, y)
     if escapes:
         m.reason = f"`{escapes[0].label}` inside `{scope}` is also read outside it"
-    elif kind == "rms" and isinstance(getattr(module, "bias", None), torch.Tensor):
+    elif m.params["kind"] == "rms" and isinstance(getattr(module, "bias", None), torch.Tensor):
         m.reason = f"`{scope}` is an RMSNorm with a bias; FusedRMSNorm has none"
     else:  # the inside may compute in fp32 on purpose: the dtype contract (y like x) was checked on the call
         m.reason = _common_checks(g, nodes[-1:])
@@ -313,15 +308,23 @@ def find_norms(g: Graph) -> list[Match]:
     return out
 
 
+def _judged_norm(g: Graph, scope: str, module: nn.Module, nodes: list[Node], x: str, y: Node) -> Match:
+    """The match of the norm ``module`` (at ``scope``) computing ``y`` from ``x``, from the verdict in ``g.memo``
+    (the run-time record's): its kind, eps and weight offset, and for a norm without parameters the size it
+    normalises. No checks yet."""
+    kind, eps, offset = g.memo[("norm", scope)]
+    m = Match(f"{kind}_norm", nodes, False, "", inputs=[x], outputs=[y],
+              params={"norm": module, "kind": kind, "eps": eps, "offset": offset})
+    if next(module.parameters(), None) is None:
+        m.params["shape"] = g.memo.get(("norm_shape", scope))
+    return m
+
+
 def _judged_norm_call(g: Graph, n: Node) -> Match:
     """A norm module kept as one call in an fx graph (its own forward stops the tracer: Nemotron's LayerNorm1P
     under ``torch.autocast``), which the run-time record looked into and judged a norm: the same match, from that
     verdict."""
-    kind, eps, offset = g.memo[("norm", n.module)]
-    m = Match(f"{kind}_norm", [n], False, "", inputs=n.inputs[:1], outputs=[n],
-              params={"norm": n.obj, "kind": kind, "eps": eps, "offset": offset})
-    if next(n.obj.parameters(), None) is None:
-        m.params["shape"] = g.memo.get(("norm_shape", n.module))
+    m = _judged_norm(g, n.module, n.obj, [n], n.inputs[0], n)
     m.reason = _common_checks(g, [n])
     m.ok = not m.reason
     return m

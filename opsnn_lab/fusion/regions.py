@@ -26,7 +26,7 @@ from torch import nn
 from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion.fx_dataflow import fx_graph
 from opsnn_lab.fusion.graph import Graph, is_leaf_module
-from opsnn_lab.fusion.tracer import instance_state, library_hooks, restore_instance_state, trace_region
+from opsnn_lab.fusion.tracer import instance_state, kwargs_values, library_hooks, restore_instance_state, trace_region
 from opsnn_lab.fusion.wrappers import forward_wrapper, holds_tensors, passes_through
 
 __all__ = ["Region", "find_regions", "trace_region", "fx_graph", "bind_call", "error_line", "concrete_args",
@@ -115,12 +115,9 @@ def facts_hold(facts: dict, arguments: dict) -> bool:
     """Whether the bound ``arguments`` of a call have every fact a traced forward relied on."""
     for name, wanted in facts.items():
         value = arguments.get(name)
-        if wanted.get("empty"):  # a **kwargs the traced code took as {}
-            if value:
-                return False
-            continue
-        if "constant" in wanted:  # a **kwargs of plain values the traced code took as constants
-            if not _same_constants(value or {}, wanted["constant"]):
+        taken = kwargs_values(wanted)
+        if taken is not None:  # a **kwargs the traced code took as {} or as constants
+            if not _same_constants(value or {}, taken):
                 return False
             continue
         if not isinstance(value, torch.Tensor):

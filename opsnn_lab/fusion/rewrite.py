@@ -40,8 +40,11 @@ from opsnn_lab.fusion.regions import (
     trace_region,
 )
 from opsnn_lab.fusion.runtime import graph_free_memo, own_dtypes
+from opsnn_lab.fusion.tracer import kwargs_values
 
-__all__ = ["apply", "FusedSlot", "FxForward", "revert"]
+__all__ = ["apply", "FusedSlot", "FxForward", "revert", "REWRITE_FAILED"]
+
+REWRITE_FAILED = "the fx rewrite of"  # how a decision whose region failed its rewrite starts (the sweep looks)
 
 
 class FusedSlot(nn.Module):
@@ -162,7 +165,7 @@ class FxForward(Patch):
         # a **kwargs the traced code took as {} or as constants: not an argument of the traced code
         facts = self.facts.get(self.host.training, {})
         original = [n for n in list(signature(type(self.host).forward).parameters)[1:]
-                    if not (facts.get(n, {}).get("empty") or "constant" in facts.get(n, {}))]
+                    if kwargs_values(facts.get(n, {})) is None]
         if len(original) != len(traced):
             original = [name for name, _ in traced]
         for source, (name, p) in zip(original, traced):
@@ -337,7 +340,7 @@ def _leave_unfused(fused: nn.Module, plan: FusionPlan, route: dict, slots: dict,
         name, _ = slots.pop(key)
         del host._modules[name]
     region = route["path"] or "<model>"
-    why = f"the fx rewrite of `{region}` failed ({type(exc).__name__}: {error_line(exc)[:200]}); its chains run unfused"
+    why = f"{REWRITE_FAILED} `{region}` failed ({type(exc).__name__}: {error_line(exc)[:200]}); its chains run unfused"
     for d in plan.decisions:
         if d.fused and d.route == f"fx:{region}":
             d.fused, d.reason, d.route = False, why, ""

@@ -36,7 +36,15 @@ from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab.fusion.graph import is_leaf_module
 from opsnn_lab.fusion.wrappers import unwrapped_forward
 
-__all__ = ["trace_region", "library_hooks", "instance_state", "restore_instance_state"]
+__all__ = ["trace_region", "library_hooks", "instance_state", "restore_instance_state", "kwargs_values"]
+
+
+def kwargs_values(fact: dict) -> dict | None:
+    """The values a ``**kwargs`` fact says the traced code took (``{}`` for ``{"empty": True}``, else its
+    ``"constant"``), or None for a tensor argument's fact."""
+    if fact.get("empty"):
+        return {}
+    return fact.get("constant")
 
 
 def _blocker(exc: BaseException, module: nn.Module):
@@ -117,10 +125,11 @@ class _Tracer(fx.Tracer):
         name = str(node.target).lstrip("*")
         if node.op == "placeholder" and name in self.tensor_facts:
             facts = self.tensor_facts[name]
-            if facts.get("empty") or "constant" in facts:  # **kwargs: the forward sees {} or its constants (guarded)
+            taken = kwargs_values(facts)
+            if taken is not None:  # **kwargs: the forward sees {} or its constants (guarded)
                 self.facts_read[name] = dict(facts)
                 self.empty_kwargs.append(node)
-                return dict(facts.get("constant", {}))
+                return dict(taken)
             return _InputProxy(node, self, name, self.tensor_facts[name])
         return super().proxy(node)
 
