@@ -68,14 +68,13 @@ class AddNormFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def forward(ctx, x, residual, weight, bias, eps, rms, weight_offset, save_output=False):
-        n = x.shape[-1]
-        r2 = None if residual is None else residual.reshape(-1, n)
-        y, s, mean, rstd = norm_fwd(x.reshape(-1, n), weight, bias, r2, eps, rms, weight_offset, check=False)
-        ctx.cfg, ctx.shape = (rms, weight_offset, bias is not None, residual is not None, save_output), x.shape
+        # x, residual: (..., N), normalised over the last dim. y and the sum come back in x's shape as made, never
+        # as views: an in-place change of a custom Function's view output is refused, and views made outside
+        # (x.reshape(-1, N) before, out.view(x.shape) after) would put two more nodes on the autograd graph
+        y, s, mean, rstd = norm_fwd(x, weight, bias, residual, eps, rms, weight_offset, check=False)
+        ctx.cfg = (rms, weight_offset, bias is not None, residual is not None, save_output)
         ctx.save_for_backward(y if save_output else s, None if save_output else mean, rstd, weight, bias)
         ctx.set_materialize_grads(False)
-        # (M, n) as computed: the caller views them as x, outside the Function, so they may be modified in place
-        # (a view a custom Function returns of a tensor it made may not); a saved y then fails loudly in backward
         return y if residual is None else (y, s)
 
     @staticmethod
@@ -84,17 +83,18 @@ class AddNormFunction(torch.autograd.Function):
         saved, mean, rstd, weight, bias = ctx.saved_tensors
         rms, weight_offset, has_bias, has_residual, from_output = ctx.cfg
         need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
-        n = saved.shape[-1]
+        shape, n = saved.shape, saved.shape[-1]
         saved = saved.reshape(-1, n)
         gy = torch.zeros_like(saved) if grad_y is None else grad_y.reshape(-1, n).to(saved.dtype)
         gs = None if grad_sum is None else grad_sum.reshape(-1, n).to(saved.dtype)
         if from_output:
             grad_s, grad_w, grad_b = norm_bwd_from_output(gy, saved, rstd, weight, bias, rms, weight_offset,
-                                                          want_weight=need_w, want_bias=need_b, grad_sum=gs)
+                                                          want_weight=need_w, want_bias=need_b, grad_sum=gs,
+                                                          check=False)
         else:
             grad_s, grad_w, grad_b = norm_bwd(gy, saved, mean, rstd, weight, rms, weight_offset, has_bias and need_b,
                                               gs, want_weight=need_w, bias=bias, check=False)
-        grad_s = grad_s.view(ctx.shape)
+        grad_s = grad_s.view(shape)
         return (grad_s if need_x else None, grad_s if has_residual and need_r else None,
                 grad_w if need_w else None, grad_b if need_b else None, None, None, None, None)
 
@@ -187,7 +187,9 @@ class _FusedNorm(nn.Module):
         """Run-time choice: save ``y`` when ``output_recoverable`` (checked once per parameter version)."""
         if not self.save_output or not torch.is_grad_enabled():
             return False
-        key = (dtype, *((p.data_ptr(), p._version) if p is not None else None for p in (self.weight, self.bias)))
+        w, b = self.weight, self.bias
+        key = (dtype, None if w is None else w.data_ptr(), None if w is None else w._version,
+               None if b is None else b.data_ptr(), None if b is None else b._version)
         if key != self._recoverable_key:
             self._recoverable_key = key
             self._recoverable = output_recoverable(self.weight, self.bias, self.weight_offset, dtype)
@@ -224,10 +226,9 @@ class _FusedNorm(nn.Module):
             s = x if residual is None else x + residual
             y = F.layer_norm(s, self.normalized_shape, self.weight, self.bias, self.eps)
             return y if residual is None else (y, s)
-        if len(self.normalized_shape) == 1:
-            out = AddNormFunction.apply(x, residual, self.weight, self.bias, self.eps, self._rms, self.weight_offset,
-                                        keep_y)
-            return out.view(x.shape) if residual is None else (out[0].view(x.shape), out[1].view(x.shape))
+        if len(self.normalized_shape) == 1:  # the Function returns x's shape
+            return AddNormFunction.apply(x, residual, self.weight, self.bias, self.eps, self._rms, self.weight_offset,
+                                         keep_y)
         lead = x.shape[:x.dim() - len(self.normalized_shape)]
         flat = x.reshape(*lead, self.features)
         res = None if residual is None else residual.reshape(*lead, self.features)

@@ -372,3 +372,23 @@ def test_low_precision_layer_norm_gradients_are_summed_in_fp32(dtype):
                 assert g.dtype == dtype and err <= 1.25 * err32 + 1e-6, (seed, name, float(err), float(err32))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "llama"])
+@pytest.mark.parametrize("add", [False, True])
+def test_one_autograd_node_per_call_on_any_leading_dims(kind, add):
+    # the Function takes (..., N) and returns x's shape as made: no reshape before it and no view after it on
+    # the autograd graph (each was one more node, run on every backward); non-contiguous 3-D input included
+    norm = _module(kind)
+    fused = _fused_cls(kind, add).from_modules(norm)
+    inputs = [non_contiguous(t.detach()).requires_grad_(True) for t in _inputs((3, 5, H), torch.float32, add)]
+    outs = fused(*inputs)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    for out in outs:
+        assert out.shape == (3, 5, H) and not out._is_view()
+        assert out.grad_fn.name() == "AddNormFunctionBackward"
+        assert {type(fn).__name__ for fn, _ in out.grad_fn.next_functions if fn is not None} == {"AccumulateGrad"}
+    want_out, want_grads = _run(_eager_fn(norm, add), inputs, list(norm.parameters()))
+    got_out, got_grads = _run(fused, inputs, list(norm.parameters()))
+    for got, want in zip(got_out + got_grads, want_out + want_grads):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
