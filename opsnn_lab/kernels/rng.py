@@ -112,10 +112,17 @@ def _check_draw(offset: int, numel: int) -> None:
         raise ValueError(f"offset + numel must be <= 2**63, got {offset} + {numel}")
 
 
-def _xorshift16_(x: torch.Tensor) -> torch.Tensor:
-    """``x ^= x >>> 16`` on int32 words in one pass: only the low half changes, by the high half."""
-    halves = x.view(torch.int16).view(-1, 2)  # little-endian: [:, 0] low half, [:, 1] high half
-    halves[:, 0].bitwise_xor_(halves[:, 1])
+def _halves16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The low and high int16 halves of int32 words, as views (little-endian: the low half first)."""
+    halves = x.view(torch.int16).view(-1, 2)
+    return halves[:, 0], halves[:, 1]
+
+
+def _xorshift16_(x: torch.Tensor, halves=None) -> torch.Tensor:
+    """``x ^= x >>> 16`` on int32 words in one pass: only the low half changes, by the high half. ``halves``:
+    ``_halves16(x)`` made once for several passes over one ``x`` (four view ops a pass otherwise)."""
+    low, high = _halves16(x) if halves is None else halves
+    low.bitwise_xor_(high)
     return x
 
 
@@ -130,11 +137,12 @@ def _hash_segment(s1: int, s2: int, hi: int, lo: int, n: int, device) -> torch.T
         x = torch.arange(start, start + n, dtype=torch.int32, device=device)
     else:  # the int32 range wraps inside this segment
         x = torch.arange(n, dtype=torch.int32, device=device).add_(start)
-    k2t = torch.tensor(_wrap32(k2), dtype=torch.int32, device=device)
-    _xorshift16_(x)
+    k2t = torch.scalar_tensor(_wrap32(k2), dtype=torch.int32, device=device)
+    halves = _halves16(x)  # views stay valid: every pass below writes x in place
+    _xorshift16_(x, halves)
     torch.add(k2t, x, alpha=_MUL, out=x)  # x * M + k2 in one pass
-    _xorshift16_(x).mul_(_MUL)
-    return _xorshift16_(x)
+    _xorshift16_(x, halves).mul_(_MUL)
+    return _xorshift16_(x, halves)
 
 
 _SERIAL_MAX_NUMEL = 1 << 24  # up to 16 M elements (8 M words, ~10 ms on one core) the hash runs serially

@@ -221,7 +221,7 @@ class FusedAttention(CounterRNG, nn.Module):
             _check_qkv(q, k, v, mask)  # before the draw: a refused call does not advance the stream
             p, seed, offset = 0.0, 0, 0
             if self.training:
-                seed, offset = self.next_draw(q)
+                seed, offset = self.next_draw(q if self.dropout_p > 0 else None)  # p = 0: nothing to replay
                 p = self.dropout_p
             return counter_sdpa(q, k, v, mask, p, scale=self.scale, seed=seed, offset=offset)
 

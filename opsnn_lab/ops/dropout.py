@@ -99,6 +99,8 @@ class CounterRNG:
         """``(seed, offset)`` for this training-mode call on input ``x``; advances ``rng_step``, except in a
         checkpoint's recomputation, which replays the draw of the forward it recomputes. A module sharing
         another's stream (``share_rng``) draws from that one."""
+        if x is not None and not getattr(self, "p", 1.0) > 0:
+            x = None  # no mask to replay: the draw only keeps the step count, and a fingerprint costs ~5 us
         leader = self.__dict__.get("_rng_leader")
         if leader is not None:
             return leader.next_draw(x)

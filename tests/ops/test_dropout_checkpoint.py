@@ -151,3 +151,30 @@ def test_one_non_deterministic_draw_of_its_shape_is_still_found():
     want = run(False)
     calls.clear()
     torch.testing.assert_close(run(True), want, rtol=1e-2, atol=1e-2)  # another mask moves it by O(1)
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_p0_draws_keep_the_step_but_log_no_fingerprint(mode, monkeypatch):
+    # a p = 0 draw has no mask to replay: it advances the step (streams stay aligned) without sampling its
+    # input, and a region mixing it with a p > 0 draw still replays that one's mask
+    from opsnn_lab.ops import dropout as dropout_mod
+
+    sampled = []
+    fingerprint = dropout_mod._fingerprint
+    monkeypatch.setattr(dropout_mod, "_fingerprint", lambda x: sampled.append(x) or fingerprint(x))
+    still = FusedGatedMLP.from_modules(_lin(6, 10, 4), _lin(6, 10, 5), _lin(10, 6, 6), nn.SiLU(), seed=9).train()
+    drop = Dropout(0.5, seed=8).train()
+
+    def run(ckpt):
+        drop.set_rng(8, 0)
+        still.set_rng(9, 0)
+        x = seeded(5, 6, seed=4).requires_grad_(True)
+        f = (lambda t: drop(still(t)).sin())
+        y = checkpoint(f, x, use_reentrant=mode == "reentrant") if ckpt else f(x)
+        y.square().sum().backward()
+        return x.grad, still.rng_step, drop.rng_step
+
+    want, got = run(False), run(True)
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:] == (1, 1)
+    # only drop's input is ever sampled: its draw in each forward and its replay in the recomputation
+    assert [tuple(t.shape) for t in sampled if t is not None] == [(5, 6)] * 3
