@@ -31,9 +31,22 @@ __all__ = ["FusedAttention", "AttentionDropoutFunction", "counter_sdpa"]
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def _broadcast(*shapes) -> torch.Size:
+    """``torch.broadcast_shapes`` for plain int shapes: that one goes through symbolic-shape guards, ~40 us a call
+    on CPU, more than the rest of a small attention step; RuntimeError as it raises."""
+    out = [1] * max(len(s) for s in shapes)
+    for shape in shapes:
+        for i, d in enumerate(shape, len(out) - len(shape)):
+            if d != out[i]:
+                if out[i] != 1 and d != 1:
+                    raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} do not broadcast")
+                out[i] = d if out[i] == 1 else out[i]
+    return torch.Size(out)
+
+
 def _batched(q, k, v, mask):
     """q, k, v as 3-D (batch, T, d) tensors over their common batch dims, and the mask as an additive float."""
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     q3, k3, v3 = (t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (q, k, v))
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
@@ -128,7 +141,7 @@ def _check_qkv(q, k, v, mask):
     if v.shape[-2] != k.shape[-2]:
         raise ValueError(f"v must have k's sequence length {k.shape[-2]}, got shape {tuple(v.shape)}")
     try:
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        batch = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     except RuntimeError:
         raise ValueError(f"q, k, v batch dims do not broadcast: {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}") from None
@@ -136,7 +149,7 @@ def _check_qkv(q, k, v, mask):
         check_tensor("mask", mask, dtypes=(q.dtype, torch.bool))
         target = (*batch, q.shape[-2], k.shape[-2])
         try:
-            ok = torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
+            ok = _broadcast(mask.shape, target) == torch.Size(target)
         except RuntimeError:
             ok = False
         if not ok:
@@ -177,11 +190,11 @@ def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     if dropout_p == 0.0:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
-    batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    batch = _broadcast(query.shape[:-2], key.shape[:-2])
     if math.prod(batch) * query.shape[-2] * key.shape[-2] > rng.MAX_NUMEL:
         raise ValueError("the attention matrix has more than 2**32 elements; split the batch")
     out = AttentionDropoutFunction.apply(query, key, value, attn_mask, scale, float(dropout_p), seed, offset)
-    return out.view(*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2]), *out.shape[1:])
+    return out.view(*_broadcast(query.shape[:-2], key.shape[:-2], value.shape[:-2]), *out.shape[1:])
 
 
 class FusedAttention(CounterRNG, nn.Module):
