@@ -32,7 +32,10 @@ def _interpreting() -> bool:
 
 def backend_for(*tensors: torch.Tensor) -> str:
     """``"triton"`` or ``"torch"`` for an op over ``tensors``."""
-    return _choose(any(t is not None and t.is_cuda for t in tensors))
+    for t in tensors:  # a loop, not any(generator): asked a few times per fused op, on every call
+        if t is not None and t.is_cuda:
+            return _choose(True)
+    return _choose(False)
 
 
 def backend_for_device(device) -> str:
@@ -47,7 +50,10 @@ def forced_backend() -> str | None:
 
 
 def _setting() -> str:
-    choice = os.environ.get("OPSNN_BACKEND", "auto").lower()
+    choice = os.environ.get("OPSNN_BACKEND")
+    if choice is None:
+        return "auto"
+    choice = choice.lower()
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"OPSNN_BACKEND must be auto, torch or triton, got {choice!r}")
     return choice

@@ -81,7 +81,7 @@ class GatedMLPFunction(torch.autograd.Function):
             gu = _packed_gemm(x2, w_gate, w_up, b_gate, b_up)
         grad_gu, out = gated_act_bwd(gy @ w_down, gu, act, p, seed, offset, want_out=need[3])
         packed = w_up is None
-        halves = (lambda t: (t, None)) if packed else (lambda t: t.split(w_gate.shape[0]))
+        halves = (lambda t: (t, None)) if packed else (lambda t: t.split_with_sizes([w_gate.shape[0]] * 2))
         grad_x = (grad_gu @ _gate_up(w_gate, w_up)).view(*ctx.lead, x2.shape[1]) if need[0] else None
         grad_wg = grad_wu = grad_bg = grad_bu = None
         if need[1] or need[2]:

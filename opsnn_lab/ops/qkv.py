@@ -27,15 +27,13 @@ __all__ = ["FusedQKV", "QKVFunction"]
 
 def _adjacent(tensors: list[torch.Tensor]) -> bool:
     """True when the tensors are contiguous and back to back in one storage, in order."""
-    first = tensors[0]
-    if any(not t.is_contiguous() for t in tensors):
-        return False
-    ptr = first.data_ptr()
-    for t in tensors:
-        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.data_ptr() != ptr:
+    ptr = tensors[0].data_ptr()
+    for t in tensors:  # addresses first: each storage lookup makes a Python object (run every call)
+        if t.data_ptr() != ptr or not t.is_contiguous():
             return False
         ptr += t.numel() * t.element_size()
-    return True
+    base = tensors[0].untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() == base for t in tensors[1:])
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
