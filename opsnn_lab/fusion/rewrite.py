@@ -149,6 +149,22 @@ class FxForward(Patch):
             return None  # a tensor of another rank than the traced code assumed
         return bound
 
+    def _routes(self, gm) -> list[tuple[str, str, inspect._ParameterKind]]:
+        """``(original parameter, traced parameter, its kind)`` per argument of the traced code, made once per
+        variant (two signatures and a filter: ~10 us a call otherwise)."""
+        routes = self.__dict__.setdefault("_route_cache", {})
+        key = self.host.training
+        if key not in routes:
+            traced = list(signature(type(gm).forward).parameters.items())[1:]
+            # a **kwargs the traced code took as {} or as constants: not an argument of the traced code
+            facts = self.facts.get(key, {})
+            original = [n for n in list(signature(type(self.host).forward).parameters)[1:]
+                        if kwargs_values(facts.get(n, {})) is None]
+            if len(original) != len(traced):
+                original = [name for name, _ in traced]
+            routes[key] = [(source, name, p.kind) for source, (name, p) in zip(original, traced)]
+        return routes[key]
+
     def __call__(self, *args, **kwargs):
         gm = self.variants.get(self.host.training)
         if gm is not None and any(has_hooks(m) for m in self.inlined.get(self.host.training, ())):
@@ -161,22 +177,15 @@ class FxForward(Patch):
         if bound is None:
             return type(self.host).forward(self.host, *args, **kwargs)
         pos, kw = [], {}
-        traced = list(signature(type(gm).forward).parameters.items())[1:]
-        # a **kwargs the traced code took as {} or as constants: not an argument of the traced code
-        facts = self.facts.get(self.host.training, {})
-        original = [n for n in list(signature(type(self.host).forward).parameters)[1:]
-                    if kwargs_values(facts.get(n, {})) is None]
-        if len(original) != len(traced):
-            original = [name for name, _ in traced]
-        for source, (name, p) in zip(original, traced):
+        for source, name, kind in self._routes(gm):
             if source not in bound.arguments:
                 continue
             value = bound.arguments[source]
-            if p.kind == inspect.Parameter.VAR_POSITIONAL:
+            if kind == inspect.Parameter.VAR_POSITIONAL:
                 pos.extend(value)
-            elif p.kind == inspect.Parameter.VAR_KEYWORD:
+            elif kind == inspect.Parameter.VAR_KEYWORD:
                 kw.update(value)
-            elif p.kind == inspect.Parameter.POSITIONAL_ONLY:
+            elif kind == inspect.Parameter.POSITIONAL_ONLY:
                 pos.append(value)
             else:
                 kw[name] = value
