@@ -105,6 +105,20 @@ def tensor_facts(module: nn.Module, call) -> dict:
     return out
 
 
+def type_name(cls: type) -> str:
+    """``module:qualname`` of a class, as a fact keeps it (plans are JSON)."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def object_facts(module: nn.Module, call) -> dict:
+    """``{name: {"type": "module:qualname"}}`` for each argument of the observed call that is an object (not a
+    tensor, a plain value or a container): a cache, a config. Traced code reads its class for real
+    (``isinstance(cache, EncoderDecoderCache)`` took fx's proxy for another class and the wrong branch, silently),
+    and the rewritten forward runs only for an argument of that class."""
+    return {name: {"type": type_name(type(value))} for name, value in _named_arguments(bind_call(module, call))
+            if not isinstance(value, (torch.Tensor, *_SCALARS, list, tuple, dict))}
+
+
 def _same_constants(value, want: dict) -> bool:
     """``value`` is a dict with ``want``'s keys and, per key, a value of the same type that compares equal."""
     return isinstance(value, dict) and value.keys() == want.keys() and all(
@@ -118,6 +132,10 @@ def facts_hold(facts: dict, arguments: dict) -> bool:
         taken = kwargs_values(wanted)
         if taken is not None:  # a **kwargs the traced code took as {} or as constants
             if not _same_constants(value or {}, taken):
+                return False
+            continue
+        if "type" in wanted:  # an object argument: the class the traced code's branches were taken for
+            if type_name(type(value)) != wanted["type"]:
                 return False
             continue
         if not isinstance(value, torch.Tensor):
@@ -178,13 +196,15 @@ def _note(exc: BaseException, text: str) -> None:
 def _first_trace(module: nn.Module, concrete: dict, call, leaf_ok=None) -> tuple[fx.GraphModule, list, dict, str]:
     """A plain trace, else one with the example call's tensor facts, else (a wrapped forward that passes the call
     through) one of the function the wrapper wraps; the last error stands, with a note on the wrapper. Returns
-    (gm, wrapped helpers, facts, the wrapper's name or '')."""
+    (gm, wrapped helpers, facts, the wrapper's name or ''). Object arguments' classes are facts from the first
+    trace on (``object_facts``)."""
+    objects = object_facts(module, call)
     try:
-        return (*trace_region(module, concrete, True, leaf_ok=leaf_ok), {}, "")
+        return (*trace_region(module, concrete, True, facts=objects or None, leaf_ok=leaf_ok), objects, "")
     except Exception:  # noqa: BLE001 - retried below
-        facts = tensor_facts(module, call)
+        facts = {**tensor_facts(module, call), **objects}
         wrapper = forward_wrapper(module)
-        if not facts and not wrapper:
+        if facts == objects and not wrapper:
             raise
     try:
         return (*trace_region(module, concrete, True, facts=facts or None, leaf_ok=leaf_ok), facts, "")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import inspect
 import sys
 import traceback
@@ -90,6 +91,30 @@ class _InputProxy(fx.Proxy):
         return super().__getattr__(k)
 
 
+class _ObjectProxy(fx.Proxy):
+    """An object argument of the traced forward (a key/value cache): ``isinstance`` checks against the class of
+    the example's argument, as Python's ``isinstance`` falls back on ``__class__``. fx's plain proxy answers
+    False to every class, so ``if isinstance(cache, EncoderDecoderCache)`` took the other branch, silently; the
+    rewritten forward runs only for an argument of this class (``regions.facts_hold``). A class that cannot be
+    imported by name makes ``isinstance`` raise, so the region is not traced."""
+
+    def __init__(self, node: fx.Node, tracer, type_name: str):
+        super().__init__(node, tracer)
+        self._type_name = type_name
+
+    @property
+    def __class__(self):  # noqa: D105 - read by isinstance
+        module, _, qualname = self._type_name.partition(":")
+        try:
+            cls = importlib.import_module(module)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+        except (ImportError, AttributeError):
+            raise fx.proxy.TraceError(f"isinstance on an argument of class {self._type_name}, which cannot be "
+                                      "found by name") from None
+        return cls
+
+
 class _Tracer(fx.Tracer):
     """Keeps opsnn_lab.ops modules (e.g. the counter-based Dropout) as calls, as the run-time trace does.
 
@@ -114,6 +139,11 @@ class _Tracer(fx.Tracer):
         return super().trace(root, concrete_args)
 
     def call_module(self, m, forward, args, kwargs):
+        if _hidden_function(m, self):
+            # a function made a module but not registered under the root (Hugging Face's kernel-hub wrappers:
+            # `apply_rotary_pos_emb` kept in `self._kernel_funcs`): no state and no hooks, so its code is traced in
+            # place, as the function it stands for (fx would stop: "module is not installed as a submodule")
+            return forward(*args, **kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
@@ -130,6 +160,9 @@ class _Tracer(fx.Tracer):
                 self.facts_read[name] = dict(facts)
                 self.empty_kwargs.append(node)
                 return dict(taken)
+            if "type" in facts:  # an object argument (a cache): isinstance sees the example's class
+                self.facts_read[name] = dict(facts)
+                return _ObjectProxy(node, self, facts["type"])
             return _InputProxy(node, self, name, self.tensor_facts[name])
         return super().proxy(node)
 
@@ -152,6 +185,15 @@ class _Tracer(fx.Tracer):
             return super().create_arg(a)
         finally:
             self._depth -= 1
+
+
+def _hidden_function(m: nn.Module, tracer: fx.Tracer) -> bool:
+    """Whether ``m`` is a stateless, hook-free module that is not one of the traced root's submodules."""
+    paths = getattr(tracer, "submodule_paths", None)  # fx's {module: path} of the root, made by trace()
+    registered = m in paths if paths is not None else any(sub is m for sub in tracer.root.modules())
+    if registered or has_hooks(m):
+        return False
+    return next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
 
 _RETRIES = 8  # traces of one region: each retry keeps one more helper or submodule opaque

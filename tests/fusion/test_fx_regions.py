@@ -569,3 +569,78 @@ def test_a_child_named_self_keeps_the_traced_code_working():
     (g_got,) = torch.autograd.grad(got.square().sum(), x)
     (g_want,) = torch.autograd.grad(want.square().sum(), x)
     torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+
+
+class _Rotate(nn.Module):
+    """A function made a module (as Hugging Face's kernel-hub wrappers make ``apply_rotary_pos_emb`` one)."""
+
+    def forward(self, x):
+        return torch.cat([-x[..., 4:], x[..., :4]], dim=-1)
+
+
+class HiddenHelperBlock(nn.Module):
+    """Calls a stateless module kept out of the module tree (in a plain dict), with a residual add + LayerNorm
+    inline: fx stopped at that call ("module is not installed as a submodule"), so nothing here fused."""
+
+    def __init__(self, helper_params=False):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+        helper = _Rotate() if not helper_params else nn.Linear(8, 8)
+        self.__dict__["_kernel_funcs"] = {"rotate": helper}
+
+    def forward(self, x):
+        return self.fc(self.ln(x + self._kernel_funcs["rotate"](x)))
+
+
+@pytest.mark.parametrize("helper_params", [False, True])
+def test_a_stateless_helper_module_outside_the_tree_is_traced_as_its_code(helper_params):
+    model = HiddenHelperBlock(helper_params).train()
+    x = seeded(3, 8, seed=1, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    fused_patterns = [d.pattern for d in plan.decisions if d.fused]
+    if helper_params:  # a helper with parameters is state fx code cannot name: still refused, with the reason
+        assert "add_layer_norm" not in fused_patterns
+        assert any("not installed as a submodule" in d.reason for d in plan.decisions if d.pattern == "add_layer_norm")
+        return
+    assert "add_layer_norm" in fused_patterns
+    torch.testing.assert_close(fused(x), model(x))
+    grads = [torch.autograd.grad(m(x).square().sum(), (x, m.fc.weight)) for m in (model, fused)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a)
+
+
+class Special:
+    """An object argument (as a key/value cache is) whose class a forward branches on."""
+
+
+class BranchesOnClass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x, cache):
+        h = self.fc(x) * (2.0 if isinstance(cache, Special) else 3.0)  # a plain fx proxy: never Special
+        return self.ln(x + h)
+
+
+class HoldsBranching(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = BranchesOnClass()
+
+    def forward(self, x, cache):
+        if x.sum() > 1e9:  # data-dependent: `block` is the region
+            x = x * 0.5
+        return self.block(x, cache)
+
+
+def test_an_object_argument_keeps_its_class_in_the_traced_code_and_guards_the_rewrite():
+    model = HoldsBranching().train()
+    x = seeded(3, 8, seed=2, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model, (x, Special()))
+    assert [d.pattern for d in plan.decisions if d.fused] == ["add_layer_norm"]
+    for cache in (Special(), object()):  # the example's class: the traced code; another: the original forward
+        torch.testing.assert_close(fused(x, cache), model(x, cache))
+        grads = [torch.autograd.grad(m(x, cache).square().sum(), (x, m.block.fc.weight)) for m in (model, fused)]
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a)
