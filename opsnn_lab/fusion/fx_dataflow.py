@@ -65,6 +65,7 @@ def fx_graph(gm: fx.GraphModule, prefix: str, root: nn.Module | None = None) -> 
         node.ref = n
         nodes.append(node)
     g = Graph(nodes)
+    g.region = prefix
     if root is not None:
         g.modules = {".".join(p for p in (prefix, name) if p): m for name, m in root.named_modules()}
     return g

@@ -167,6 +167,9 @@ class Graph:
         self.tensors: dict[str, torch.Tensor] = {}
         self.modules: dict[str, nn.Module] = {}
         self.memo: dict = {}
+        # the fx region whose code this graph is (its path, '' for the root), None for the run-time graph: an
+        # "output" node there is what the region returns, which the run-time graph shows the model reading or not
+        self.region: str | None = None
         self.by_name = {n.name: n for n in nodes}
         self.users: dict[str, list[Node]] = {n.name: [] for n in nodes}
         for n in nodes:

@@ -174,7 +174,13 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
         drop, tail = nxt, nxt
         chain.append(drop)
     pv = next((u for u in g.users.get(tail.name, []) if u.op == "matmul"), None)
-    if pv is not None and (reason := _consumer_reason(g, tail, pv)):
+    # the probabilities may also be what a region returns (eager attention code returns its weights beside the
+    # output, and the layer calling it drops them): the fused op returns them too, for reading. Only in a region's
+    # code: the run-time graph's match for the same chain, which must be viable for this one to be planned, sees
+    # whether anything reads them after the region (returned by the model, a loss may use them: not fused)
+    returned = pv is not None and g.region is not None and any(u.op == "output" for u in g.users.get(tail.name, []))
+    if pv is not None and (reason := _consumer_reason(g, tail, pv)) and not (
+            returned and all(u is pv or u.op == "output" for u in g.users.get(tail.name, []))):
         m.reason = reason
         return m
     if pv is None or pv.inputs[:1] != [tail.name]:
@@ -185,6 +191,9 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     p = _dropout_module(drop).p if drop is not None else 0.0
     m.inputs = [q.name, kt.inputs[0], pv.inputs[1]] + ([mask.name] if mask is not None else [])
     m.outputs, m.params = [pv], {"scale": scale, "dropout_p": p}
+    if returned:
+        m.outputs.append(tail)
+        m.params["return_probs"] = True
     m.reason = _op_support("FusedAttention", build=lambda: build_attention(m)) or _common_checks(g, chain)
     m.ok = not m.reason
     return m
@@ -198,4 +207,5 @@ def build_qkv(m: Match, pack: bool = True) -> nn.Module:
 
 
 def build_attention(m: Match) -> nn.Module:
-    return op_class("FusedAttention")(scale=m.params["scale"], dropout_p=m.params["dropout_p"])
+    return op_class("FusedAttention")(scale=m.params["scale"], dropout_p=m.params["dropout_p"],
+                                      return_probs=m.params.get("return_probs", False))

@@ -11,6 +11,8 @@ Two paths, one semantics (the hand-written core in ``opsnn_lab.models.SelfAttent
   dropout mask (``opsnn_lab.kernels.rng``, seed/step contract of ``opsnn_lab.ops.dropout``) in
   backward. It is exact, reproducible from (seed, step) and lean in saved memory; its forward and
   backward do materialize T x T temporaries (freed at once), so peak memory is not flash-attention's.
+* ``return_probs=True`` (the core of eager attention code that also returns its weights, as Hugging Face's
+  ``eager_attention_forward`` does): always the second path, which has the probabilities at hand.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opsnn_lab._checks import check_positive, check_range, check_tensor, same_device
+from opsnn_lab._checks import check_positive, check_range, check_tensor, check_type, same_device
 from opsnn_lab.kernels import rng
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops.dropout import CounterRNG
@@ -71,11 +73,14 @@ class _Dropout:
     def __init__(self, probs, batch, p, seed, offset):
         self.args = (seed, offset, p)
         self.keep = None
-        if not rng.fuses_dropout_mul(probs):
+        self.identity = p == 0  # no mask at all (the core of a chain without dropout, run for its probabilities)
+        if not self.identity and not rng.fuses_dropout_mul(probs):
             shape = (*batch, *probs.shape[1:])
             self.keep = rng.dropout_mask(seed, offset, shape, p, probs.device, dtype=probs.dtype).view(probs.shape)
 
     def __call__(self, t, out=None):
+        if self.identity:
+            return t if out is None or out is t else out.copy_(t)
         if self.keep is None:
             return rng.dropout_mul(t, *self.args, out=out)
         return torch.mul(t, self.keep) if out is None else out.mul_(self.keep)
@@ -86,22 +91,37 @@ class AttentionDropoutFunction(torch.autograd.Function):
 
     Backward recomputes the probabilities with the same ops (so the same bits) and regenerates the mask.
     The dropout rescale ``1 / (1 - p)`` is applied to the (T x d) results, never to a T x T tensor.
+
+    ``return_probs=True`` also returns the probabilities after dropout, ``(batch, Tq, Tk)``, as eager attention
+    code returns them (Hugging Face's ``attn_weights``): made by the forward anyway, kept by nothing here, and
+    for reading only: a gradient reaching them raises (the saved-memory design has no T x T tensor to
+    differentiate), rather than being dropped.
     """
 
     @staticmethod
     @_amp.no_autocast
-    def forward(ctx, q, k, v, mask, scale, p, seed, offset):
+    def forward(ctx, q, k, v, mask, scale, p, seed, offset, return_probs=False):
         batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
         probs = _probs(q3, k3, scale, add_mask, batch)
         _Dropout(probs, batch, p, seed, offset)(probs, out=probs)
         out = torch.bmm(probs, v3).mul_(_keep_scale(p))
         ctx.save_for_backward(q, k, v, mask)
         ctx.cfg = (scale, p, seed, offset)
-        return out  # (batch, T, d): viewed outside the Function, so the caller may modify it in place
+        if not return_probs:
+            return out  # (batch, T, d): viewed outside the Function, so the caller may modify it in place
+        ctx.set_materialize_grads(False)
+        return out, probs.mul_(_keep_scale(p)) if p else probs  # eager's attn_weights carry the rescale
 
     @staticmethod
     @_amp.no_autocast
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_probs=None):
+        if grad_probs is not None:
+            raise RuntimeError(
+                "a fused attention (FusedAttention, return_probs=True) returns its attention probabilities for "
+                "reading only, and a gradient reached them: a loss that depends on the attention weights needs "
+                "the unfused attention (ol.fusion.revert(model), or fuse without the 'attention' pattern)")
+        if grad is None:
+            return (None,) * 9
         q, k, v, mask = ctx.saved_tensors
         scale, p, seed, offset = ctx.cfg
         ks = _keep_scale(p)
@@ -120,7 +140,7 @@ class AttentionDropoutFunction(torch.autograd.Function):
         if ctx.needs_input_grad[3] and mask is not None and mask.dtype != torch.bool:
             grad_mask = ds.view(*batch, *ds.shape[1:]).sum_to_size(mask.shape).mul(ks)
         shaped = [None if g is None else g.view(*batch, *g.shape[1:]) for g in (grad_q, grad_k, grad_v)]
-        return (*(_unbroadcast(g, t) for g, t in zip(shaped, (q, k, v))), grad_mask, None, None, None, None)
+        return (*(_unbroadcast(g, t) for g, t in zip(shaped, (q, k, v))), grad_mask, None, None, None, None, None)
 
 
 def _keep_scale(p: float) -> float:
@@ -175,7 +195,8 @@ def _cast_operands(cast, q, k, v, mask):
     return q, k, v, mask
 
 
-def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, offset):
+def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, offset,
+                  return_probs=False):
     if is_causal:
         if attn_mask is not None:
             raise ValueError("attn_mask and is_causal=True cannot both be given (as in scaled_dot_product_attention)")
@@ -188,13 +209,16 @@ def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
     _check_qkv(query, key, value, attn_mask)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    if dropout_p == 0.0:
+    if dropout_p == 0.0 and not return_probs:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
     batch = _broadcast(query.shape[:-2], key.shape[:-2])
     if math.prod(batch) * query.shape[-2] * key.shape[-2] > rng.MAX_NUMEL:
         raise ValueError("the attention matrix has more than 2**32 elements; split the batch")
-    out = AttentionDropoutFunction.apply(query, key, value, attn_mask, scale, float(dropout_p), seed, offset)
-    return out.view(*_broadcast(query.shape[:-2], key.shape[:-2], value.shape[:-2]), *out.shape[1:])
+    out = AttentionDropoutFunction.apply(query, key, value, attn_mask, scale, float(dropout_p), seed, offset,
+                                         return_probs)
+    out, probs = out if return_probs else (out, None)
+    out = out.view(*_broadcast(query.shape[:-2], key.shape[:-2], value.shape[:-2]), *out.shape[1:])
+    return out if probs is None else (out, probs.view(*batch, *probs.shape[1:]))
 
 
 class FusedAttention(CounterRNG, nn.Module):
@@ -204,18 +228,22 @@ class FusedAttention(CounterRNG, nn.Module):
     (..., Tq, Tk): float (added to the scores, e.g. 0 / finfo.min padding) or bool (True = attend), as in
     ``F.scaled_dot_product_attention``. ``scale`` defaults to ``1 / sqrt(d)``. Dropout on the
     probabilities uses the counter-based RNG (``rng_seed``, ``rng_step``, ``set_rng``; see
-    ``opsnn_lab.ops.dropout``); see this module's docstring for which path runs when.
+    ``opsnn_lab.ops.dropout``); see this module's docstring for which path runs when. ``return_probs=True``:
+    ``forward`` returns ``(out, probs)``, the probabilities after dropout as eager attention code returns them
+    (always the explicit path then; the probabilities are for reading, a gradient reaching them raises).
     """
 
-    def __init__(self, scale: float | None = None, dropout_p: float = 0.0, *, seed: int | None = None):
+    def __init__(self, scale: float | None = None, dropout_p: float = 0.0, *, seed: int | None = None,
+                 return_probs: bool = False):
         super().__init__()
         self.scale = None if scale is None else float(check_positive("scale", scale))
         self.dropout_p = float(check_range("dropout_p", dropout_p, 0.0, 1.0))
+        self.return_probs = check_type("return_probs", return_probs, bool)
         self._init_rng(seed)
 
     @classmethod
     def from_modules(cls, dropout: nn.Module | None = None, *, scale: float | None = None,
-                     seed: int | None = None) -> FusedAttention:
+                     seed: int | None = None, return_probs: bool = False) -> FusedAttention:
         """The core of a hand-written attention whose probabilities go through ``dropout`` (or none)."""
         from opsnn_lab.ops.dropout import Dropout
 
@@ -224,7 +252,7 @@ class FusedAttention(CounterRNG, nn.Module):
         p = 0.0 if dropout is None else float(dropout.p)
         if seed is None and isinstance(dropout, Dropout):
             seed = dropout.rng_seed
-        module = cls(scale, p, seed=seed)
+        module = cls(scale, p, seed=seed, return_probs=return_probs)
         return module.train(True if dropout is None else dropout.training)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -236,7 +264,10 @@ class FusedAttention(CounterRNG, nn.Module):
             if self.training:
                 seed, offset = self.next_draw(q if self.dropout_p > 0 else None)  # p = 0: nothing to replay
                 p = self.dropout_p
-            return counter_sdpa(q, k, v, mask, p, scale=self.scale, seed=seed, offset=offset)
+            if not self.return_probs:
+                return counter_sdpa(q, k, v, mask, p, scale=self.scale, seed=seed, offset=offset)
+            return _counter_sdpa(q, k, v, mask, p, False, self.scale, False, seed, offset, return_probs=True)
 
     def extra_repr(self) -> str:
-        return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}"
+        probs = ", return_probs=True" if self.return_probs else ""
+        return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}{probs}"

@@ -276,3 +276,34 @@ def test_decoders_with_a_cache_and_a_padded_mask_fuse_their_residual_norms(name)
     for key, p in model.named_parameters():
         torch.testing.assert_close(grads[key].grad, p.grad, rtol=1e-4, atol=1e-5 * max(1.0, p.grad.abs().max()),
                                    msg=key)
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_eager_attention_that_returns_its_weights_fuses_and_still_returns_them(name):
+    # Hugging Face's eager attention returns its probabilities beside the output (the layer drops them unless
+    # output_attentions is asked for): the core fuses all the same, its op returning the weights for reading,
+    # and the T x T tensors eager saves (softmax output, dropout mask and product) are no longer kept
+    from opsnn_lab.fusion.patterns import FAMILIES
+
+    model, inputs = zoo.build(name, dropout=0.0, batch=2, seq=32)
+    model.config._attn_implementation = "eager"
+    inputs.pop("labels", None)
+    fused, plan = ol.fusion.fuse(model.train(), inputs)
+    assert plan.summary()["attention"] == {"fused": 2, "rejected": 0}
+    torch.manual_seed(0)
+    outs_a, grads_a = _step(model, inputs)
+    torch.manual_seed(0)
+    outs_b, grads_b = _step(fused, inputs)
+    for a, b in zip(outs_a + list(grads_a.values()), outs_b + list(grads_b.values())):
+        if a is not None:
+            assert _close(a, b)
+    want = model(**inputs, output_attentions=True).attentions  # asked for: eager's weights, from either model
+    got = fused(**inputs, output_attentions=True).attentions
+    assert len(got) == len(want) == 2
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a)
+    without, _ = ol.fusion.fuse(model, inputs, patterns=[p for p in FAMILIES if p != "attention"])
+    ours = activation_bytes(lambda: _call(fused, inputs), exclude=tuple(fused.parameters()))
+    rest = activation_bytes(lambda: _call(without, inputs), exclude=tuple(without.parameters()))
+    heads, seq = model.config.num_attention_heads, 32
+    assert rest - ours >= 2 * 2 * heads * seq * seq * 4  # per layer at least the fp32 probabilities of 2 sequences

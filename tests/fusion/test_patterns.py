@@ -30,7 +30,9 @@ class Attn(nn.Module):
         s = mask + s
         p = s.softmax(dim=-1 if self.variant != "dim2" else 2)
         out = p @ v
-        return (out, s) if self.variant == "scores_out" else out
+        if self.variant == "probs_read":
+            return out + p.sum(-1, keepdim=True)
+        return {"scores_out": (out, s), "probs_out": (out, p)}.get(self.variant, out)
 
 
 @pytest.mark.parametrize("variant, ok, why", [
@@ -40,6 +42,8 @@ class Attn(nn.Module):
     ("mT", True, "fused"),
     ("no_transpose", False, "is `permute`, not a transpose"),
     ("scores_out", False, "also read by `output`"),
+    ("probs_out", False, "also read by `output`"),  # the model returns its weights: a loss may use them
+    ("probs_read", False, "also read by `sum`"),
 ])
 def test_attention_forms(variant, ok, why):
     q, k, v = (seeded(2, 3, 5, 4, seed=i) for i in range(3))
@@ -49,6 +53,7 @@ def test_attention_forms(variant, ok, why):
     if ok:
         assert m.params["scale"] == (0.25 if variant == "div" else 0.5) and m.params["dropout_p"] == 0.0
         assert len(m.inputs) == 4  # q, k (before its transpose), v, mask
+        assert "return_probs" not in m.params and len(m.outputs) == 1
 
 
 class Siblings(nn.Module):
@@ -136,6 +141,38 @@ def test_attention_forms_rewrite_equivalently(variant):
     grads = [torch.autograd.grad(m(*inputs).sum(), inputs[:3]) for m in (model, fused)]
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+class DropsTheWeights(nn.Module):
+    """Eager attention code returning its weights to a caller that drops them (a Hugging Face layer without
+    output_attentions); the root's data-dependent branch makes ``attn`` the region fx rewrites."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = Attn("probs_out")
+
+    def forward(self, q, k, v, mask):
+        if mask.sum() > 1e9:
+            mask = mask * 0.5
+        out, _ = self.attn(q, k, v, mask)
+        return out
+
+
+def test_weights_a_region_returns_and_its_caller_drops_are_returned_by_the_fused_op():
+    inputs = tuple(seeded(2, 3, 5, 4, seed=i, requires_grad=True) for i in range(3)) + (seeded(2, 1, 5, 5, seed=3),)
+    model = DropsTheWeights()
+    fused, plan = ol.fusion.fuse(model, inputs)
+    assert plan.summary() == {"attention": {"fused": 1, "rejected": 0}}
+    (op,) = [m.op for m in fused.modules() if type(getattr(m, "op", None)).__name__ == "FusedAttention"]
+    assert op.return_probs
+    torch.testing.assert_close(fused(*inputs), model(*inputs), atol=1e-5, rtol=1e-5)
+    grads = [torch.autograd.grad(m(*inputs).sum(), inputs[:3]) for m in (model, fused)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    out, probs = fused.attn(*inputs)  # the region called for its weights: eager's, for reading
+    torch.testing.assert_close(probs, model.attn(*inputs)[1], atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="for reading only"):  # a loss on them: refused, never wrong gradients
+        (out.sum() + probs.square().sum()).backward()
 
 
 class ParallelBlock(nn.Module):

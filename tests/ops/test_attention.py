@@ -163,3 +163,39 @@ def test_batch_dims_broadcast_as_torch_broadcasts_them():
                 _broadcast(*shapes)
             continue
         assert _broadcast(*shapes) == want, shapes
+
+
+def _eager_probs(q, k, mask, p, seed, step):
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + (0 if mask is None else mask)
+    probs = torch.softmax(s, dim=-1)
+    if p > 0:
+        probs = probs * rng.dropout_mask(seed, step * rng.MAX_NUMEL, probs.shape, p) * (1.0 / (1 - p))
+    return probs
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("training", [True, False])
+def test_return_probs_gives_eagers_weights_and_refuses_their_gradient(p, training):
+    # eager attention code returns its probabilities (after dropout, rescaled) beside the output: the op returns
+    # the same two, with every gradient of the output as before; the weights are for reading
+    q, k, v, mask = _inputs(dtype=torch.float64)
+    k1 = k.detach()[:, :1].requires_grad_(True)  # one key/value head broadcast over the query heads
+    v1 = v.detach()[:, :1].requires_grad_(True)
+    att = FusedAttention(dropout_p=p, seed=3, return_probs=True).train(training)
+    att.set_rng(3, 2)
+    out, probs = att(q, k1, v1, mask)
+    p_eff = p if training else 0.0
+    want = _eager_probs(q, k1, mask, p_eff, 3, 2)
+    assert probs.shape == (2, 3, 7, 7) and out.shape == (2, 3, 7, 5)
+    torch.testing.assert_close(probs, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, torch.matmul(want, v1), rtol=1e-12, atol=1e-12)
+    att.set_rng(3, 2)
+    grads = torch.autograd.grad(att(q, k1, v1, mask)[0].sum(), (q, k1, v1))
+    want_grads = torch.autograd.grad(torch.matmul(_eager_probs(q, k1, mask, p_eff, 3, 2), v1).sum(), (q, k1, v1))
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    out, probs = att(q, k1, v1, mask)
+    with pytest.raises(RuntimeError, match="for reading only"):
+        (out.sum() + probs.sum()).backward()
+    with torch.no_grad():  # read without a graph: fine
+        assert torch.equal(att(q, k1, v1, mask)[1].isfinite(), torch.ones_like(probs, dtype=torch.bool))
