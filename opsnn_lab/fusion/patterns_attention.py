@@ -189,14 +189,35 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
         return m
     chain.append(pv)
     p = _dropout_module(drop).p if drop is not None else 0.0
+    if drop is not None and drop.kind == "function":
+        m.params["rng_name"] = functional_stream(g, drop)
     m.inputs = [q.name, kt.inputs[0], pv.inputs[1]] + ([mask.name] if mask is not None else [])
-    m.outputs, m.params = [pv], {"scale": scale, "dropout_p": p}
+    m.outputs = [pv]
+    m.params = {"scale": scale, "dropout_p": p, **m.params}
     if returned:
         m.outputs.append(tail)
         m.params["return_probs"] = True
     m.reason = _op_support("FusedAttention", build=lambda: build_attention(m)) or _common_checks(g, chain)
     m.ok = not m.reason
     return m
+
+
+# functional random calls make_reproducible draws as "<module path>:dropout.<i>" (consistency.functional)
+_FUNCTIONAL_DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d"})
+
+
+def functional_stream(g: Graph, drop: Node) -> str:
+    """The stream ``make_reproducible`` names an inline ``F.dropout`` call by: its module's path and its index
+    among that module's functional dropouts (SDPA with dropout counts as one), so a fused op absorbing it draws
+    the mask the unfused model draws there."""
+    index = 0
+    for n in g.nodes:
+        if n is drop:
+            break
+        if n.kind == "function" and n.scope == drop.scope and (n.op in _FUNCTIONAL_DROPOUTS or (
+                n.op == "scaled_dot_product_attention" and arg(n, 4, "dropout_p", 0.0))):
+            index += 1
+    return f"{drop.scope or '<root>'}:dropout.{index}"
 
 
 def build_qkv(m: Match, pack: bool = True) -> nn.Module:

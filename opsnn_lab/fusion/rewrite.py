@@ -80,6 +80,8 @@ def _name_stream(op: nn.Module, m: Match) -> nn.Module:
         op.rng_name = drop.module
         if hasattr(drop.obj, "next_draw"):  # a counter-based module, maybe called again elsewhere: one counter
             op.share_rng(drop.obj)
+    elif m.params.get("rng_name") and hasattr(op, "set_rng"):  # an inline F.dropout: the stream it is drawn from
+        op.rng_name = m.params["rng_name"]
     return op
 
 

@@ -307,3 +307,22 @@ def test_eager_attention_that_returns_its_weights_fuses_and_still_returns_them(n
     rest = activation_bytes(lambda: _call(without, inputs), exclude=tuple(without.parameters()))
     heads, seq = model.config.num_attention_heads, 32
     assert rest - ours >= 2 * 2 * heads * seq * seq * 4  # per layer at least the fp32 probabilities of 2 sequences
+
+
+def test_a_fused_eager_attention_draws_the_mask_its_inline_dropout_draws_under_make_reproducible():
+    # the fused core absorbs an inline F.dropout: its stream is the one make_reproducible names that call by
+    # ("<module>:dropout.<i>"), so fused and unfused models draw the same masks (8e-3 apart before it was named)
+    model, inputs = zoo.build("bert", batch=2, seq=16)  # the default dropouts, 0.1
+    model.config._attn_implementation = "eager"
+    inputs.pop("labels", None)
+    fused, plan = ol.fusion.fuse(model.train(), inputs)
+    assert plan.summary()["attention"] == {"fused": 2, "rejected": 0}
+    outs = []
+    for m in (model, fused):
+        ol.consistency.make_reproducible(m, 7)
+        out = m(**inputs).logits
+        out.square().mean().backward()
+        outs.append((out.detach(), m.get_submodule("bert.encoder.layer.0.attention.self.query").weight.grad))
+    (a, ga), (b, gb) = outs
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-5)
