@@ -124,13 +124,45 @@ def find_qkv(g: Graph) -> list[Match]:
 # ------------------------------------------------------------- softmax(q @ k^T * scale + mask) -> dropout -> @ v
 def find_attention(g: Graph) -> list[Match]:
     out = []
-    for sm in g.nodes:
-        if sm.op != "softmax":
-            continue
-        m = _attention_at(g, sm)
+    for n in g.nodes:
+        m = _attention_at(g, n) if n.op == "softmax" else _sdpa_at(g, n) if n.op == "scaled_dot_product_attention" \
+            else None
         if m is not None:
             out.append(m)
     return out
+
+
+def _sdpa_at(g: Graph, n: Node) -> Match | None:
+    """``F.scaled_dot_product_attention`` with dropout (Hugging Face's default attention in training): on CPU its
+    dropout runs the math path, which saves the T x T probabilities and the mask; the fused op's counter-based
+    dropout saves q, k, v and the mask only. Without dropout SDPA's own kernels save no T x T tensor: no match."""
+    p = arg(n, 4, "dropout_p", 0.0)
+    if isinstance(p, Ref) or not p:
+        return None
+    mask = arg(n, 3, "attn_mask", None)
+    flags = {"is_causal": arg(n, 5, "is_causal", False), "scale": arg(n, 6, "scale", None),
+             "enable_gqa": arg(n, 7, "enable_gqa", False)}
+    q, k, v = (arg(n, i, name) for i, name in enumerate(("query", "key", "value")))
+    m = Match("attention", [n], False, "", outputs=[n])
+    if not all(isinstance(t, Ref) for t in (q, k, v)) or (mask is not None and not isinstance(mask, Ref)):
+        m.reason = ("q, k, v or the mask is not a value the forward computed (a buffer or a constant); the fused op "
+                    "takes computed values only")
+        return m
+    if any(isinstance(f, Ref) for f in flags.values()):
+        m.reason = "is_causal, scale or enable_gqa is computed from a tensor"
+        return m
+    m.inputs = [q.name, k.name, v.name] + ([mask.name] if mask is not None else [])
+    m.params = {"scale": None if flags["scale"] is None else float(flags["scale"]), "dropout_p": float(p),
+                "is_causal": bool(flags["is_causal"]), "enable_gqa": bool(flags["enable_gqa"]),
+                "rng_name": functional_stream(g, n)}
+    t = g.tensors.get(q.name)
+    if t is not None and t.device.type != "cpu":
+        m.reason = (f"SDPA on {t.device.type}: its flash / memory-efficient kernels keep no T x T tensor for dropout "
+                    "(only the CPU's math path does)")
+        return m
+    m.reason = _op_support("FusedAttention", build=lambda: build_attention(m)) or _common_checks(g, [n])
+    m.ok = not m.reason
+    return m
 
 
 def _attention_at(g: Graph, sm: Node) -> Match | None:
@@ -229,4 +261,6 @@ def build_qkv(m: Match, pack: bool = True) -> nn.Module:
 
 def build_attention(m: Match) -> nn.Module:
     return op_class("FusedAttention")(scale=m.params["scale"], dropout_p=m.params["dropout_p"],
-                                      return_probs=m.params.get("return_probs", False))
+                                      return_probs=m.params.get("return_probs", False),
+                                      is_causal=m.params.get("is_causal", False),
+                                      enable_gqa=m.params.get("enable_gqa", False))

@@ -231,14 +231,18 @@ class FusedAttention(CounterRNG, nn.Module):
     ``opsnn_lab.ops.dropout``); see this module's docstring for which path runs when. ``return_probs=True``:
     ``forward`` returns ``(out, probs)``, the probabilities after dropout as eager attention code returns them
     (always the explicit path then; the probabilities are for reading, a gradient reaching them raises).
+    ``is_causal`` and ``enable_gqa`` are ``F.scaled_dot_product_attention``'s (the op then stands for an SDPA call
+    with dropout, whose CPU math path saves the T x T probabilities: ``ol.fusion``'s ``attention`` pattern).
     """
 
     def __init__(self, scale: float | None = None, dropout_p: float = 0.0, *, seed: int | None = None,
-                 return_probs: bool = False):
+                 return_probs: bool = False, is_causal: bool = False, enable_gqa: bool = False):
         super().__init__()
         self.scale = None if scale is None else float(check_positive("scale", scale))
         self.dropout_p = float(check_range("dropout_p", dropout_p, 0.0, 1.0))
         self.return_probs = check_type("return_probs", return_probs, bool)
+        self.is_causal = check_type("is_causal", is_causal, bool)  # as SDPA's: a top-left lower triangle
+        self.enable_gqa = check_type("enable_gqa", enable_gqa, bool)  # as SDPA's: k/v heads repeated per group
         self._init_rng(seed)
 
     @classmethod
@@ -259,15 +263,15 @@ class FusedAttention(CounterRNG, nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         with _amp.region(q) as cast:
             q, k, v, mask = _cast_operands(cast, q, k, v, mask)
-            _check_qkv(q, k, v, mask)  # before the draw: a refused call does not advance the stream
+            if not self.enable_gqa:  # before the draw: a refused call does not advance the stream (GQA's heads
+                _check_qkv(q, k, v, mask)  # are checked once repeated)
             p, seed, offset = 0.0, 0, 0
             if self.training:
                 seed, offset = self.next_draw(q if self.dropout_p > 0 else None)  # p = 0: nothing to replay
                 p = self.dropout_p
-            if not self.return_probs:
-                return counter_sdpa(q, k, v, mask, p, scale=self.scale, seed=seed, offset=offset)
-            return _counter_sdpa(q, k, v, mask, p, False, self.scale, False, seed, offset, return_probs=True)
+            return _counter_sdpa(q, k, v, mask, p, self.is_causal, self.scale, self.enable_gqa, seed, offset,
+                                 return_probs=self.return_probs)
 
     def extra_repr(self) -> str:
-        probs = ", return_probs=True" if self.return_probs else ""
-        return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}{probs}"
+        flags = "".join(f", {k}=True" for k in ("return_probs", "is_causal", "enable_gqa") if getattr(self, k))
+        return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}{flags}"

@@ -300,3 +300,63 @@ def test_a_norm_whose_output_is_written_in_place_saves_its_input(norm):
     (g_got,) = torch.autograd.grad(got.sum(), x)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+
+
+class SDPABlock(nn.Module):
+    """nanoGPT's attention core: ``F.scaled_dot_product_attention`` with dropout in training."""
+
+    def __init__(self, p=0.1, causal=True, gqa=False, masked=False):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(16, 48 if not gqa else 32), nn.Linear(16, 16)
+        self.p, self.causal, self.gqa, self.masked = p, causal, gqa, masked
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        if self.gqa:  # 4 query heads over 2 key/value heads
+            q, k, v = self.qkv(x).split([16, 8, 8], dim=-1)
+            k, v = (z.view(b, t, 2, 4).transpose(1, 2) for z in (k, v))
+        else:
+            q, k, v = self.qkv(x).split(16, dim=-1)
+            k, v = (z.view(b, t, 4, 4).transpose(1, 2) for z in (k, v))
+        q = q.view(b, t, 4, 4).transpose(1, 2)
+        mask = (x.abs().sum(-1) > 0)[:, None, None, :] if self.masked else None  # padding form, (B, 1, 1, T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.p if self.training else 0.0,
+                                           is_causal=self.causal and not self.masked, enable_gqa=self.gqa)
+        return self.proj(y.transpose(1, 2).reshape(b, t, 16))
+
+
+def test_sdpa_with_dropout_is_an_attention_candidate_and_without_none():
+    x = seeded(2, 6, 16, seed=1)
+    (m,) = [m for m in _matches(SDPABlock(), x) if m.pattern == "attention"]
+    assert m.ok and m.params == {"scale": None, "dropout_p": 0.1, "is_causal": True, "enable_gqa": False,
+                                 "rng_name": "<root>:dropout.0"}
+    assert [m for m in _matches(SDPABlock(p=0.0), x) if m.pattern == "attention"] == []  # SDPA keeps no T x T
+    g = trace_runtime(SDPABlock(), (x,)).graph  # on a GPU its kernels keep none either: said, not fused
+    (sdpa,) = [n for n in g.nodes if n.op == "scaled_dot_product_attention"]
+    g.tensors[sdpa.inputs[0]] = torch.empty(2, 4, 6, 4, device="meta")
+    (m,) = [m for m in find_all(g) if m.pattern == "attention"]
+    assert not m.ok and "flash / memory-efficient kernels" in m.reason
+
+
+@pytest.mark.parametrize("variant", [{}, {"gqa": True}, {"masked": True}])
+def test_sdpa_with_dropout_fuses_saves_the_probabilities_and_draws_make_reproducibles_masks(variant):
+    torch.manual_seed(0)
+    model = nn.Sequential(SDPABlock(**variant), SDPABlock(**variant)).train()
+    x = seeded(2, 32, 16, seed=1)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert plan.summary()["attention"] == {"fused": 2, "rejected": 0}
+    from opsnn_lab.measuring import activation_bytes
+
+    eager = activation_bytes(lambda: model(x), exclude=tuple(model.parameters()))
+    ours = activation_bytes(lambda: fused(x), exclude=tuple(fused.parameters()))
+    assert ours < 0.5 * eager  # the math path's T x T probabilities and mask, per call, are gone
+    outs = []  # make_reproducible runs the unfused SDPA's dropout on the same counter stream: the same masks
+    for m in (model, fused):
+        ol.consistency.make_reproducible(m, 3)
+        out = m(x)
+        outs.append((out, torch.autograd.grad(out.square().sum(), m[0].qkv.weight)[0]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)
+    model.eval()
+    fused.eval()
+    torch.testing.assert_close(fused(x), model(x), rtol=0, atol=0)  # eval: SDPA itself, p = 0

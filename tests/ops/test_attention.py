@@ -199,3 +199,25 @@ def test_return_probs_gives_eagers_weights_and_refuses_their_gradient(p, trainin
         (out.sum() + probs.sum()).backward()
     with torch.no_grad():  # read without a graph: fine
         assert torch.equal(att(q, k1, v1, mask)[1].isfinite(), torch.ones_like(probs, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_is_causal_and_enable_gqa_are_sdpas(p):
+    # the op standing for an SDPA call: the same flags, the same result (its dropout from the counter stream,
+    # as counter_sdpa draws it for make_reproducible), every gradient
+    import torch.nn.functional as F
+
+    from opsnn_lab.ops.attention import counter_sdpa
+
+    q = seeded(2, 4, 6, 5, seed=1, dtype=torch.float64, requires_grad=True)
+    k, v = (seeded(2, 2, 6, 5, seed=s, dtype=torch.float64, requires_grad=True) for s in (2, 3))
+    att = FusedAttention(dropout_p=p, seed=5, is_causal=True, enable_gqa=True).train()
+    att.set_rng(5, 0)
+    out = att(q, k, v)
+    want = (F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) if p == 0 else
+            counter_sdpa(q, k, v, None, p, True, None, True, seed=5, offset=0))
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    with pytest.raises(TypeError, match="is_causal"):
+        FusedAttention(is_causal=1)
