@@ -56,9 +56,16 @@ def _batched(q, k, v, mask):
 
 
 def _probs(q3, k3, scale, mask, batch):
-    """``softmax(q k^T * scale + mask)`` as (batch, Tq, Tk): the mask is copied in, the GEMM adds onto it."""
+    """``softmax(q k^T * scale + mask)`` as (batch, Tq, Tk): the mask is copied in, the GEMM adds onto it. A float
+    mask wider than bf16/fp16 scores (a T5 position bias, kept fp32 under autocast) is added in its own dtype and
+    the softmax taken there, rounded once: eager attention code rounds that sum to the scores' dtype first."""
     if mask is None:
         s = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)
+    elif mask.dtype != q3.dtype and mask.is_floating_point():
+        s = torch.empty(q3.shape[0], q3.shape[1], k3.shape[1], dtype=mask.dtype, device=q3.device)
+        s.view(*batch, *s.shape[1:]).copy_(mask.expand(*batch, *s.shape[1:]))
+        s.add_(torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale))
+        return torch.softmax(s, dim=-1).to(q3.dtype)
     else:
         s = torch.empty(q3.shape[0], q3.shape[1], k3.shape[1], dtype=q3.dtype, device=q3.device)
         s.view(*batch, *s.shape[1:]).copy_(mask.expand(*batch, *s.shape[1:]))
@@ -165,8 +172,9 @@ def _check_qkv(q, k, v, mask):
     except RuntimeError:
         raise ValueError(f"q, k, v batch dims do not broadcast: {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}") from None
-    if mask is not None:
-        check_tensor("mask", mask, dtypes=(q.dtype, torch.bool))
+    if mask is not None:  # bool, or a float mask of q's dtype or a wider one (added in its own dtype)
+        check_tensor("mask", mask, dtypes=(q.dtype, torch.bool) + (
+            (torch.float32, torch.float64) if q.dtype in (torch.float16, torch.bfloat16) else ()))
         target = (*batch, q.shape[-2], k.shape[-2])
         try:
             ok = _broadcast(mask.shape, target) == torch.Size(target)
@@ -189,10 +197,9 @@ def counter_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_c
 
 
 def _cast_operands(cast, q, k, v, mask):
-    q, k, v = cast(q, k, v)
-    if mask is not None and mask.is_floating_point():
-        (mask,) = cast(mask)
-    return q, k, v, mask
+    # a float mask keeps its dtype: the core adds it to half scores in that dtype (_probs), one rounding less
+    # than casting it as SDPA's autocast does
+    return (*cast(q, k, v), mask)
 
 
 def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, offset,

@@ -221,3 +221,24 @@ def test_is_causal_and_enable_gqa_are_sdpas(p):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     with pytest.raises(TypeError, match="is_causal"):
         FusedAttention(is_causal=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("explicit", [False, True])  # SDPA (p = 0), or the op's own path (return_probs)
+def test_a_wide_float_mask_is_added_to_half_scores_in_its_own_dtype(dtype, explicit):
+    # T5's position bias stays fp32 under autocast; its attention adds it into half scores (one rounding) and
+    # takes the softmax in fp32. The op keeps the sum in fp32: its error against float64 is at most eager's
+    errs = {"eager": [], "fused": []}
+    for seed in range(3):
+        q, k, v = (seeded(2, 3, 9, 8, seed=seed * 3 + i, dtype=torch.float64, scale=2.0) for i in range(3))
+        bias = seeded(1, 3, 9, 9, seed=seed + 50, dtype=torch.float64, scale=8.0)
+        ref = torch.softmax(q @ k.transpose(-1, -2) + bias, -1) @ v
+        qh, kh, vh = (t.to(dtype) for t in (q, k, v))
+        scores = (qh @ kh.transpose(-1, -2))
+        scores += bias.float()  # in place into the half scores, as T5's attention does
+        eager = torch.softmax(scores.float(), -1).to(dtype) @ vh
+        fused = FusedAttention(scale=1.0, return_probs=explicit).eval()(qh, kh, vh, bias.float())
+        fused = fused[0] if explicit else fused
+        for name, out in (("eager", eager), ("fused", fused)):
+            errs[name].append((out.double() - ref).abs().max().item())
+    assert max(errs["fused"]) <= max(errs["eager"]) * 1.05, errs
