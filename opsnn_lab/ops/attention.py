@@ -217,6 +217,9 @@ def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     _check_qkv(query, key, value, attn_mask)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     if dropout_p == 0.0 and not return_probs:
+        if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
+            # as autocast casts it for SDPA: torch < 2.9 (and some GPU kernels) refuse a float mask of another dtype
+            attn_mask = attn_mask.to(query.dtype)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
     batch = _broadcast(query.shape[:-2], key.shape[:-2])
     if math.prod(batch) * query.shape[-2] * key.shape[-2] > rng.MAX_NUMEL:

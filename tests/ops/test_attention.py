@@ -227,7 +227,8 @@ def test_is_causal_and_enable_gqa_are_sdpas(p):
 @pytest.mark.parametrize("explicit", [False, True])  # SDPA (p = 0), or the op's own path (return_probs)
 def test_a_wide_float_mask_is_added_to_half_scores_in_its_own_dtype(dtype, explicit):
     # T5's position bias stays fp32 under autocast; its attention adds it into half scores (one rounding) and
-    # takes the softmax in fp32. The op keeps the sum in fp32: its error against float64 is at most eager's
+    # takes the softmax in fp32. The op's own path keeps the sum in fp32; the SDPA path takes the mask cast to the
+    # scores' dtype, as autocast gives it to SDPA (older torch refuses another dtype): within eager's error
     errs = {"eager": [], "fused": []}
     for seed in range(3):
         q, k, v = (seeded(2, 3, 9, 8, seed=seed * 3 + i, dtype=torch.float64, scale=2.0) for i in range(3))
@@ -242,3 +243,20 @@ def test_a_wide_float_mask_is_added_to_half_scores_in_its_own_dtype(dtype, expli
         for name, out in (("eager", eager), ("fused", fused)):
             errs[name].append((out.double() - ref).abs().max().item())
     assert max(errs["fused"]) <= max(errs["eager"]) * 1.05, errs
+
+
+def test_sdpa_gets_a_float_mask_of_the_querys_dtype(monkeypatch):
+    # torch before 2.9 (and GPU kernels) refuse a float mask of another dtype than the query's
+    from opsnn_lab.ops import attention as attention_mod
+
+    seen = []
+    sdpa = attention_mod.F.scaled_dot_product_attention
+
+    def recorded(*args, attn_mask=None, **kwargs):
+        seen.append(attn_mask.dtype)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(attention_mod.F, "scaled_dot_product_attention", recorded)
+    q = seeded(2, 3, 4, 8, seed=1, dtype=torch.bfloat16)
+    FusedAttention().eval()(q, q, q, seeded(2, 1, 4, 4, seed=2))
+    assert seen == [torch.bfloat16]
