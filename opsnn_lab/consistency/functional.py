@@ -25,11 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from opsnn_lab.ops.attention import SDPA_ARGS
+
 __all__ = ["FunctionalRandomness"]
 
 _DROPOUTS = {F.dropout, torch.dropout} | ({torch.Tensor.dropout} if hasattr(torch.Tensor, "dropout") else set())
 _CHANNEL_DROPOUTS = {F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}  # -> spatial dims of a batched input
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # random functions that take ``generator=``; the first tensor argument (if any) gives the device
 _SAMPLERS = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.multinomial,
              torch.normal, torch.poisson, torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_,
@@ -140,7 +141,7 @@ class FunctionalRandomness(TorchFunctionMode):
     def _attention(self, args, kwargs):
         """SDPA with dropout: the same result with the counter mask of ``"<module path>:dropout.<i>"``,
         since SDPA's own dropout draws from torch's generator."""
-        bound = dict(zip(_SDPA_ARGS, args))
+        bound = dict(zip(SDPA_ARGS, args))
         bound.update(kwargs)
         if float(bound.get("dropout_p", 0.0)) == 0.0:
             return F.scaled_dot_product_attention(*args, **kwargs)

@@ -18,6 +18,7 @@ from opsnn_lab.fusion.match import (
     _op_support,
     op_class,
 )
+from opsnn_lab.ops.attention import SDPA_ARGS
 
 __all__ = ["find_qkv", "find_attention", "build_qkv", "build_attention"]
 
@@ -132,17 +133,21 @@ def find_attention(g: Graph) -> list[Match]:
     return out
 
 
+def _sdpa_arg(n: Node, name: str, default=None):
+    return arg(n, SDPA_ARGS.index(name), name, default)
+
+
 def _sdpa_at(g: Graph, n: Node) -> Match | None:
     """``F.scaled_dot_product_attention`` with dropout (Hugging Face's default attention in training): on CPU its
     dropout runs the math path, which saves the T x T probabilities and the mask; the fused op's counter-based
     dropout saves q, k, v and the mask only. Without dropout SDPA's own kernels save no T x T tensor: no match."""
-    p = arg(n, 4, "dropout_p", 0.0)
+    p = _sdpa_arg(n, "dropout_p", 0.0)
     if isinstance(p, Ref) or not p:
         return None
-    mask = arg(n, 3, "attn_mask", None)
-    flags = {"is_causal": arg(n, 5, "is_causal", False), "scale": arg(n, 6, "scale", None),
-             "enable_gqa": arg(n, 7, "enable_gqa", False)}
-    q, k, v = (arg(n, i, name) for i, name in enumerate(("query", "key", "value")))
+    mask = _sdpa_arg(n, "attn_mask")
+    flags = {"is_causal": _sdpa_arg(n, "is_causal", False), "scale": _sdpa_arg(n, "scale"),
+             "enable_gqa": _sdpa_arg(n, "enable_gqa", False)}
+    q, k, v = (_sdpa_arg(n, name) for name in ("query", "key", "value"))
     m = Match("attention", [n], False, "", outputs=[n])
     if not all(isinstance(t, Ref) for t in (q, k, v)) or (mask is not None and not isinstance(mask, Ref)):
         m.reason = ("q, k, v or the mask is not a value the forward computed (a buffer or a constant); the fused op "
@@ -247,7 +252,7 @@ def functional_stream(g: Graph, drop: Node) -> str:
         if n is drop:
             break
         if n.kind == "function" and n.scope == drop.scope and (n.op in _FUNCTIONAL_DROPOUTS or (
-                n.op == "scaled_dot_product_attention" and arg(n, 4, "dropout_p", 0.0))):
+                n.op == "scaled_dot_product_attention" and _sdpa_arg(n, "dropout_p", 0.0))):
             index += 1
     return f"{drop.scope or '<root>'}:dropout.{index}"
 

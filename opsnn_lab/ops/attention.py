@@ -28,9 +28,11 @@ from opsnn_lab.kernels import rng
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops.dropout import CounterRNG
 
-__all__ = ["FusedAttention", "AttentionDropoutFunction", "counter_sdpa"]
+__all__ = ["FusedAttention", "AttentionDropoutFunction", "counter_sdpa", "SDPA_ARGS"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# F.scaled_dot_product_attention's parameters in order (counter_sdpa takes the same): for binding a call's arguments
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def _broadcast(*shapes) -> torch.Size:
@@ -39,10 +41,10 @@ def _broadcast(*shapes) -> torch.Size:
     out = [1] * max(len(s) for s in shapes)
     for shape in shapes:
         for i, d in enumerate(shape, len(out) - len(shape)):
-            if d != out[i]:
-                if out[i] != 1 and d != 1:
-                    raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} do not broadcast")
-                out[i] = d if out[i] == 1 else out[i]
+            if out[i] == 1:
+                out[i] = d
+            elif d not in (1, out[i]):
+                raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} do not broadcast")
     return torch.Size(out)
 
 
@@ -60,17 +62,14 @@ def _probs(q3, k3, scale, mask, batch):
     mask wider than bf16/fp16 scores (a T5 position bias, kept fp32 under autocast) is added in its own dtype and
     the softmax taken there, rounded once: eager attention code rounds that sum to the scores' dtype first."""
     if mask is None:
-        s = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)
-    elif mask.dtype != q3.dtype and mask.is_floating_point():
-        s = torch.empty(q3.shape[0], q3.shape[1], k3.shape[1], dtype=mask.dtype, device=q3.device)
-        s.view(*batch, *s.shape[1:]).copy_(mask.expand(*batch, *s.shape[1:]))
-        s.add_(torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale))
-        return torch.softmax(s, dim=-1).to(q3.dtype)
-    else:
-        s = torch.empty(q3.shape[0], q3.shape[1], k3.shape[1], dtype=q3.dtype, device=q3.device)
-        s.view(*batch, *s.shape[1:]).copy_(mask.expand(*batch, *s.shape[1:]))
-        s.baddbmm_(q3, k3.transpose(1, 2), alpha=scale)
-    return torch.softmax(s, dim=-1)
+        return torch.softmax(torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale), dim=-1)
+    wide = mask.dtype != q3.dtype and mask.is_floating_point()
+    s = torch.empty(q3.shape[0], q3.shape[1], k3.shape[1], dtype=mask.dtype if wide else q3.dtype, device=q3.device)
+    s.view(*batch, *s.shape[1:]).copy_(mask.expand(*batch, *s.shape[1:]))
+    if not wide:
+        return torch.softmax(s.baddbmm_(q3, k3.transpose(1, 2), alpha=scale), dim=-1)
+    s.add_(torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale))
+    return torch.softmax(s, dim=-1).to(q3.dtype)
 
 
 class _Dropout:
