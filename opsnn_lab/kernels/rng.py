@@ -118,10 +118,10 @@ def _halves16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return halves[:, 0], halves[:, 1]
 
 
-def _xorshift16_(x: torch.Tensor, halves=None) -> torch.Tensor:
+def _xorshift16_(x: torch.Tensor, halves: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``x ^= x >>> 16`` on int32 words in one pass: only the low half changes, by the high half. ``halves``:
-    ``_halves16(x)`` made once for several passes over one ``x`` (four view ops a pass otherwise)."""
-    low, high = _halves16(x) if halves is None else halves
+    ``_halves16(x)``, made once for the passes over one ``x`` (four view ops a pass otherwise)."""
+    low, high = halves
     low.bitwise_xor_(high)
     return x
 
