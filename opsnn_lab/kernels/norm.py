@@ -134,7 +134,7 @@ def norm_bwd_from_output_reference(grad_y, y, rstd, weight, bias, rms, weight_of
     with unit statistics (``xhat`` is already centred and scaled), the row ``rstd`` applied after."""
     acc = torch.float64 if y.dtype == torch.float64 else torch.float32
     if rms and weight is not None and bias is None:
-        return _rms_bwd_from_output(grad_y, y, rstd, weight, weight_offset, want_weight, want_bias, grad_sum, acc)
+        return _rms_bwd_from_output(grad_y, y, rstd, weight, weight_offset, want_weight, grad_sum, acc)
     w = None if weight is None else weight.to(acc) + weight_offset
     if w is None:  # read only below: y itself when it is already in acc
         xhat = y.to(acc) - bias.to(acc) if bias is not None else y.to(acc)
@@ -166,7 +166,7 @@ def norm_bwd_from_output_reference(grad_y, y, rstd, weight, bias, rms, weight_of
     return _add_sum(grad_s, grad_sum), grad_w, grad_b
 
 
-def _rms_bwd_from_output(grad_y, y, rstd, weight, weight_offset, want_weight, want_bias, grad_sum, acc):
+def _rms_bwd_from_output(grad_y, y, rstd, weight, weight_offset, want_weight, grad_sum, acc):
     # RMSNorm without a bias, from y = w * xhat: g * xhat = (dy * w) * (y / w) = dy * y, so the row term and the
     # weight gradient need no xhat at all; ds = rstd * (dy * w - xhat * mean(dy * y)) with xhat = y * (1 / w).
     # Nine small ops where the general form takes eleven (host time is most of a small norm's step)
