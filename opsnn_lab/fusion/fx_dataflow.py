@@ -7,6 +7,7 @@ import torch.fx as fx
 from torch import nn
 
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module
+from opsnn_lab.fusion.specialise import GUARDS
 
 __all__ = ["fx_graph"]
 
@@ -23,7 +24,7 @@ def _is_meta(n: fx.Node, meta: set) -> bool:
     if n.op == "call_function" and getattr(n.target, "__module__", None) in _PY_MODULES:
         deps = n.all_input_nodes
         return bool(deps) and all(a.name in meta for a in deps)
-    if n.op == "call_function" and getattr(n.target, "__name__", "") == "_assert_is_none":
+    if n.op == "call_function" and (getattr(n.target, "__name__", "") == "_assert_is_none" or n.target in GUARDS):
         return True
     return False
 

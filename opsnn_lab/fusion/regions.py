@@ -26,6 +26,7 @@ from torch import nn
 from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion.fx_dataflow import fx_graph
 from opsnn_lab.fusion.graph import Graph, is_leaf_module
+from opsnn_lab.fusion.specialise import check_guards
 from opsnn_lab.fusion.tracer import instance_state, kwargs_values, library_hooks, restore_instance_state, trace_region
 from opsnn_lab.fusion.wrappers import forward_wrapper, holds_tensors, passes_through
 
@@ -46,10 +47,12 @@ class Region:
     tensors: dict = field(default_factory=dict)  # the example's tensor facts, when tracing needed them
     unwrapped: str = ""  # the forward's wrapper, when the function it wraps was traced (wrappers.py)
     leaves: list[str] = field(default_factory=list)  # submodules (paths from the region) kept as calls: they stop fx
+    answers: list | None = None  # what the code asked of the example's sizes, in order (guarded; specialise.py)
 
     def to_dict(self) -> dict:
         return {"path": self.path, "route": self.route, "reason": self.reason, "concrete": self.concrete,
-                "wrapped": self.wrapped, "tensors": self.tensors, "unwrapped": self.unwrapped, "leaves": self.leaves}
+                "wrapped": self.wrapped, "tensors": self.tensors, "unwrapped": self.unwrapped, "leaves": self.leaves,
+                "answers": self.answers}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -90,7 +93,8 @@ def tensor_facts(module: nn.Module, call) -> dict:
     """``{name: {"ndim": int, "is_nested": bool}}`` for each tensor argument of the observed call;
     ``{name: {"empty": True}}`` for a ``**kwargs`` parameter the call left empty, and ``{name: {"constant":
     {key: value}}}`` for one it filled with plain values only (flags: a mixture-of-experts layer's
-    ``output_router_logits=False``), which the traced code then reads as constants."""
+    ``output_router_logits=False``), which the traced code then reads as constants; one that holds tensors too
+    (``position_ids=``) adds ``"tensors": [key, ...]``, which the traced code reads from the argument."""
     bound = bind_call(module, call)
     out = {name: {"ndim": value.dim(), "is_nested": bool(value.is_nested)}
            for name, value in _named_arguments(bound) if isinstance(value, torch.Tensor)}
@@ -102,6 +106,9 @@ def tensor_facts(module: nn.Module, call) -> dict:
             out[p.name] = {"empty": True}
         elif all(isinstance(v, _SCALARS) for v in given.values()):
             out[p.name] = {"constant": dict(given)}
+        elif all(isinstance(v, (*_SCALARS, torch.Tensor)) for v in given.values()):
+            out[p.name] = {"constant": {k: v for k, v in given.items() if not isinstance(v, torch.Tensor)},
+                           "tensors": [k for k, v in given.items() if isinstance(v, torch.Tensor)]}
     return out
 
 
@@ -129,6 +136,13 @@ def facts_hold(facts: dict, arguments: dict) -> bool:
     """Whether the bound ``arguments`` of a call have every fact a traced forward relied on."""
     for name, wanted in facts.items():
         value = arguments.get(name)
+        if "tensors" in wanted:  # a **kwargs holding tensors: the same keys, constants and tensors
+            given = value if isinstance(value, dict) else {}
+            constants = {k: v for k, v in given.items() if k not in wanted["tensors"]}
+            if not (_same_constants(constants, wanted["constant"]) and all(
+                    isinstance(given.get(k), torch.Tensor) for k in wanted["tensors"])):
+                return False
+            continue
         taken = kwargs_values(wanted)
         if taken is not None:  # a **kwargs the traced code took as {} or as constants
             if not _same_constants(value or {}, taken):
@@ -159,7 +173,8 @@ def _runs_its_children(module: nn.Module, gm: fx.GraphModule, concrete: dict, wr
         return False
     module.add_module(_PROBE_CHILD, nn.Identity())
     try:
-        probed, _ = trace_region(module, concrete, True, wrapped, facts, unwrap, gm.meta.get("leaves", ()))
+        probed, _ = trace_region(module, concrete, True, wrapped, facts, unwrap, gm.meta.get("leaves", ()),
+                                 answers=gm.meta.get("answers"))
         return probed.code != gm.code
     except Exception:  # noqa: BLE001 - it traced without the extra child: the child is what stops it
         return True
@@ -173,19 +188,20 @@ def error_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-_OWN_FILES = {__file__, inspect.getsourcefile(trace_region)}  # an error raised here or in tracer.py: no "at"
+# an error raised here, in tracer.py or in specialise.py: no "at" (the message says where, if anywhere)
+_OWN_FILES = {__file__, inspect.getsourcefile(trace_region), inspect.getsourcefile(check_guards)}
 
 
 def _reason(exc: BaseException) -> str:
     """The error and the line of model code that stopped the tracer (the last frame outside torch)."""
     msg = error_line(exc)
     msg = msg.split(". ")[0]  # the error, not fx's advice after it ("... See the torch.fx docs on ...")
-    user = [f for f in traceback.extract_tb(exc.__traceback__)
-            if f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.startswith("<")]
-    where = f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno} `{(user[-1].line or '').strip()}`" \
-        if user and user[-1].filename not in _OWN_FILES else ""
+    user = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename
+            and not f.filename.startswith("<") and f.filename not in _OWN_FILES]
+    where = f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno}" if user else ""
+    where = f"{where} `{(user[-1].line or '').strip()}`" if where and where not in msg else ""  # said once
     notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
-    return f"{type(exc).__name__}: {msg[:160]}{where}{notes}"
+    return f"{type(exc).__name__}: {msg[:240]}{where}{notes}"
 
 
 def _note(exc: BaseException, text: str) -> None:
@@ -194,10 +210,10 @@ def _note(exc: BaseException, text: str) -> None:
 
 
 def _first_trace(module: nn.Module, concrete: dict, call, leaf_ok=None) -> tuple[fx.GraphModule, list, dict, str]:
-    """A plain trace, else one with the example call's tensor facts, else (a wrapped forward that passes the call
-    through) one of the function the wrapper wraps; the last error stands, with a note on the wrapper. Returns
-    (gm, wrapped helpers, facts, the wrapper's name or ''). Object arguments' classes are facts from the first
-    trace on (``object_facts``)."""
+    """A plain trace, else one with the example call's tensor facts and its sizes answering the code's questions
+    (specialise.py), else (a wrapped forward that passes the call through) one of the function the wrapper wraps;
+    the last error stands, with a note on the wrapper. Returns (gm, wrapped helpers, facts, the wrapper's name or
+    ''). Object arguments' classes are facts from the first trace on (``object_facts``)."""
     objects = object_facts(module, call)
     try:
         return (*trace_region(module, concrete, True, facts=objects or None, leaf_ok=leaf_ok), objects, "")
@@ -206,13 +222,17 @@ def _first_trace(module: nn.Module, concrete: dict, call, leaf_ok=None) -> tuple
         wrapper = forward_wrapper(module)
         if facts == objects and not wrapper:
             raise
+    bound = bind_call(module, call)
+    example = dict(list(bound.arguments.items())[1:]) if bound is not None else None
     try:
-        return (*trace_region(module, concrete, True, facts=facts or None, leaf_ok=leaf_ok), facts, "")
+        return (*trace_region(module, concrete, True, facts=facts or None, leaf_ok=leaf_ok, example=example),
+                facts, "")
     except Exception:  # noqa: BLE001 - retried below when a wrapper is what fx cannot read
         if not wrapper:
             raise
     try:
-        gm, wrapped = trace_region(module, concrete, True, facts=facts or None, unwrap=True, leaf_ok=leaf_ok)
+        gm, wrapped = trace_region(module, concrete, True, facts=facts or None, unwrap=True, leaf_ok=leaf_ok,
+                                   example=example)
     except Exception as exc:  # noqa: BLE001 - said where
         _note(exc, f"traced as the function `{wrapper}` wraps")
         raise
@@ -281,7 +301,7 @@ def find_regions(model: nn.Module, calls: dict, hosts=None) -> list[Region]:
                 if not container:
                     leaves = list(gm.meta.get("leaves", ()))
                     regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped], graph, facts,
-                                          unwrapped, leaves))
+                                          unwrapped, leaves, gm.meta.get("answers")))
                     for name, inner in module.named_modules():  # kept as calls (hooks, or fx stops in them): regions
                         if name and (has_hooks(inner) or name in leaves) and not is_leaf_module(inner):
                             visit(f"{path}.{name}" if path else name, inner)

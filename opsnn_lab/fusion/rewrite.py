@@ -40,6 +40,7 @@ from opsnn_lab.fusion.regions import (
     trace_region,
 )
 from opsnn_lab.fusion.runtime import graph_free_memo, own_dtypes
+from opsnn_lab.fusion.specialise import GUARDS, SpecialisationMiss
 from opsnn_lab.fusion.tracer import kwargs_values
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert", "REWRITE_FAILED"]
@@ -191,7 +192,10 @@ class FxForward(Patch):
                 pos.append(value)
             else:
                 kw[name] = value
-        out = type(gm).forward(self.host, *pos, **kw)
+        try:
+            out = type(gm).forward(self.host, *pos, **kw)
+        except SpecialisationMiss:  # sizes the traced code branched on differ here; what ran before can run again
+            return type(self.host).forward(self.host, *args, **kwargs)
         kind = self.output_types.get(self.host.training)
         if kind is not None and type(out) is dict:
             out = kind(**out) if dataclasses.is_dataclass(kind) else kind(out)
@@ -206,7 +210,7 @@ _INPLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operato
 def _impure(node) -> bool:
     """fx's rule plus what it calls pure but a model relies on: a method or function that writes into a tensor
     (``y.mul_(2)``, ``x[i] = v``, ``inplace=True``) and any module call (a BatchNorm updates its statistics)."""
-    if node.is_impure() or node.op == "call_module" or node.kwargs.get("inplace") is True:
+    if node.is_impure() or node.op == "call_module" or node.kwargs.get("inplace") is True or node.target in GUARDS:
         return True
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
@@ -245,7 +249,7 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
     for training in (True, False):
         try:
             gm, _ = trace_region(region, route["concrete"], training, wrapped, route.get("tensors") or None,
-                                 bool(route.get("unwrapped")), route.get("leaves", ()))
+                                 bool(route.get("unwrapped")), route.get("leaves", ()), answers=route.get("answers"))
         except Exception:  # noqa: BLE001 - eval mode, which the analysis did not trace: the original runs there
             if training:
                 raise

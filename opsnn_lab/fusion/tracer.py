@@ -15,7 +15,10 @@ loops over tensor sizes and isinstance checks on its proxies):
    call through);
 5. a submodule whose own forward stops the tracer (a mixture-of-experts block routing tokens by their values) is
    kept as one call (``leaves``), so the code around it (a decoder layer's residual adds and norms) is still
-   rewritten, and the submodule runs as it is.
+   rewritten, and the submodule runs as it is;
+6. given the ``example`` call's arguments, a branch on sizes (``if q_length > 1``) or an iteration over a shape
+   (``(*x.shape[:-1], -1)``) takes the example's answer, guarded at run time (specialise.py); the answers are
+   kept (``gm.meta["answers"]``) and replayed when the rewrite traces again (``answers=``).
 
 ``library_hooks`` installs the hooks a library adds on first use while the analysis and the rewrite trace.
 """
@@ -26,6 +29,7 @@ import contextlib
 import copy
 import importlib
 import inspect
+import os
 import sys
 import traceback
 import types
@@ -35,6 +39,7 @@ from torch import nn
 
 from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab.fusion.graph import is_leaf_module
+from opsnn_lab.fusion.specialise import Answers, GuardAfterState, check_guards, expect, expect_len, metadata_only
 from opsnn_lab.fusion.wrappers import unwrapped_forward
 
 __all__ = ["trace_region", "library_hooks", "instance_state", "restore_instance_state", "kwargs_values"]
@@ -45,7 +50,7 @@ def kwargs_values(fact: dict) -> dict | None:
     ``"constant"``), or None for a tensor argument's fact."""
     if fact.get("empty"):
         return {}
-    return fact.get("constant")
+    return None if "tensors" in fact else fact.get("constant")
 
 
 def _blocker(exc: BaseException, module: nn.Module):
@@ -60,7 +65,15 @@ def _blocker(exc: BaseException, module: nn.Module):
     return None
 
 
-class _InputProxy(fx.Proxy):
+class _Proxy(fx.Proxy):
+    """fx's proxy, whose ``len()`` the tracer may answer from the example (``len(x.shape)``; Python asks it too when
+    a star builds a tuple: ``(*x.shape[:-1], -1)``)."""
+
+    def __len__(self) -> int:
+        return self.tracer.length(self)
+
+
+class _InputProxy(_Proxy):
     """A tensor argument of the traced forward whose rank and nestedness are the example's: ``dim()``, ``ndim``,
     ``is_nested`` are plain values and ``shape`` / ``size()`` a tuple of one size proxy per dimension (so it
     slices and unpacks). Each fact read is noted in ``tracer.facts_read`` for the run-time guard."""
@@ -127,16 +140,44 @@ class _Tracer(fx.Tracer):
     flat_output_type: type | None = None
     _depth = 0
 
-    def __init__(self, autowrap_functions=(), tensor_facts=None, leaves=()):
+    def __init__(self, autowrap_functions=(), tensor_facts=None, leaves=(), example=None, answers=None):
         super().__init__(autowrap_functions=autowrap_functions)
+        self.example, self.given = example, answers
+        self.answers: Answers | None = None
         self.tensor_facts, self.facts_read = dict(tensor_facts or {}), {}
         self.empty_kwargs: list[fx.Node] = []  # their placeholders, dropped from the graph after the trace
+        self.kept_kwargs: list[fx.Node] = []  # those of a **kwargs holding tensors, kept
         self.leaves, self.leaf_ids = tuple(leaves), set()
         self.failed_child: str | None = None  # the innermost submodule whose forward raised, by path
 
     def trace(self, root, concrete_args=None):
         self.leaf_ids = {id(root.get_submodule(p)) for p in self.leaves}
+        self.answers = Answers(root, self.example, self.given)
         return super().trace(root, concrete_args)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        return self._ask(obj, expect) if self._can_answer(obj) else super().to_bool(obj)
+
+    def iter(self, obj: fx.Proxy):
+        if not self._can_answer(obj):
+            return super().iter(obj)
+        return iter([obj[i] for i in range(self._ask(obj, expect_len))])
+
+    def length(self, obj: fx.Proxy) -> int:
+        return self._ask(obj, expect_len) if self._can_answer(obj) else fx.Proxy.__len__(obj)
+
+    def _ask(self, obj: fx.Proxy, guard):
+        """The example's answer (``bool`` for ``expect``, ``len`` for ``expect_len``), and its guard node, which
+        keeps the line of model code that asked (for the messages of ``check_guards``)."""
+        user = [f for f in traceback.extract_stack() if not f.filename.startswith((_TORCH_DIR, _OWN_DIR, "<"))]
+        where = f"{os.path.basename(user[-1].filename)}:{user[-1].lineno} `{(user[-1].line or '').strip()}`" \
+            if user else ""
+        got = self.answers.answer(obj.node, "bool" if guard is expect else "len", where)
+        self.create_proxy("call_function", guard, (obj, got), {}).node.meta["where"] = where
+        return got
+
+    def _can_answer(self, obj: fx.Proxy) -> bool:
+        return self.answers is not None and self.answers.active and metadata_only(obj.node)
 
     def call_module(self, m, forward, args, kwargs):
         if _hidden_function(m, self):
@@ -155,6 +196,11 @@ class _Tracer(fx.Tracer):
         name = str(node.target).lstrip("*")
         if node.op == "placeholder" and name in self.tensor_facts:
             facts = self.tensor_facts[name]
+            if "tensors" in facts:  # **kwargs holding tensors: its constants as they are, each tensor read from it
+                self.facts_read[name] = dict(facts)
+                self.kept_kwargs.append(node)
+                whole = _Proxy(node, self)
+                return {**facts["constant"], **{k: whole[k] for k in facts["tensors"]}}
             taken = kwargs_values(facts)
             if taken is not None:  # **kwargs: the forward sees {} or its constants (guarded)
                 self.facts_read[name] = dict(facts)
@@ -164,7 +210,7 @@ class _Tracer(fx.Tracer):
                 self.facts_read[name] = dict(facts)
                 return _ObjectProxy(node, self, facts["type"])
             return _InputProxy(node, self, name, self.tensor_facts[name])
-        return super().proxy(node)
+        return _Proxy(node, self)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         # A module already rewritten at module level (patch.py) stays a call, so its patch runs; so does one
@@ -196,6 +242,8 @@ def _hidden_function(m: nn.Module, tracer: fx.Tracer) -> bool:
     return next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
 
+_TORCH_DIR = os.path.dirname(os.path.dirname(fx.__file__))
+_OWN_DIR = os.path.dirname(__file__)
 _RETRIES = 8  # traces of one region: each retry keeps one more helper or submodule opaque
 
 
@@ -249,7 +297,7 @@ def _hf_hook_installer():
 
 def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
                  facts: dict | None = None, unwrap: bool = False, leaves=(),
-                 leaf_ok=None) -> tuple[fx.GraphModule, list]:
+                 leaf_ok=None, example: dict | None = None, answers: list | None = None) -> tuple[fx.GraphModule, list]:
     """fx-trace ``module`` in train or eval mode (flags restored), autowrapping helpers that stop the tracer.
 
     ``leaves``: submodules (paths from ``module``) kept as one call each. ``leaf_ok(path)``: whether a submodule
@@ -259,7 +307,9 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
 
     ``facts`` (from ``tensor_facts``) gives the tensor arguments the example's rank; the facts the code read
     are in ``gm.meta["facts_read"]``, for the caller to guard on. ``unwrap``: trace the function the forward's
-    wrapper wraps (``gm.meta["unwrapped"]``; see wrappers.py).
+    wrapper wraps (``gm.meta["unwrapped"]``; see wrappers.py). ``example`` (the call's arguments by name) answers
+    the code's questions on sizes, ``answers`` replays those of an earlier trace; what was answered is in
+    ``gm.meta["answers"]`` (specialise.py).
 
     The modules' own attributes are restored afterwards too: a forward that caches in ``self`` (LeViT's
     eval-mode attention biases) would otherwise keep fx proxies there, which do not pickle."""
@@ -269,10 +319,15 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
     wrapped, leaves = list(wrapped), list(leaves)
     try:
         for _ in range(_RETRIES):
-            tracer = _Tracer(tuple(wrapped), facts, leaves)
+            tracer = _Tracer(tuple(wrapped), facts, leaves, example, answers)
             try:
                 with unwrapped_forward(module) if unwrap else contextlib.nullcontext():
                     graph = tracer.trace(module, concrete_args=dict(concrete) or None)
+                try:
+                    check_guards(graph, module)
+                except GuardAfterState as exc:  # a child's code asked: that child may be kept as one call
+                    tracer.failed_child = exc.module or None
+                    raise
                 flattened_output = _drop_empty_kwargs(graph, tracer)
                 for node in graph.nodes:  # the call of a submodule named ``self`` (ConvBERT's attention.self):
                     if node.name == "self":  # fx names its result ``self``, which shadows the module in the code
@@ -282,6 +337,7 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
                 gm.meta["facts_read"] = tracer.facts_read
                 gm.meta["unwrapped"] = unwrap
                 gm.meta["leaves"] = leaves
+                gm.meta["answers"] = tracer.answers.asked if tracer.answers.active else None
                 return gm, wrapped
             except Exception as exc:  # noqa: BLE001 - any tracer failure sends us one level down
                 fn = _blocker(exc, module)
@@ -304,8 +360,10 @@ def _drop_empty_kwargs(graph: fx.Graph, tracer: _Tracer) -> type | None:
     the forward's arguments, for which fx generated code that flattens the arguments and the output against
     specs kept on the GraphModule (``_PyTreeCodeGen``; the rewritten forward runs with the region as ``self``,
     which has none): the output is given its structure back and the code is plain fx code again. Returns the
-    output's class when it is a dict subclass (``_Tracer.output_type``: fx saw only the flattened values)."""
-    if not tracer.empty_kwargs:
+    output's class when it is a dict subclass (``_Tracer.output_type``: fx saw only the flattened values). A
+    ``**kwargs`` holding tensors keeps its placeholder, and needs plain code as well (fx's flattening code is not
+    valid Python with a ``**kwargs`` in it)."""
+    if not (tracer.empty_kwargs or tracer.kept_kwargs):
         return None
     for node in tracer.empty_kwargs:
         graph.erase_node(node)

@@ -271,20 +271,37 @@ class RankOfAnInnerValue(nn.Module):
 
     def forward(self, x):
         h = self.fc1(x)
-        if h.dim() != 3:  # the rank of a value the forward computed: not an argument, so still not traceable
+        if h.dim() != 3:  # the rank of a value the forward computed: answered from the example, and guarded
             raise ValueError("fc1 must give a 3-D value")
         return self.fc2(self.drop(nn.functional.gelu(h))) * 2
 
 
-def test_rank_of_a_computed_value_still_stops_the_tracer_and_says_where():
+class RankOfAValueAfterADropout(RankOfAnInnerValue):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.pre(x)
+        if h.dim() != 3:  # after a dropout, which a call missing the guard would run again: fx stops
+            raise ValueError("fc1 must give a 3-D value")
+        return self.fc2(self.drop(nn.functional.gelu(self.fc1(h)))) * 2
+
+
+def test_rank_of_a_computed_value_is_the_examples_and_after_a_random_step_stops_the_tracer_and_says_where():
     torch.manual_seed(0)
     model = HoldsRankChecks().double()
     model.block = RankOfAnInnerValue().double()
     x = seeded(3, 5, 8, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    region = next(r for r in plan.routes if r["path"] == "block")
+    assert region["route"] == "fx" and region["answers"] == [False]
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)
+    model.block = RankOfAValueAfterADropout().double()
     plan = ol.fusion.analyze(model.train(), (x,))
     region = next(r for r in plan.routes if r["path"] == "block")
     assert region["route"] == "untraceable"
-    assert "if h.dim() != 3" in region["reason"], region["reason"]
+    assert "if h.dim() != 3" in region["reason"] and "`pre` draws random numbers" in region["reason"], region["reason"]
     (mlp,) = [d for d in plan.decisions if d.pattern == "linear_gelu_dropout_linear"]
     assert not mlp.fused and "nor can fx trace `block`" in mlp.reason
 
@@ -383,6 +400,64 @@ def test_a_kwargs_of_plain_values_is_traced_as_constants_and_another_value_runs_
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     again = ol.fusion.apply(model, ol.fusion.analyze(model.train(), (x,)))  # from the plan's facts, JSON-safe
     torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+def _shifted(x, scale=1.0, shift=None, **unused):
+    return x * scale + (0.0 if shift is None else shift)
+
+
+class TakesTensorKwargs(TakesKwargs):
+    def forward(self, x, **kwargs):
+        y = self.fc2(self.drop(nn.functional.gelu(self.fc1(x))))
+        return Out(out=_shifted(y, **kwargs), rank=x.dim())
+
+
+class HoldsTensorKwargs(nn.Module):
+    """Passes a tensor and a plain value into the block's ``**kwargs`` (Hugging Face layers: ``position_ids=``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = TakesTensorKwargs()
+        self.shift = nn.Parameter(torch.linspace(-1, 1, 8))
+        self.extra: dict = {}
+
+    def forward(self, x):
+        if x.sum() > 1e9:
+            x = x * 0.5
+        return self.block(x, scale=2.0, shift=self.shift * 1.0, **self.extra)["out"]
+
+
+def test_a_kwargs_holding_tensors_is_read_from_the_call_and_other_keys_run_the_original():
+    model, x, fused, region = _fused_block(HoldsTensorKwargs)
+    assert region["tensors"]["kwargs"] == {"constant": {"scale": 2.0}, "tensors": ["shift"]}
+    calls = []
+    hook = fused.block.fused_linear_gelu_dropout_linear_0.register_forward_hook(lambda *_: calls.append(1))
+    for extra, traced in (({}, True), ({"flag": True}, False)):
+        model.extra = fused.extra = extra
+        calls.clear()
+        got, want = fused(x), model(x)
+        assert calls == ([1] if traced else []), extra
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        g_want = torch.autograd.grad(want.sin().sum(), (x, model.shift))
+        g_got = torch.autograd.grad(got.sin().sum(), (x, fused.shift))
+        for a, b in zip(g_want, g_got):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    hook.remove()
+    model.extra = fused.extra = {}
+    torch.testing.assert_close(pickle.loads(pickle.dumps(fused))(x), model(x), rtol=1e-12, atol=1e-12)
+    again = ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(ol.fusion.analyze(model.train(), (x,)).to_json()))
+    torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_the_kwargs_guard_wants_the_keys_constants_and_tensors_it_was_traced_with():
+    from opsnn_lab.fusion.regions import facts_hold
+
+    facts = {"kwargs": {"constant": {"scale": 2.0}, "tensors": ["shift"]}}
+    assert facts_hold(facts, {"kwargs": {"scale": 2.0, "shift": torch.zeros(3)}})
+    assert not facts_hold(facts, {"kwargs": {"scale": 3.0, "shift": torch.zeros(3)}})
+    assert not facts_hold(facts, {"kwargs": {"scale": 2.0, "shift": 1.0}})
+    assert not facts_hold(facts, {"kwargs": {"scale": 2.0}})
+    assert not facts_hold(facts, {"kwargs": {"scale": 2.0, "shift": torch.zeros(3), "more": 1}})
 
 
 class ByValue(nn.Module):

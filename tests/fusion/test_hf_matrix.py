@@ -309,6 +309,38 @@ def test_eager_attention_that_returns_its_weights_fuses_and_still_returns_them(n
     assert rest - ours >= 2 * 2 * heads * seq * seq * 4  # per layer at least the fp32 probabilities of 2 sequences
 
 
+def test_default_sdpa_attention_with_dropout_fuses_past_its_size_checks_and_one_token_runs_the_original():
+    # Hugging Face's SDPA attention decides `is_causal = q_length > 1 and ...` from query.shape[2]: answered from
+    # the example and guarded (fusion/specialise.py). With dropout, SDPA's CPU math path keeps the T x T
+    # probabilities and mask; the fused core keeps q, k, v and the mask. A one-token call misses the guard and
+    # runs the original forward; both draw make_reproducible's masks, fused or not.
+    from opsnn_lab.fusion.patterns import FAMILIES
+
+    model, inputs = zoo.build("bert", batch=2, seq=32)  # default attention (sdpa), default dropouts (0.1)
+    assert model.config._attn_implementation == "sdpa"
+    inputs.pop("labels", None)
+    fused, plan = ol.fusion.fuse(model.train(), inputs)
+    assert plan.summary()["attention"] == {"fused": 2, "rejected": 0}
+    region = next(r for r in plan.routes if r["path"] == "bert.encoder.layer.0.attention.self")
+    assert region["route"] == "fx" and region["answers"] and region["answers"][0] is True
+    without, _ = ol.fusion.fuse(model, inputs, patterns=[p for p in FAMILIES if p != "attention"])
+    ours = activation_bytes(lambda: _call(fused, inputs), exclude=tuple(fused.parameters()))
+    rest = activation_bytes(lambda: _call(without, inputs), exclude=tuple(without.parameters()))
+    heads, seq = model.config.num_attention_heads, 32
+    assert rest - ours >= 2 * 2 * heads * seq * seq * 4  # per layer at least the fp32 probabilities of 2 sequences
+    for batch in (inputs, {k: v[:, :1] for k, v in inputs.items()}):
+        outs = []
+        for m in (model, fused):
+            ol.consistency.make_reproducible(m, 7)
+            m.zero_grad(set_to_none=True)
+            out = m(**batch).logits
+            out.square().mean().backward()
+            outs.append((out.detach(), m.get_submodule("bert.encoder.layer.0.attention.self.query").weight.grad))
+        (a, ga), (b, gb) = outs
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-5)
+
+
 def test_a_fused_eager_attention_draws_the_mask_its_inline_dropout_draws_under_make_reproducible():
     # the fused core absorbs an inline F.dropout: its stream is the one make_reproducible names that call by
     # ("<module>:dropout.<i>"), so fused and unfused models draw the same masks (8e-3 apart before it was named)

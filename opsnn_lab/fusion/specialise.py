@@ -1,0 +1,208 @@
+"""Guarded specialisation of a traced forward on its tensors' metadata (tracer.py, step 6).
+
+fx stops where a forward branches on a size or iterates over a shape: Hugging Face's SDPA attention decides
+``is_causal = q_length > 1 and ...`` from ``query.shape[2]``, GPT-2 builds ``(*key.shape[:-1], -1, head_dim)``.
+When the example call is known, the tracer answers such a question from the example instead of stopping:
+
+- only questions on metadata (``shape``, ``size()``, ``dim()``, ``dtype``, ``device``, and arithmetic on them);
+  a branch on tensor values (``if mask.any()``) still stops the tracer, as it should;
+- the answer is computed by running the few steps that lead to it on the example's tensors (no gradient); a
+  step with state or randomness there (a BatchNorm, a dropout, an in-place write, a module with hooks) stops it;
+- each answer is a guard node in the traced code (``expect``), checked on the real tensors at each call; a call
+  it does not hold for raises ``SpecialisationMiss`` and runs the original forward instead
+  (``rewrite.FxForward``), so every step before a guard must be one that can run twice (``check_guards``);
+- the answers, in the order asked, are kept with the region (JSON), so the rewrite traces the same code again
+  without the example (``answers=``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from opsnn_lab._hooks import has_hooks
+
+__all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "GUARDS", "metadata_only", "Answers",
+           "check_guards"]
+
+
+class GuardAfterState(fx.proxy.TraceError):
+    """``check_guards``: a guard comes after a step that cannot run twice; ``module``: the path (from the traced
+    root) of the submodule whose code asked, '' for the root's own code."""
+
+    def __init__(self, msg: str, module: str):
+        super().__init__(msg)
+        self.module = module
+
+
+class SpecialisationMiss(Exception):
+    """A call whose tensors' metadata differ from the example's where the traced code branched on them."""
+
+
+def expect(value, answer: bool) -> None:
+    """Guard: ``bool(value)`` is what the traced code assumed. Traced again (fx re-traces a GraphModule's code when
+    it is unpickled), it is one call again."""
+    if isinstance(value, fx.Proxy):
+        return value.tracer.create_proxy("call_function", expect, (value, answer), {})
+    if bool(value) is not answer:
+        raise SpecialisationMiss(f"a condition on sizes was {not answer} here, {answer} when traced")
+
+
+def expect_len(value, answer: int) -> None:
+    """Guard: ``len(value)`` (a slice of a shape) is what the traced code assumed (traced again: one call)."""
+    if isinstance(value, fx.Proxy):
+        return value.tracer.create_proxy("call_function", expect_len, (value, answer), {})
+    if len(value) != answer:
+        raise SpecialisationMiss(f"a shape had {len(value)} entries here, {answer} when traced")
+
+
+GUARDS = (expect, expect_len)
+for _guard in GUARDS:  # kept by fx's dead-code elimination, as its own asserts are
+    fx.node.has_side_effect(_guard)
+
+_META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "is_nested", "layout", "is_sparse", "is_quantized",
+               "requires_grad"}
+_META_METHODS = {"size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous", "get_device",
+                 "is_floating_point", "is_complex", "element_size"}
+_PY_MODULES = ("_operator", "operator", "builtins", "math")
+
+
+def metadata_only(node: fx.Node) -> bool:
+    """Whether ``node``'s value is a function of tensors' metadata only (sizes, rank, dtype, device)."""
+    if node.op == "call_method":
+        return node.target in _META_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is getattr:
+        source = node.args[0]
+        return node.args[1] in _META_ATTRS or (isinstance(source, fx.Node) and metadata_only(source))
+    if getattr(node.target, "__module__", None) in _PY_MODULES:
+        deps = node.all_input_nodes
+        return bool(deps) and all(metadata_only(d) for d in deps)
+    return False
+
+
+_RANDOM = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "rrelu",
+           "bernoulli", "multinomial", "normal", "poisson", "rand", "randn", "randint", "randperm", "rand_like",
+           "randn_like", "randint_like", "native_dropout"}
+_INPLACE = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+            operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+            operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
+    """'' when running ``node`` twice changes nothing, else what it would change."""
+    if node.op in ("placeholder", "get_attr", "output") or node.target in GUARDS:
+        return ""
+    if node.op == "call_module":
+        m = root.get_submodule(node.target)
+        if any(has_hooks(s) for s in m.modules()):
+            return f"`{node.target}` has hooks"
+        if any(getattr(s, "inplace", False) is True for s in m.modules()):
+            return f"`{node.target}` writes in place"
+        if next(m.buffers(), None) is not None:
+            return f"`{node.target}` has buffers it may update"
+        if any(isinstance(s, nn.modules.dropout._DropoutNd) or hasattr(s, "next_draw") for s in m.modules()):
+            return f"`{node.target}` draws random numbers"
+        return ""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.target in _INPLACE or node.kwargs.get("inplace") is True or (
+            isinstance(name, str) and name.endswith("_") and not name.endswith("__")):
+        return f"`{node.name}` writes in place"
+    if name in _RANDOM:
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else None)
+        if not (name.endswith("dropout") and p == 0):
+            return f"`{node.name}` draws random numbers"
+    # what else may run twice: tensor methods and torch's and Python's functions; an object's method (a cache's
+    # ``update``) or a helper kept opaque may change state
+    if node.op == "call_method" and not hasattr(torch.Tensor, name):
+        return f"`{node.name}` calls `{name}` on an object"
+    module = getattr(node.target, "__module__", None) or ""
+    if node.op == "call_function" and not (module.split(".")[0] in ("torch", *_PY_MODULES) or node.target is getattr):
+        return f"`{node.name}` calls `{name}`"
+    return ""
+
+
+def check_guards(graph: fx.Graph, root: nn.Module) -> None:
+    """Raise ``GuardAfterState`` unless every step before each guard can run twice: a call that misses a guard
+    runs the original forward after the steps before it ran (``SpecialisationMiss``)."""
+    nodes = list(graph.nodes)
+    guards = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.target in GUARDS]
+    for node in nodes[:guards[-1] if guards else 0]:
+        why = _why_not_twice(node, root)
+        if why:
+            first = next(nodes[i] for i in guards if i > nodes.index(node))
+            where = f" at {first.meta['where']}" if first.meta.get("where") else ""
+            stack = list((first.meta.get("nn_module_stack") or {}).values())
+            raise GuardAfterState(f"control flow on sizes{where} follows a step that cannot run twice ({why})",
+                                  stack[-1][0] if stack else "")
+
+
+def _unpatched():
+    """fx's own context that lifts its patches (``Module.__call__``, wrapped functions) while a trace runs."""
+    try:
+        from torch.fx._symbolic_trace import _maybe_revert_all_patches
+    except ImportError:  # a torch without it: the steps run as fx traces them, and a proxy makes the answer fail
+        return contextlib.nullcontext()
+    return _maybe_revert_all_patches()
+
+
+class Answers:
+    """The answers a trace gave to questions on metadata, in order: computed from ``example`` (the call's
+    arguments by parameter name) or replayed from ``given`` (a region's recorded answers)."""
+
+    def __init__(self, root: nn.Module, example: dict | None = None, given: list | None = None):
+        self.root, self.example = root, example
+        self.given = None if given is None else list(given)
+        self.asked: list = []
+        self._values: dict = {}
+
+    @property
+    def active(self) -> bool:
+        return self.example is not None or self.given is not None
+
+    def answer(self, node: fx.Node, kind: str, where: str = ""):
+        """``bool`` or ``len`` of ``node``'s value on the example (or the next recorded answer); ``where``: the line
+        of model code that asks, for the messages."""
+        if self.given is not None:
+            if len(self.asked) >= len(self.given):
+                raise fx.proxy.TraceError("the code asks more questions on sizes than when it was analysed")
+            got = self.given[len(self.asked)]
+        else:
+            try:
+                value = self._value(node)
+            except fx.proxy.TraceError as exc:
+                raise fx.proxy.TraceError(f"{exc}{' at ' + where if where else ''}") from None
+            got = bool(value) if kind == "bool" else len(value)
+        self.asked.append(got)
+        return got
+
+    def _value(self, node: fx.Node):
+        if node in self._values:
+            return self._values[node]
+        why = _why_not_twice(node, self.root)
+        if why:
+            raise fx.proxy.TraceError(f"control flow on a size that comes from a step that cannot run twice ({why})")
+        args = fx.node.map_arg((node.args, node.kwargs), self._value)
+        with torch.no_grad(), _unpatched():  # real calls: fx's patched Module.__call__ would trace them
+            value = self._run(node, *args)
+        self._values[node] = value
+        return value
+
+    def _run(self, node: fx.Node, args, kwargs):
+        if node.op == "placeholder":
+            name = str(node.target).lstrip("*")
+            if name not in self.example:
+                raise fx.proxy.TraceError(f"no example value for argument `{name}`")
+            return self.example[name]
+        if node.op == "get_attr":
+            return operator.attrgetter(node.target)(self.root)
+        if node.op == "call_module":
+            return self.root.get_submodule(node.target)(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)

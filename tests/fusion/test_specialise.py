@@ -1,0 +1,179 @@
+"""Guarded specialisation on sizes (fusion/specialise.py): a forward that branches on a size or iterates over a
+shape traces with the example's answers, each answer is a guard checked at every call, a call it does not hold
+for runs the original forward, and branches on values or after steps that cannot run twice still stop fx."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import opsnn_lab as ol
+from opsnn_lab.fusion.plan import FusionPlan
+from opsnn_lab.fusion.specialise import SpecialisationMiss, expect, expect_len, metadata_only
+from opsnn_lab.fusion.tracer import trace_region
+from opsnn_lab.testing import seeded
+
+
+class BySize(nn.Module):
+    """Branches on a size of a value it computed (as Hugging Face's SDPA attention decides ``is_causal`` from
+    ``query.shape[2] > 1``) and unpacks a slice of that value's shape into a new one."""
+
+    def __init__(self, scale_short: bool = False):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+        self.scale_short = scale_short
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.shape[1] > 1:  # a sequence, not one token
+            h = h * 0.5
+        lead = (*h.shape[:-1], 2, 4)
+        h = h.view(lead).flatten(-2)
+        return self.ln(x + h)  # residual add + LayerNorm, inline: only fx can fuse it
+
+
+def test_without_an_example_fx_stops_and_with_one_the_answers_are_guards():
+    torch.manual_seed(0)
+    m, x = BySize(), seeded(2, 5, 8)
+    with pytest.raises(fx.proxy.TraceError, match="control flow"):
+        trace_region(m, {}, True)
+    gm, _ = trace_region(m, {}, True, example={"x": x})
+    assert gm.meta["answers"] == [True, 2, 2]  # h.shape[1] > 1; len(h.shape[:-1]), asked by the star twice
+    guards = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in (expect, expect_len)]
+    assert guards == [expect, expect_len, expect_len]
+    torch.testing.assert_close(gm(x), m(x))
+    with pytest.raises(SpecialisationMiss, match="False here, True when traced"):
+        gm(seeded(2, 1, 8))  # one token: the traced code took the other branch
+    with pytest.raises(SpecialisationMiss, match="3 entries here, 2 when traced"):
+        gm(seeded(2, 3, 5, 8))
+    again, _ = trace_region(m, {}, True, answers=gm.meta["answers"])  # the rewrite: the answers, no example
+    assert again.code == gm.code
+    with pytest.raises(fx.proxy.TraceError, match="more questions on sizes"):
+        trace_region(m, {}, True, answers=[True])
+
+
+def test_the_example_is_left_as_it_was_and_gradients_are_not_recorded():
+    torch.manual_seed(0)
+    m, x = BySize(), seeded(2, 5, 8, requires_grad=True)
+    before = x.detach().clone()
+    trace_region(m, {}, True, example={"x": x})
+    assert torch.equal(x, before) and x.grad is None and m.fc.weight.grad is None
+
+
+class ByValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:  # a value, not a size: never answered from the example
+            h = -h
+        return h
+
+
+def test_a_branch_on_values_still_stops_fx():
+    torch.manual_seed(0)
+    with pytest.raises(fx.proxy.TraceError, match="control flow"):
+        trace_region(ByValue(), {}, True, example={"x": seeded(2, 5, 8)})
+
+
+class AfterState(nn.Module):
+    """A step that cannot run twice before the branch: a call that misses the guard would run it again."""
+
+    def __init__(self, first: nn.Module):
+        super().__init__()
+        self.first, self.fc = first, nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.first(x)
+        if h.shape[1] > 1:
+            h = self.fc(h)
+        return h
+
+
+@pytest.mark.parametrize("first, why", [(nn.Dropout(0.1), "draws random numbers"),
+                                        (nn.BatchNorm1d(5), "has buffers"),
+                                        (nn.ReLU(inplace=True), "writes in place")])
+def test_a_branch_after_a_step_that_cannot_run_twice_stops_fx_and_says_where(first, why):
+    torch.manual_seed(0)
+    with pytest.raises(fx.proxy.TraceError, match=f"{why}") as info:
+        trace_region(AfterState(first), {}, True, example={"x": seeded(2, 5, 8)})
+    assert "test_specialise.py" in str(info.value) and "if h.shape[1] > 1" in str(info.value)
+
+
+class Cache:
+    def __init__(self):
+        self.keys = []
+
+    def update(self, k):
+        self.keys.append(k)
+        return torch.cat(self.keys, 1)
+
+
+class FromACache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        k = cache.update(self.fc(x))
+        if k.shape[1] > x.shape[1]:  # depends on what the cache held: not worked out on the example
+            k = k[:, -x.shape[1]:]
+        return k
+
+
+def test_a_size_that_an_objects_method_makes_is_not_worked_out_and_the_object_is_untouched():
+    torch.manual_seed(0)
+    cache, x = Cache(), seeded(2, 5, 8)
+    with pytest.raises(fx.proxy.TraceError, match="calls `update` on an object"):
+        trace_region(FromACache(), {}, True, facts={"cache": {"type": f"{__name__}:Cache"}},
+                     example={"x": x, "cache": cache})
+    assert cache.keys == []
+
+
+def test_metadata_only_is_sizes_dtypes_and_arithmetic_on_them():
+    g = fx.symbolic_trace(lambda x: (x.shape[0] + 1 > x.size(1), x.dtype == torch.float16, x.sum() > 0)).graph
+    out = next(n for n in g.nodes if n.op == "output")
+    sizes, dtype, value = out.args[0]
+    assert metadata_only(sizes) and metadata_only(dtype) and not metadata_only(value)
+
+
+class Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = BySize()
+
+    def forward(self, x):
+        if x.sum() > 1e9:  # data-dependent: `block` is the region
+            x = x * 0.5
+        return self.block(x)
+
+
+def test_a_fused_region_runs_its_original_forward_where_a_guard_misses():
+    torch.manual_seed(0)
+    model, x = Holder().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:block")]
+    region = next(r for r in plan.routes if r["path"] == "block")
+    assert region["answers"] == [True, 2, 2]
+    (slot,) = [m for n, m in fused.block.named_children() if n.startswith("fused_")]
+    calls = []
+    hook = slot.register_forward_hook(lambda *_: calls.append(1))
+    for inp, traced in ((x, True), (seeded(3, 1, 8, dtype=torch.float64, requires_grad=True), False)):
+        calls.clear()
+        want, got = model(inp), fused(inp)
+        assert calls == ([1] if traced else [])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        (g_want,) = torch.autograd.grad(want.sin().sum(), inp)
+        (g_got,) = torch.autograd.grad(got.sin().sum(), inp)
+        torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+    hook.remove()
+    restored = pickle.loads(pickle.dumps(fused))
+    torch.testing.assert_close(restored(x), model(x), rtol=1e-12, atol=1e-12)
+    again = ol.fusion.apply(model, FusionPlan.from_json(plan.to_json()))  # answers replayed from JSON
+    torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
