@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 from opsnn_lab.fusion.graph import Graph, Node, Ref, arg
@@ -207,6 +208,9 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
             return m
     tail, drop = sm, None
     nxt = g.only_user(sm)
+    if nxt is not None and _cast_of(nxt, sm):  # softmax(..., dtype=float32).to(query.dtype): Llama's eager code
+        chain.append(nxt)
+        tail, nxt = nxt, g.only_user(nxt)
     if nxt is not None and nxt.op == "dropout":
         drop, tail = nxt, nxt
         chain.append(drop)
@@ -237,6 +241,16 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     m.reason = _op_support("FusedAttention", build=lambda: build_attention(m)) or _common_checks(g, chain)
     m.ok = not m.reason
     return m
+
+
+def _cast_of(n: Node, sm: Node) -> bool:
+    """``n`` is ``sm.to(dtype)`` with the dtype a constant or read from a tensor's metadata (``query.dtype``): the
+    fused core takes the softmax with fp32 accumulation and gives the probabilities in the query's dtype, as the
+    code does when it casts back."""
+    if n.op != "to" or n.inputs != [sm.name]:
+        return False
+    rest = [*n.args[1:], *n.kwargs.values()] if n.args else []
+    return all(a is None or isinstance(a, (torch.dtype, bool)) for a in rest)
 
 
 # functional random calls make_reproducible draws as "<module path>:dropout.<i>" (consistency.functional)

@@ -28,7 +28,10 @@ class Attn(nn.Module):
         s = q @ kt
         s = 0.5 * s if self.variant != "div" else s / 4.0
         s = mask + s
-        p = s.softmax(dim=-1 if self.variant != "dim2" else 2)
+        if self.variant == "cast_back":  # Llama's eager code: the softmax in fp32, cast back to the query's dtype
+            p = s.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            p = s.softmax(dim=-1 if self.variant != "dim2" else 2)
         out = p @ v
         if self.variant == "probs_read":
             return out + p.sum(-1, keepdim=True)
@@ -173,6 +176,31 @@ def test_weights_a_region_returns_and_its_caller_drops_are_returned_by_the_fused
     torch.testing.assert_close(probs, model.attn(*inputs)[1], atol=1e-6, rtol=1e-6)
     with pytest.raises(RuntimeError, match="for reading only"):  # a loss on them: refused, never wrong gradients
         (out.sum() + probs.square().sum()).backward()
+
+
+class CastsBack(nn.Module):
+    """The root's data-dependent branch makes ``attn``, which casts its probabilities back, the fx region."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = Attn("cast_back")
+
+    def forward(self, q, k, v, mask):
+        if mask.sum() > 1e9:
+            mask = mask * 0.5
+        return self.attn(q, k, v, mask)
+
+
+def test_probabilities_cast_back_to_the_querys_dtype_are_part_of_the_fused_core():
+    inputs = tuple(seeded(2, 3, 5, 4, seed=i, requires_grad=True) for i in range(3)) + (seeded(2, 1, 5, 5, seed=3),)
+    model = CastsBack()
+    fused, plan = ol.fusion.fuse(model, inputs)
+    (d,) = plan.decisions
+    assert (d.pattern, d.fused, d.route) == ("attention", True, "fx:attn"), d.reason
+    torch.testing.assert_close(fused(*inputs), model(*inputs), atol=1e-5, rtol=1e-5)
+    grads = [torch.autograd.grad(m(*inputs).sum(), inputs[:3]) for m in (model, fused)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
 class ParallelBlock(nn.Module):
