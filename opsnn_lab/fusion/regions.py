@@ -85,8 +85,13 @@ def _named_arguments(bound: inspect.BoundArguments | None):
 
 
 def concrete_args(module: nn.Module, call) -> dict:
-    """Non-tensor arguments of the observed call (defaults included), keyed by parameter name."""
-    return {name: value for name, value in _named_arguments(bind_call(module, call)) if isinstance(value, _SCALARS)}
+    """Non-tensor arguments of the observed call (defaults included), keyed by parameter name: plain values and
+    tuples of them (Swin's ``input_dimensions=(56, 56)``)."""
+    return {name: value for name, value in _named_arguments(bind_call(module, call)) if _plain(value)}
+
+
+def _plain(value) -> bool:
+    return isinstance(value, _SCALARS) or (type(value) is tuple and all(isinstance(v, _SCALARS) for v in value))
 
 
 def tensor_facts(module: nn.Module, call) -> dict:
@@ -263,7 +268,7 @@ def _check_wrapper(module: nn.Module, call, wrapper: str, checked: dict) -> None
 
 
 def _plain_key(values: dict) -> tuple:
-    return tuple(sorted((k, type(v).__name__, v) for k, v in values.items() if isinstance(v, _SCALARS)))
+    return tuple(sorted((k, type(v).__name__, v) for k, v in values.items() if _plain(v)))
 
 
 def _returned_tensors(calls: dict, region: str, child: str) -> bool:

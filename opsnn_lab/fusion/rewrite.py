@@ -127,7 +127,9 @@ class FxForward(Patch):
 
     def __init__(self, host: nn.Module, variants: dict, concrete: dict):
         super().__init__(host)
-        self.variants, self.concrete = variants, concrete
+        # a tuple argument the code was specialised for is a list in a plan from JSON
+        self.variants = variants
+        self.concrete = {k: tuple(v) if isinstance(v, list) else v for k, v in concrete.items()}
         self.output_types = {k: gm.meta.get("output_type") for k, gm in variants.items()}
         self.facts = {k: gm.meta.get("facts_read", {}) for k, gm in variants.items()}  # tensor ranks it relied on
         # the submodules whose forwards the traced code runs inline: if one gains hooks later (a user's, or Hugging

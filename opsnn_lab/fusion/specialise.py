@@ -4,8 +4,8 @@ fx stops where a forward branches on a size or iterates over a shape: Hugging Fa
 ``is_causal = q_length > 1 and ...`` from ``query.shape[2]``, GPT-2 builds ``(*key.shape[:-1], -1, head_dim)``.
 When the example call is known, the tracer answers such a question from the example instead of stopping:
 
-- only questions on metadata (``shape``, ``size()``, ``dim()``, ``dtype``, ``device``, and arithmetic on them);
-  a branch on tensor values (``if mask.any()``) still stops the tracer, as it should;
+- only questions on metadata (``shape``, ``size()``, ``dim()``, ``dtype``, ``device``, and arithmetic on them)
+  and the number of pieces a split makes; a branch on tensor values (``if mask.any()``) still stops the tracer;
 - the answer is computed by running the few steps that lead to it on the example's tensors (no gradient); a
   step with state or randomness there (a BatchNorm, a dropout, an in-place write, a module with hooks) stops it;
 - each answer is a guard node in the traced code (``expect``), checked on the real tensors at each call; a call
@@ -26,8 +26,8 @@ from torch import nn
 
 from opsnn_lab._hooks import has_hooks
 
-__all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "GUARDS", "metadata_only", "Answers",
-           "check_guards"]
+__all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "GUARDS", "metadata_only", "answerable",
+           "Answers", "check_guards"]
 
 
 class GuardAfterState(fx.proxy.TraceError):
@@ -84,6 +84,18 @@ def metadata_only(node: fx.Node) -> bool:
         deps = node.all_input_nodes
         return bool(deps) and all(metadata_only(d) for d in deps)
     return False
+
+
+_SPLITS = {"chunk", "split", "split_with_sizes", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit"}
+
+
+def answerable(node: fx.Node, kind: str) -> bool:
+    """Whether the tracer may answer ``bool`` / ``len`` of ``node`` from the example: metadata, and the number of
+    pieces a split makes (``for part in x.chunk(2)``: sizes decide it, not values)."""
+    if metadata_only(node):
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return kind == "len" and node.op in ("call_method", "call_function") and name in _SPLITS
 
 
 _RANDOM = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "rrelu",

@@ -3,7 +3,7 @@ loops over tensor sizes and isinstance checks on its proxies):
 
 1. a plain helper function that stops the tracer (argument checks, for instance) is retried as an opaque call
    (``autowrap_functions``), so it still runs on real tensors in the rewritten model;
-2. non-tensor arguments seen on the example call (``mask=None``, flags) are specialised by the caller
+2. non-tensor arguments seen on the example call (``mask=None``, flags, tuples of them) are specialised by the caller
    (``regions.concrete_args``), and the rewritten forward guards on them at run time (fallback: original code);
 3. given ``facts`` (``regions.tensor_facts``), the tensor arguments' rank and nestedness are those of the example
    call, so a forward's checks on them (``x.dim() == 3``, ``(*x.shape[:-1], -1)``, ``x.is_nested``) read plain
@@ -39,7 +39,7 @@ from torch import nn
 
 from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab.fusion.graph import is_leaf_module
-from opsnn_lab.fusion.specialise import Answers, GuardAfterState, check_guards, expect, expect_len, metadata_only
+from opsnn_lab.fusion.specialise import Answers, GuardAfterState, answerable, check_guards, expect, expect_len
 from opsnn_lab.fusion.wrappers import unwrapped_forward
 
 __all__ = ["trace_region", "library_hooks", "instance_state", "restore_instance_state", "kwargs_values"]
@@ -140,8 +140,9 @@ class _Tracer(fx.Tracer):
     flat_output_type: type | None = None
     _depth = 0
 
-    def __init__(self, autowrap_functions=(), tensor_facts=None, leaves=(), example=None, answers=None):
+    def __init__(self, autowrap_functions=(), tensor_facts=None, leaves=(), example=None, answers=None, held=None):
         super().__init__(autowrap_functions=autowrap_functions)
+        self.held = dict(held or {})  # tuple arguments the code sees as constants (fx's own would flatten them)
         self.example, self.given = example, answers
         self.answers: Answers | None = None
         self.tensor_facts, self.facts_read = dict(tensor_facts or {}), {}
@@ -159,12 +160,12 @@ class _Tracer(fx.Tracer):
         return self._ask(obj, expect) if self._can_answer(obj) else super().to_bool(obj)
 
     def iter(self, obj: fx.Proxy):
-        if not self._can_answer(obj):
+        if not self._can_answer(obj, "len"):
             return super().iter(obj)
         return iter([obj[i] for i in range(self._ask(obj, expect_len))])
 
     def length(self, obj: fx.Proxy) -> int:
-        return self._ask(obj, expect_len) if self._can_answer(obj) else fx.Proxy.__len__(obj)
+        return self._ask(obj, expect_len) if self._can_answer(obj, "len") else fx.Proxy.__len__(obj)
 
     def _ask(self, obj: fx.Proxy, guard):
         """The example's answer (``bool`` for ``expect``, ``len`` for ``expect_len``), and its guard node, which
@@ -176,8 +177,8 @@ class _Tracer(fx.Tracer):
         self.create_proxy("call_function", guard, (obj, got), {}).node.meta["where"] = where
         return got
 
-    def _can_answer(self, obj: fx.Proxy) -> bool:
-        return self.answers is not None and self.answers.active and metadata_only(obj.node)
+    def _can_answer(self, obj: fx.Proxy, kind: str = "bool") -> bool:
+        return self.answers is not None and self.answers.active and answerable(obj.node, kind)
 
     def call_module(self, m, forward, args, kwargs):
         if _hidden_function(m, self):
@@ -194,6 +195,8 @@ class _Tracer(fx.Tracer):
 
     def proxy(self, node: fx.Node):
         name = str(node.target).lstrip("*")
+        if node.op == "placeholder" and name in self.held:  # a tuple of plain values, guarded by the caller
+            return self.held[name]
         if node.op == "placeholder" and name in self.tensor_facts:
             facts = self.tensor_facts[name]
             if "tensors" in facts:  # **kwargs holding tensors: its constants as they are, each tensor read from it
@@ -317,12 +320,16 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
     state = instance_state(module)
     module.train(training)
     wrapped, leaves = list(wrapped), list(leaves)
+    # fx specialises plain values itself; a tuple of them it would flatten into its own calling convention, so the
+    # tracer hands it to the code as a constant (a plan from JSON holds it as a list)
+    plain = {k: v for k, v in concrete.items() if not isinstance(v, (tuple, list))}
+    held = {k: tuple(v) for k, v in concrete.items() if isinstance(v, (tuple, list))}
     try:
         for _ in range(_RETRIES):
-            tracer = _Tracer(tuple(wrapped), facts, leaves, example, answers)
+            tracer = _Tracer(tuple(wrapped), facts, leaves, example, answers, held)
             try:
                 with unwrapped_forward(module) if unwrap else contextlib.nullcontext():
-                    graph = tracer.trace(module, concrete_args=dict(concrete) or None)
+                    graph = tracer.trace(module, concrete_args=plain or None)
                 try:
                     check_guards(graph, module)
                 except GuardAfterState as exc:  # a child's code asked: that child may be kept as one call
@@ -361,9 +368,9 @@ def _drop_empty_kwargs(graph: fx.Graph, tracer: _Tracer) -> type | None:
     specs kept on the GraphModule (``_PyTreeCodeGen``; the rewritten forward runs with the region as ``self``,
     which has none): the output is given its structure back and the code is plain fx code again. Returns the
     output's class when it is a dict subclass (``_Tracer.output_type``: fx saw only the flattened values). A
-    ``**kwargs`` holding tensors keeps its placeholder, and needs plain code as well (fx's flattening code is not
-    valid Python with a ``**kwargs`` in it)."""
-    if not (tracer.empty_kwargs or tracer.kept_kwargs):
+    ``**kwargs`` holding tensors and a tuple the code took as a constant keep their placeholders, and need plain
+    code as well (fx's flattening code is not valid Python with a ``**kwargs`` in it)."""
+    if not (tracer.empty_kwargs or tracer.kept_kwargs or tracer.held):
         return None
     for node in tracer.empty_kwargs:
         graph.erase_node(node)

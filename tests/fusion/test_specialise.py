@@ -177,3 +177,72 @@ def test_a_fused_region_runs_its_original_forward_where_a_guard_misses():
     torch.testing.assert_close(restored(x), model(x), rtol=1e-12, atol=1e-12)
     again = ol.fusion.apply(model, FusionPlan.from_json(plan.to_json()))  # answers replayed from JSON
     torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+class ByChunks(nn.Module):
+    """Iterates over the pieces of a split (ProphetNet, DiffLlama): how many is a question on sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(4)
+
+    def forward(self, x):
+        h = sum(p * (i + 1) for i, p in enumerate(self.fc(x).chunk(2, dim=-1)))
+        return self.ln(x[..., :4] + h)
+
+
+def test_the_number_of_pieces_a_split_makes_is_answered_and_guarded():
+    torch.manual_seed(0)
+    m, x = ByChunks(), seeded(2, 5, 8)
+    gm, _ = trace_region(m, {}, True, example={"x": x})
+    assert gm.meta["answers"] == [2]
+    torch.testing.assert_close(gm(x), m(x))
+    gm.fc.weight, gm.fc.bias = nn.Parameter(torch.randn(1, 8)), nn.Parameter(torch.randn(1))  # chunk(2) of 1: 1 piece
+    with pytest.raises(SpecialisationMiss, match="1 entries here, 2 when traced"):
+        gm(x)
+
+
+class ByTuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x, dims: tuple):
+        if min(dims) <= 2:  # Swin's `if min(input_resolution) <= self.window_size`
+            x = x * 0.5
+        h = self.fc(x).view(x.shape[0], *dims, -1).flatten(1, 2)
+        return self.ln(x + h)
+
+
+class HoldsByTuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.dims = ByTuple(), (2, 3)
+
+    def forward(self, x):
+        if x.sum() > 1e9:  # data-dependent: `block` is the region
+            x = x * 0.5
+        return self.block(x, self.dims)
+
+
+def test_a_tuple_of_plain_values_is_specialised_and_another_tuple_runs_the_original():
+    torch.manual_seed(0)
+    model, x = HoldsByTuple().double(), seeded(3, 6, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:block")]
+    assert next(r for r in plan.routes if r["path"] == "block")["concrete"] == {"dims": (2, 3)}
+    (slot,) = [m for n, m in fused.block.named_children() if n.startswith("fused_")]
+    calls = []
+    hook = slot.register_forward_hook(lambda *_: calls.append(1))
+    for dims, traced in (((2, 3), True), ((3, 2), False), ((1, 6), False)):
+        model.dims = fused.dims = dims
+        calls.clear()
+        want, got = model(x), fused(x)
+        assert calls == ([1] if traced else []), dims
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    hook.remove()
+    model.dims = fused.dims = (2, 3)
+    again = ol.fusion.apply(model, FusionPlan.from_json(plan.to_json()))  # the tuple is a list in JSON
+    again.block.fused_add_layer_norm_0.register_forward_hook(lambda *_: calls.append(2))
+    torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
+    assert calls[-1] == 2
