@@ -134,6 +134,8 @@ def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
     if node.op == "call_method" and not hasattr(torch.Tensor, name):
         return f"`{node.name}` calls `{name}` on an object"
     module = getattr(node.target, "__module__", None) or ""
+    if name == "apply_function":  # tracer.apply_function: a custom autograd Function, which may keep state
+        return f"`{node.name}` runs the custom autograd Function `{node.args[0]}`"
     if node.op == "call_function" and not (module.split(".")[0] in ("torch", *_PY_MODULES) or node.target is getattr):
         return f"`{node.name}` calls `{name}`"
     return ""

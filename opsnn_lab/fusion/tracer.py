@@ -16,7 +16,9 @@ loops over tensor sizes and isinstance checks on its proxies):
 5. a submodule whose own forward stops the tracer (a mixture-of-experts block routing tokens by their values) is
    kept as one call (``leaves``), so the code around it (a decoder layer's residual adds and norms) is still
    rewritten, and the submodule runs as it is;
-6. given the ``example`` call's arguments, a branch on sizes (``if q_length > 1``) or an iteration over a shape
+6. a custom ``torch.autograd.Function`` called on traced values stays one call (``apply_function``): fx would
+   trace its ``forward`` inline and drop its ``backward``, so the rewritten model would get other gradients;
+7. given the ``example`` call's arguments, a branch on sizes (``if q_length > 1``) or an iteration over a shape
    (``(*x.shape[:-1], -1)``) takes the example's answer, guarded at run time (specialise.py); the answers are
    kept (``gm.meta["answers"]``) and replayed when the rewrite traces again (``answers=``).
 
@@ -34,6 +36,7 @@ import sys
 import traceback
 import types
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -42,7 +45,8 @@ from opsnn_lab.fusion.graph import is_leaf_module
 from opsnn_lab.fusion.specialise import Answers, GuardAfterState, answerable, check_guards, expect, expect_len
 from opsnn_lab.fusion.wrappers import unwrapped_forward
 
-__all__ = ["trace_region", "library_hooks", "instance_state", "restore_instance_state", "kwargs_values"]
+__all__ = ["trace_region", "library_hooks", "instance_state", "restore_instance_state", "kwargs_values",
+           "apply_function"]
 
 
 def kwargs_values(fact: dict) -> dict | None:
@@ -154,7 +158,8 @@ class _Tracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         self.leaf_ids = {id(root.get_submodule(p)) for p in self.leaves}
         self.answers = Answers(root, self.example, self.given)
-        return super().trace(root, concrete_args)
+        with _functions_kept_whole(self):
+            return super().trace(root, concrete_args)
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         return self._ask(obj, expect) if self._can_answer(obj) else super().to_bool(obj)
@@ -234,6 +239,42 @@ class _Tracer(fx.Tracer):
             return super().create_arg(a)
         finally:
             self._depth -= 1
+
+
+def apply_function(function: str, *args, **kwargs):
+    """``Function.apply(*args, **kwargs)`` for the custom autograd Function named ``"module:qualname"``: one node
+    of traced code (fx's arguments cannot hold a class; a name also pickles with the rewritten model)."""
+    cls = _FUNCTIONS.get(function)
+    if cls is None:
+        module, _, qualname = function.partition(":")
+        cls = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        _FUNCTIONS[function] = cls
+    return cls.apply(*args, **kwargs)
+
+
+_FUNCTIONS: dict[str, type] = {}  # by name: those traced in this process (a class defined in a function too)
+_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod every custom Function inherits
+
+
+@contextlib.contextmanager
+def _functions_kept_whole(tracer: fx.Tracer):
+    """While ``tracer`` traces: ``SomeFunction.apply`` on traced values makes one ``apply_function`` node."""
+    def apply(cls, *args, **kwargs):
+        proxies = []
+        fx.node.map_aggregate((args, kwargs), lambda a: proxies.append(a) if isinstance(a, fx.Proxy) else None)
+        if not proxies:
+            return _APPLY.__func__(cls, *args, **kwargs)
+        name = f"{cls.__module__}:{cls.__qualname__}"
+        _FUNCTIONS[name] = cls
+        return proxies[0].tracer.create_proxy("call_function", apply_function, (name, *args), kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = _APPLY
 
 
 def _hidden_function(m: nn.Module, tracer: fx.Tracer) -> bool:

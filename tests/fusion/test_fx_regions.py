@@ -460,6 +460,56 @@ def test_the_kwargs_guard_wants_the_keys_constants_and_tensors_it_was_traced_wit
     assert not facts_hold(facts, {"kwargs": {"scale": 2.0, "shift": torch.zeros(3), "more": 1}})
 
 
+class Reverse(torch.autograd.Function):
+    """The identity forward, the negated gradient backward (a gradient-reversal layer): fx traced its forward
+    inline, and the rewritten model lost the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad, None
+
+
+class ReversesThenNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.ln(x + Reverse.apply(self.fc(x), 2.0))  # residual add + LayerNorm inline: only fx fuses it
+
+
+class HoldsReverse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = ReversesThenNorms()
+
+    def forward(self, x):
+        if x.sum() > 1e9:
+            x = x * 0.5
+        return self.block(x)
+
+
+def test_a_custom_autograd_function_stays_one_call_and_keeps_its_backward():
+    torch.manual_seed(0)
+    model, x = HoldsReverse().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:block")]
+    code = fused.block.__dict__["forward"].variants[True].code
+    assert "apply_function" in code and f"{__name__}:Reverse" in code
+    want, got = model(x), fused(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g_want = torch.autograd.grad(want.sin().sum(), (x, model.block.fc.weight))
+    g_got = torch.autograd.grad(got.sin().sum(), (x, fused.block.fc.weight))
+    for a, b in zip(g_want, g_got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    restored = pickle.loads(pickle.dumps(fused))
+    torch.testing.assert_close(torch.autograd.grad(restored(x).sin().sum(), x)[0], g_want[0], rtol=1e-12, atol=1e-12)
+
+
 class ByValue(nn.Module):
     """Routes by the values of its input (as a mixture-of-experts block does): fx cannot trace this forward."""
 
