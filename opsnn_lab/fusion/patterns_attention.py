@@ -235,6 +235,8 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     m.inputs = [q.name, kt.inputs[0], pv.inputs[1]] + ([mask.name] if mask is not None else [])
     m.outputs = [pv]
     m.params = {"scale": scale, "dropout_p": p, **m.params}
+    if sm.kwargs.get("dtype") is torch.float32:  # softmax(..., dtype=torch.float32): the op keeps that precision
+        m.params["fp32_softmax"] = True
     if returned:
         m.outputs.append(tail)
         m.params["return_probs"] = True
@@ -282,4 +284,5 @@ def build_attention(m: Match) -> nn.Module:
     return op_class("FusedAttention")(scale=m.params["scale"], dropout_p=m.params["dropout_p"],
                                       return_probs=m.params.get("return_probs", False),
                                       is_causal=m.params.get("is_causal", False),
-                                      enable_gqa=m.params.get("enable_gqa", False))
+                                      enable_gqa=m.params.get("enable_gqa", False),
+                                      fp32_softmax=m.params.get("fp32_softmax", False))

@@ -57,19 +57,22 @@ def _batched(q, k, v, mask):
     return batch, q3, k3, v3, mask
 
 
-def _probs(q3, k3, scale, mask, batch):
+def _probs(q3, k3, scale, mask, batch, fp32=False):
     """``softmax(q k^T * scale + mask)`` as (batch, Tq, Tk): the mask is copied in, the GEMM adds onto it. A float
     mask wider than bf16/fp16 scores (a T5 position bias, kept fp32 under autocast) is added in its own dtype and
-    the softmax taken there, rounded once: eager attention code rounds that sum to the scores' dtype first."""
+    the softmax taken there, rounded once: eager attention code rounds that sum to the scores' dtype first.
+    ``fp32``: the probabilities in fp32, as ``softmax(..., dtype=torch.float32)`` gives them (Llama-style code)."""
+    want = torch.float32 if fp32 else q3.dtype
     if mask is None:
-        return torch.softmax(torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale), dim=-1)
+        s = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)
+        return torch.softmax(s, dim=-1, dtype=want)
     wide = mask.dtype != q3.dtype and mask.is_floating_point()
     s = torch.empty(q3.shape[0], q3.shape[1], k3.shape[1], dtype=mask.dtype if wide else q3.dtype, device=q3.device)
     s.view(*batch, *s.shape[1:]).copy_(mask.expand(*batch, *s.shape[1:]))
     if not wide:
-        return torch.softmax(s.baddbmm_(q3, k3.transpose(1, 2), alpha=scale), dim=-1)
+        return torch.softmax(s.baddbmm_(q3, k3.transpose(1, 2), alpha=scale), dim=-1, dtype=want)
     s.add_(torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale))
-    return torch.softmax(s, dim=-1).to(q3.dtype)
+    return torch.softmax(s, dim=-1).to(want)
 
 
 class _Dropout:
@@ -106,17 +109,18 @@ class AttentionDropoutFunction(torch.autograd.Function):
 
     @staticmethod
     @_amp.no_autocast
-    def forward(ctx, q, k, v, mask, scale, p, seed, offset, return_probs=False):
+    def forward(ctx, q, k, v, mask, scale, p, seed, offset, return_probs=False, fp32_softmax=False):
         batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
-        probs = _probs(q3, k3, scale, add_mask, batch)
+        probs = _probs(q3, k3, scale, add_mask, batch, fp32_softmax)
         _Dropout(probs, batch, p, seed, offset)(probs, out=probs)
-        out = torch.bmm(probs, v3).mul_(_keep_scale(p))
+        out = torch.bmm(probs.to(v3.dtype), v3).mul_(_keep_scale(p))
         ctx.save_for_backward(q, k, v, mask)
-        ctx.cfg = (scale, p, seed, offset)
+        ctx.cfg = (scale, p, seed, offset, fp32_softmax)
         if not return_probs:
             return out  # (batch, T, d): viewed outside the Function, so the caller may modify it in place
         ctx.set_materialize_grads(False)
-        return out, probs.mul_(_keep_scale(p)) if p else probs  # eager's attn_weights carry the rescale
+        probs = probs.mul_(_keep_scale(p)) if p else probs  # eager's attn_weights carry the rescale
+        return out, probs.to(q.dtype)
 
     @staticmethod
     @_amp.no_autocast
@@ -127,18 +131,19 @@ class AttentionDropoutFunction(torch.autograd.Function):
                 "reading only, and a gradient reached them: a loss that depends on the attention weights needs "
                 "the unfused attention (ol.fusion.revert(model), or fuse without the 'attention' pattern)")
         if grad is None:
-            return (None,) * 9
+            return (None,) * 10
         q, k, v, mask = ctx.saved_tensors
-        scale, p, seed, offset = ctx.cfg
+        scale, p, seed, offset, fp32_softmax = ctx.cfg
         ks = _keep_scale(p)
         batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
         g3 = grad.reshape(-1, *grad.shape[-2:])
-        probs = _probs(q3, k3, scale, add_mask, batch)
+        probs = _probs(q3, k3, scale, add_mask, batch, fp32_softmax)
         drop = _Dropout(probs, batch, p, seed, offset)
-        grad_v = torch.bmm(drop(probs).transpose(1, 2), g3).mul_(ks)
-        # dS = softmax_backward(dropout(dO v^T), P); the 1 / (1 - p) of dropout moves onto dq, dk and dmask.
-        dp = torch.bmm(g3, v3.transpose(1, 2))
-        ds = torch._softmax_backward_data(drop(dp, out=dp), probs, -1, probs.dtype)
+        grad_v = torch.bmm(drop(probs).to(g3.dtype).transpose(1, 2), g3).mul_(ks)
+        # dS = softmax_backward(dropout(dO v^T), P), in the probabilities' dtype (fp32 for an fp32 softmax, as
+        # autograd takes eager's); the 1 / (1 - p) of dropout moves onto dq, dk and dmask.
+        dp = torch.bmm(g3, v3.transpose(1, 2)).to(probs.dtype)
+        ds = torch._softmax_backward_data(drop(dp, out=dp), probs, -1, probs.dtype).to(q3.dtype)
         del probs, dp, drop
         grad_q = torch.bmm(ds, k3).mul_(scale * ks) if ctx.needs_input_grad[0] else None
         grad_k = torch.bmm(ds.transpose(1, 2), q3).mul_(scale * ks) if ctx.needs_input_grad[1] else None
@@ -146,7 +151,8 @@ class AttentionDropoutFunction(torch.autograd.Function):
         if ctx.needs_input_grad[3] and mask is not None and mask.dtype != torch.bool:
             grad_mask = ds.view(*batch, *ds.shape[1:]).sum_to_size(mask.shape).mul(ks)
         shaped = [None if g is None else g.view(*batch, *g.shape[1:]) for g in (grad_q, grad_k, grad_v)]
-        return (*(_unbroadcast(g, t) for g, t in zip(shaped, (q, k, v))), grad_mask, None, None, None, None, None)
+        return (*(_unbroadcast(g, t) for g, t in zip(shaped, (q, k, v))), grad_mask, None, None, None, None, None,
+                None)
 
 
 def _keep_scale(p: float) -> float:
@@ -202,7 +208,7 @@ def _cast_operands(cast, q, k, v, mask):
 
 
 def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, offset,
-                  return_probs=False):
+                  return_probs=False, fp32_softmax=False):
     if is_causal:
         if attn_mask is not None:
             raise ValueError("attn_mask and is_causal=True cannot both be given (as in scaled_dot_product_attention)")
@@ -224,7 +230,7 @@ def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if math.prod(batch) * query.shape[-2] * key.shape[-2] > rng.MAX_NUMEL:
         raise ValueError("the attention matrix has more than 2**32 elements; split the batch")
     out = AttentionDropoutFunction.apply(query, key, value, attn_mask, scale, float(dropout_p), seed, offset,
-                                         return_probs)
+                                         return_probs, fp32_softmax)
     out, probs = out if return_probs else (out, None)
     out = out.view(*_broadcast(query.shape[:-2], key.shape[:-2], value.shape[:-2]), *out.shape[1:])
     return out if probs is None else (out, probs.view(*batch, *probs.shape[1:]))
@@ -242,16 +248,21 @@ class FusedAttention(CounterRNG, nn.Module):
     (always the explicit path then; the probabilities are for reading, a gradient reaching them raises).
     ``is_causal`` and ``enable_gqa`` are ``F.scaled_dot_product_attention``'s (the op then stands for an SDPA call
     with dropout, whose CPU math path saves the T x T probabilities: ``ol.fusion``'s ``attention`` pattern).
+    ``fp32_softmax=True``: half-precision scores give fp32 probabilities, cast to v's dtype for ``@ v``, and the
+    backward takes the softmax's gradient in fp32, as for Llama-style ``softmax(..., dtype=torch.float32)
+    .to(q.dtype)`` code under autograd.
     """
 
     def __init__(self, scale: float | None = None, dropout_p: float = 0.0, *, seed: int | None = None,
-                 return_probs: bool = False, is_causal: bool = False, enable_gqa: bool = False):
+                 return_probs: bool = False, is_causal: bool = False, enable_gqa: bool = False,
+                 fp32_softmax: bool = False):
         super().__init__()
         self.scale = None if scale is None else float(check_positive("scale", scale))
         self.dropout_p = float(check_range("dropout_p", dropout_p, 0.0, 1.0))
         self.return_probs = check_type("return_probs", return_probs, bool)
         self.is_causal = check_type("is_causal", is_causal, bool)  # as SDPA's: a top-left lower triangle
         self.enable_gqa = check_type("enable_gqa", enable_gqa, bool)  # as SDPA's: k/v heads repeated per group
+        self.fp32_softmax = check_type("fp32_softmax", fp32_softmax, bool)
         self._init_rng(seed)
 
     @classmethod
@@ -279,8 +290,9 @@ class FusedAttention(CounterRNG, nn.Module):
                 seed, offset = self.next_draw(q if self.dropout_p > 0 else None)  # p = 0: nothing to replay
                 p = self.dropout_p
             return _counter_sdpa(q, k, v, mask, p, self.is_causal, self.scale, self.enable_gqa, seed, offset,
-                                 return_probs=self.return_probs)
+                                 return_probs=self.return_probs, fp32_softmax=self.__dict__.get("fp32_softmax", False))
 
     def extra_repr(self) -> str:
-        flags = "".join(f", {k}=True" for k in ("return_probs", "is_causal", "enable_gqa") if getattr(self, k))
+        flags = "".join(f", {k}=True" for k in ("return_probs", "is_causal", "enable_gqa", "fp32_softmax")
+                        if getattr(self, k, False))
         return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}{flags}"

@@ -341,6 +341,25 @@ def test_default_sdpa_attention_with_dropout_fuses_past_its_size_checks_and_one_
         torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-5)
 
 
+def test_gpt2_sdpa_attention_with_a_cache_says_why_and_without_one_fuses():
+    # GPT-2's layers update the model's key/value cache (config use_cache=True, also in training) before SDPA
+    # asks `kv_length > q_length`: a call missing that guard would update the cache twice, so the layer is not
+    # traced, and the plan names the line; with use_cache=False the core fuses and draws make_reproducible's masks
+    model, inputs = zoo.build("gpt2", batch=2, seq=16)  # default attention (sdpa), attention dropout 0.1
+    inputs.pop("labels", None)
+    plan = ol.fusion.analyze(model.train(), inputs)
+    why = {d.reason for d in plan.decisions if d.pattern == "attention"}
+    assert len(why) == 2 and all("`update`" in w and "kv_length > q_length" in w for w in why), why
+    model.config.use_cache = False
+    fused, plan = ol.fusion.fuse(model, inputs)
+    assert plan.summary()["attention"] == {"fused": 2, "rejected": 0}
+    outs = []
+    for m in (model, fused):
+        ol.consistency.make_reproducible(m, 7)
+        outs.append(m(**inputs).logits)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
 def test_a_fused_eager_attention_draws_the_mask_its_inline_dropout_draws_under_make_reproducible():
     # the fused core absorbs an inline F.dropout: its stream is the one make_reproducible names that call by
     # ("<module>:dropout.<i>"), so fused and unfused models draw the same masks (8e-3 apart before it was named)

@@ -197,6 +197,8 @@ def test_probabilities_cast_back_to_the_querys_dtype_are_part_of_the_fused_core(
     fused, plan = ol.fusion.fuse(model, inputs)
     (d,) = plan.decisions
     assert (d.pattern, d.fused, d.route) == ("attention", True, "fx:attn"), d.reason
+    (op,) = [m.op for m in fused.modules() if type(getattr(m, "op", None)).__name__ == "FusedAttention"]
+    assert op.fp32_softmax  # the code's softmax(..., dtype=torch.float32): the op keeps it
     torch.testing.assert_close(fused(*inputs), model(*inputs), atol=1e-5, rtol=1e-5)
     grads = [torch.autograd.grad(m(*inputs).sum(), inputs[:3]) for m in (model, fused)]
     for a, b in zip(*grads):

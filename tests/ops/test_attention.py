@@ -19,12 +19,13 @@ def _inputs(b=2, h=3, t=7, d=5, dtype=torch.float32, masked=True):
     return q, k, v, mask
 
 
-def _eager(q, k, v, mask, p=0.0, seed=0, step=0, scale=None):
-    """The hand-written core of models.SelfAttention, with the counter-based mask for dropout."""
+def _eager(q, k, v, mask, p=0.0, seed=0, step=0, scale=None, fp32_softmax=False):
+    """The hand-written core of models.SelfAttention, with the counter-based mask for dropout; ``fp32_softmax``:
+    Llama's form, ``softmax(s, dtype=torch.float32).to(q.dtype)``."""
     s = torch.matmul(q, k.transpose(-1, -2)) * (scale or 1.0 / math.sqrt(q.shape[-1]))
     if mask is not None:
         s = s + mask
-    probs = torch.softmax(s, dim=-1)
+    probs = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) if fp32_softmax else torch.softmax(s, dim=-1)
     if p > 0:
         keep = rng.dropout_mask(seed, step * rng.MAX_NUMEL, probs.shape, p)
         probs = probs * keep * (0.0 if p == 1 else 1.0 / (1 - p))
@@ -63,6 +64,28 @@ def test_low_precision_within_twice_eager_error(dtype, p):
     fused = _fwd_bwd(FusedAttention(dropout_p=p, seed=0), (q, k, v, mask))
     for i, (f, e, r) in enumerate(zip((fused[0], *fused[1]), (eager[0], *eager[1]), (ref[0], *ref[1]))):
         assert_within_eager_error(f, e, r, name=f"tensor {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_an_fp32_softmax_keeps_fp32_probabilities_and_their_gradient(dtype, p):
+    # Llama-style code takes the softmax in fp32 and casts back: fp32_softmax=True does the same, forward and
+    # backward (there eager's autograd takes the softmax's gradient in fp32), within twice eager's error
+    q64, k64, v64, m64 = _inputs(dtype=torch.float64)
+    q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in (q64, k64, v64))
+    mask = m64.clamp(min=-1e4).to(dtype)
+    att = FusedAttention(dropout_p=p, seed=0, return_probs=True, fp32_softmax=True)  # return_probs: the own path
+    ref = _fwd_bwd(lambda *a: _eager(*a, p=p), (q64, k64, v64, m64.clamp(min=-1e4)))
+    eager = _fwd_bwd(lambda *a: _eager(*a, p=p, fp32_softmax=True), (q, k, v, mask))
+    fused = _fwd_bwd(lambda *a: att(*a)[0], (q, k, v, mask))
+    for i, (f, e, r) in enumerate(zip((fused[0], *fused[1]), (eager[0], *eager[1]), (ref[0], *ref[1]))):
+        assert_within_eager_error(f, e, r, name=f"tensor {i}")
+    probs = att(q, k, v, mask)[1]
+    assert probs.dtype == dtype
+    plain = FusedAttention(dropout_p=p, seed=0, return_probs=True)
+    if dtype != torch.float32:  # the half softmax's error is larger than the fp32 one's, rounded once
+        err = lambda o: (o.double() - ref[0]).abs().max()
+        assert err(fused[0]) <= err(_fwd_bwd(lambda *a: plain(*a)[0], (q, k, v, mask))[0]) * 1.01 + 1e-6
 
 
 def test_eval_mode_and_custom_scale_and_bool_mask():
