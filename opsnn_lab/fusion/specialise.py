@@ -4,15 +4,16 @@ fx stops where a forward branches on a size or iterates over a shape: Hugging Fa
 ``is_causal = q_length > 1 and ...`` from ``query.shape[2]``, GPT-2 builds ``(*key.shape[:-1], -1, head_dim)``.
 When the example call is known, the tracer answers such a question from the example instead of stopping:
 
-- only questions on metadata (``shape``, ``size()``, ``dim()``, ``dtype``, ``device``, and arithmetic on them)
-  and the number of pieces a split makes; a branch on tensor values (``if mask.any()``) still stops the tracer;
+- only questions on metadata (``shape``, ``size()``, ``dim()``, ``dtype``, ``device``, and arithmetic on them),
+  the number of pieces a split makes and a dtype handed to ``torch.finfo`` / ``torch.iinfo``; a branch on
+  tensor values (``if mask.any()``) still stops the tracer;
 - the answer is computed by running the few steps that lead to it on the example's tensors (no gradient); a
   step with state or randomness there (a BatchNorm, a dropout, an in-place write, a module with hooks) stops it;
 - each answer is a guard node in the traced code (``expect``), checked on the real tensors at each call; a call
   it does not hold for raises ``SpecialisationMiss`` and runs the original forward instead
   (``rewrite.FxForward``), so every step before a guard must be one that can run twice (``check_guards``);
-- the answers, in the order asked, are kept with the region (JSON), so the rewrite traces the same code again
-  without the example (``answers=``).
+- the answers, in the order asked, with the line that asked each, are kept with the region (JSON), so the
+  rewrite traces the same code again without the example (``answers=``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from torch import nn
 
 from opsnn_lab._hooks import has_hooks
 
-__all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "GUARDS", "metadata_only", "answerable",
-           "Answers", "check_guards"]
+__all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "expect_dtype", "GUARDS",
+           "metadata_only", "answerable", "Answers", "check_guards"]
 
 
 class GuardAfterState(fx.proxy.TraceError):
@@ -60,7 +61,15 @@ def expect_len(value, answer: int) -> None:
         raise SpecialisationMiss(f"a shape had {len(value)} entries here, {answer} when traced")
 
 
-GUARDS = (expect, expect_len)
+def expect_dtype(value, answer: str) -> None:
+    """Guard: a dtype the traced code read (``torch.finfo(q.dtype)``) is ``answer`` (``"float32"``)."""
+    if isinstance(value, fx.Proxy):
+        return value.tracer.create_proxy("call_function", expect_dtype, (value, answer), {})
+    if value is not getattr(torch, answer):
+        raise SpecialisationMiss(f"a dtype was {value} here, torch.{answer} when traced")
+
+
+GUARDS = (expect, expect_len, expect_dtype)
 for _guard in GUARDS:  # kept by fx's dead-code elimination, as its own asserts are
     fx.node.has_side_effect(_guard)
 
@@ -171,8 +180,9 @@ class Answers:
 
     def __init__(self, root: nn.Module, example: dict | None = None, given: list | None = None):
         self.root, self.example = root, example
-        self.given = None if given is None else list(given)
+        self.given = None if given is None else [list(a) for a in given]
         self.asked: list = []
+        self._cursor = 0
         self._values: dict = {}
 
     @property
@@ -180,19 +190,24 @@ class Answers:
         return self.example is not None or self.given is not None
 
     def answer(self, node: fx.Node, kind: str, where: str = ""):
-        """``bool`` or ``len`` of ``node``'s value on the example (or the next recorded answer); ``where``: the line
-        of model code that asks, for the messages."""
+        """``bool``, ``len`` or ``dtype`` (its name: JSON) of ``node``'s value on the example, or the recorded answer
+        to the same question (kind and line of model code, ``where``). Recorded answers are ``[kind, where,
+        answer]`` in the order asked; a trace of the rewrite may skip some (a module patched since runs as one
+        call, and its code asks nothing), never ask others."""
         if self.given is not None:
-            if len(self.asked) >= len(self.given):
-                raise fx.proxy.TraceError("the code asks more questions on sizes than when it was analysed")
-            got = self.given[len(self.asked)]
+            at = next((i for i in range(self._cursor, len(self.given)) if self.given[i][:2] == [kind, where]), None)
+            if at is None:
+                raise fx.proxy.TraceError(f"the code asks a question on sizes the analysis did not ({kind} at "
+                                          f"{where or 'an unknown line'})")
+            self._cursor = at + 1
+            got = self.given[at][2]
         else:
             try:
                 value = self._value(node)
             except fx.proxy.TraceError as exc:
                 raise fx.proxy.TraceError(f"{exc}{' at ' + where if where else ''}") from None
-            got = bool(value) if kind == "bool" else len(value)
-        self.asked.append(got)
+            got = bool(value) if kind == "bool" else len(value) if kind == "len" else str(value).removeprefix("torch.")
+        self.asked.append([kind, where, got])
         return got
 
     def _value(self, node: fx.Node):

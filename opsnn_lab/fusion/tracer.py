@@ -42,7 +42,15 @@ from torch import nn
 
 from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab.fusion.graph import is_leaf_module
-from opsnn_lab.fusion.specialise import Answers, GuardAfterState, answerable, check_guards, expect, expect_len
+from opsnn_lab.fusion.specialise import (
+    Answers,
+    GuardAfterState,
+    answerable,
+    check_guards,
+    expect,
+    expect_dtype,
+    expect_len,
+)
 from opsnn_lab.fusion.wrappers import unwrapped_forward
 
 __all__ = ["trace_region", "library_hooks", "instance_state", "restore_instance_state", "kwargs_values",
@@ -158,7 +166,7 @@ class _Tracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         self.leaf_ids = {id(root.get_submodule(p)) for p in self.leaves}
         self.answers = Answers(root, self.example, self.given)
-        with _functions_kept_whole(self):
+        with _tracing_patches(self):
             return super().trace(root, concrete_args)
 
     def to_bool(self, obj: fx.Proxy) -> bool:
@@ -172,13 +180,20 @@ class _Tracer(fx.Tracer):
     def length(self, obj: fx.Proxy) -> int:
         return self._ask(obj, expect_len) if self._can_answer(obj, "len") else fx.Proxy.__len__(obj)
 
+    def dtype(self, obj: fx.Proxy) -> torch.dtype:
+        """The example's dtype where the code hands a traced one to ``torch.finfo`` / ``torch.iinfo``."""
+        if not self._can_answer(obj):
+            raise TypeError(f"{obj} is a traced value, not a dtype")
+        return getattr(torch, self._ask(obj, expect_dtype))
+
     def _ask(self, obj: fx.Proxy, guard):
-        """The example's answer (``bool`` for ``expect``, ``len`` for ``expect_len``), and its guard node, which
-        keeps the line of model code that asked (for the messages of ``check_guards``)."""
+        """The example's answer (``bool`` for ``expect``, ``len`` for ``expect_len``, a dtype's name for
+        ``expect_dtype``), and its guard node, which keeps the line of model code that asked (for the messages of
+        ``check_guards``)."""
         user = [f for f in traceback.extract_stack() if not f.filename.startswith((_TORCH_DIR, _OWN_DIR, "<"))]
         where = f"{os.path.basename(user[-1].filename)}:{user[-1].lineno} `{(user[-1].line or '').strip()}`" \
             if user else ""
-        got = self.answers.answer(obj.node, "bool" if guard is expect else "len", where)
+        got = self.answers.answer(obj.node, {expect: "bool", expect_len: "len"}.get(guard, "dtype"), where)
         self.create_proxy("call_function", guard, (obj, got), {}).node.meta["where"] = where
         return got
 
@@ -259,8 +274,9 @@ _APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod every cust
 
 
 @contextlib.contextmanager
-def _functions_kept_whole(tracer: fx.Tracer):
-    """While ``tracer`` traces: ``SomeFunction.apply`` on traced values makes one ``apply_function`` node."""
+def _tracing_patches(tracer: _Tracer):
+    """While ``tracer`` traces: ``SomeFunction.apply`` on traced values makes one ``apply_function`` node, and
+    ``torch.finfo`` / ``torch.iinfo`` of a traced dtype take the example's (guarded)."""
     def apply(cls, *args, **kwargs):
         proxies = []
         fx.node.map_aggregate((args, kwargs), lambda a: proxies.append(a) if isinstance(a, fx.Proxy) else None)
@@ -270,11 +286,23 @@ def _functions_kept_whole(tracer: fx.Tracer):
         _FUNCTIONS[name] = cls
         return proxies[0].tracer.create_proxy("call_function", apply_function, (name, *args), kwargs)
 
+    def info(real):
+        def of(type=None):  # noqa: A002 - torch.finfo's parameter name
+            if isinstance(type, fx.Proxy):
+                type = tracer.dtype(type)
+            return real() if type is None else real(type)
+        return of
+
     torch.autograd.Function.apply = classmethod(apply)
+    torch.finfo, torch.iinfo = info(_FINFO), info(_IINFO)
     try:
         yield
     finally:
         torch.autograd.Function.apply = _APPLY
+        torch.finfo, torch.iinfo = _FINFO, _IINFO
+
+
+_FINFO, _IINFO = torch.finfo, torch.iinfo
 
 
 def _hidden_function(m: nn.Module, tracer: fx.Tracer) -> bool:

@@ -322,7 +322,8 @@ def test_default_sdpa_attention_with_dropout_fuses_past_its_size_checks_and_one_
     fused, plan = ol.fusion.fuse(model.train(), inputs)
     assert plan.summary()["attention"] == {"fused": 2, "rejected": 0}
     region = next(r for r in plan.routes if r["path"] == "bert.encoder.layer.0.attention.self")
-    assert region["route"] == "fx" and region["answers"] and region["answers"][0] is True
+    assert region["route"] == "fx" and region["answers"][0][:1] == ["bool"] and region["answers"][0][2] is True
+    assert "q_length > 1" in region["answers"][0][1]
     without, _ = ol.fusion.fuse(model, inputs, patterns=[p for p in FAMILIES if p != "attention"])
     ours = activation_bytes(lambda: _call(fused, inputs), exclude=tuple(fused.parameters()))
     rest = activation_bytes(lambda: _call(without, inputs), exclude=tuple(without.parameters()))
@@ -339,6 +340,28 @@ def test_default_sdpa_attention_with_dropout_fuses_past_its_size_checks_and_one_
         (a, ga), (b, gb) = outs
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-5)
+
+
+def test_t5_sdpa_encoder_attention_fuses_past_its_dtype_question_and_patched_norms():
+    # T5's SDPA path asks torch.finfo(key.dtype) to build its position-bias mask (answered from the example and
+    # guarded), and its T5LayerNorm, asked about its weight's dtype while the analysis traces, is patched at module
+    # level before the rewrite traces the layer again: the answers are matched question by question (kind and
+    # line), not by position. Encoder cores fuse; the decoder's update the cache before SDPA's size questions.
+    model, inputs = zoo.build("t5", batch=2, seq=16)  # default attention (sdpa), dropout 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed fx rewrite warns
+        fused, plan = ol.fusion.fuse(model.train(), inputs)
+    done = sorted(d.modules[0] for d in plan.decisions if d.pattern == "attention" and d.fused)
+    assert done == ["encoder.block.0.layer.0.SelfAttention", "encoder.block.1.layer.0.SelfAttention"]
+    outs = []
+    for m in (model, fused):
+        ol.consistency.make_reproducible(m, 7)
+        m.zero_grad(set_to_none=True)
+        out = m(**inputs)
+        out.loss.backward()
+        outs.append((out.logits, m.get_submodule("encoder.block.0.layer.0.SelfAttention.q").weight.grad))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-6)
 
 
 def test_gpt2_sdpa_attention_with_a_cache_says_why_and_without_one_fuses():

@@ -42,7 +42,9 @@ def test_without_an_example_fx_stops_and_with_one_the_answers_are_guards():
     with pytest.raises(fx.proxy.TraceError, match="control flow"):
         trace_region(m, {}, True)
     gm, _ = trace_region(m, {}, True, example={"x": x})
-    assert gm.meta["answers"] == [True, 2, 2]  # h.shape[1] > 1; len(h.shape[:-1]), asked by the star twice
+    # h.shape[1] > 1; len(h.shape[:-1]), asked by the star twice; each with the line that asked
+    assert [a[::2] for a in gm.meta["answers"]] == [["bool", True], ["len", 2], ["len", 2]]
+    assert "test_specialise.py" in gm.meta["answers"][0][1] and "if h.shape[1] > 1" in gm.meta["answers"][0][1]
     guards = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in (expect, expect_len)]
     assert guards == [expect, expect_len, expect_len]
     torch.testing.assert_close(gm(x), m(x))
@@ -52,8 +54,8 @@ def test_without_an_example_fx_stops_and_with_one_the_answers_are_guards():
         gm(seeded(2, 3, 5, 8))
     again, _ = trace_region(m, {}, True, answers=gm.meta["answers"])  # the rewrite: the answers, no example
     assert again.code == gm.code
-    with pytest.raises(fx.proxy.TraceError, match="more questions on sizes"):
-        trace_region(m, {}, True, answers=[True])
+    with pytest.raises(fx.proxy.TraceError, match="a question on sizes the analysis did not"):
+        trace_region(m, {}, True, answers=gm.meta["answers"][:1])
 
 
 def test_the_example_is_left_as_it_was_and_gradients_are_not_recorded():
@@ -160,7 +162,7 @@ def test_a_fused_region_runs_its_original_forward_where_a_guard_misses():
     fused, plan = ol.fusion.fuse(model.train(), (x,))
     assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:block")]
     region = next(r for r in plan.routes if r["path"] == "block")
-    assert region["answers"] == [True, 2, 2]
+    assert [a[2] for a in region["answers"]] == [True, 2, 2]
     (slot,) = [m for n, m in fused.block.named_children() if n.startswith("fused_")]
     calls = []
     hook = slot.register_forward_hook(lambda *_: calls.append(1))
@@ -195,7 +197,7 @@ def test_the_number_of_pieces_a_split_makes_is_answered_and_guarded():
     torch.manual_seed(0)
     m, x = ByChunks(), seeded(2, 5, 8)
     gm, _ = trace_region(m, {}, True, example={"x": x})
-    assert gm.meta["answers"] == [2]
+    assert [a[2] for a in gm.meta["answers"]] == [2]
     torch.testing.assert_close(gm(x), m(x))
     gm.fc.weight, gm.fc.bias = nn.Parameter(torch.randn(1, 8)), nn.Parameter(torch.randn(1))  # chunk(2) of 1: 1 piece
     with pytest.raises(SpecialisationMiss, match="1 entries here, 2 when traced"):
@@ -246,3 +248,31 @@ def test_a_tuple_of_plain_values_is_specialised_and_another_tuple_runs_the_origi
     again.block.fused_add_layer_norm_0.register_forward_hook(lambda *_: calls.append(2))
     torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
     assert calls[-1] == 2
+
+
+class ByDtype(nn.Module):
+    """Fills with the lowest value of a computed tensor's dtype (Hugging Face's position-bias masks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.masked_fill(x < 0, torch.finfo(h.dtype).min)
+
+
+def test_a_dtype_handed_to_finfo_is_the_examples_and_guarded():
+    torch.manual_seed(0)
+    m, x = ByDtype(), seeded(2, 5, 8)
+    with pytest.raises(TypeError):
+        trace_region(m, {}, True)
+    gm, _ = trace_region(m, {}, True, example={"x": x})
+    assert [a[::2] for a in gm.meta["answers"]] == [["dtype", "float32"]]
+    assert isinstance(torch.finfo, type) and isinstance(torch.iinfo, type)  # put back after the trace
+    torch.testing.assert_close(gm(x), m(x))
+    m.double()
+    with pytest.raises(SpecialisationMiss, match="torch.float64 here, torch.float32 when traced"):
+        gm(x.double())
+    again, _ = trace_region(m.float(), {}, True, answers=gm.meta["answers"])
+    assert again.code == gm.code
