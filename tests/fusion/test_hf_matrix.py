@@ -81,6 +81,19 @@ def _close(eager, fused) -> bool:
     return torch.allclose(fused, eager, rtol=1e-4, atol=atol)
 
 
+def _reproducible_steps(models, inputs, weight: str, seed: int = 7) -> list:
+    """Per model: ``make_reproducible(model, seed)``, one forward and backward of the mean square of the logits;
+    (logits, the gradient of the parameter named ``weight``)."""
+    outs = []
+    for m in models:
+        ol.consistency.make_reproducible(m, seed)
+        m.zero_grad(set_to_none=True)
+        out = m(**inputs).logits
+        out.square().mean().backward()
+        outs.append((out.detach(), m.get_parameter(weight).grad))
+    return outs
+
+
 def _nearer_the_truth_than_twice_eager(model, inputs, mode, pairs):
     """Where fused and eager differ past that, each is judged against an fp64 run: a network with ill-conditioned
     layers (BatchNorm over 2 values per channel, deep in a tiny MobileNetV2) turns 1e-7 differences upstream
@@ -329,15 +342,9 @@ def test_default_sdpa_attention_with_dropout_fuses_past_its_size_checks_and_one_
     rest = activation_bytes(lambda: _call(without, inputs), exclude=tuple(without.parameters()))
     heads, seq = model.config.num_attention_heads, 32
     assert rest - ours >= 2 * 2 * heads * seq * seq * 4  # per layer at least the fp32 probabilities of 2 sequences
+    query = "bert.encoder.layer.0.attention.self.query.weight"
     for batch in (inputs, {k: v[:, :1] for k, v in inputs.items()}):
-        outs = []
-        for m in (model, fused):
-            ol.consistency.make_reproducible(m, 7)
-            m.zero_grad(set_to_none=True)
-            out = m(**batch).logits
-            out.square().mean().backward()
-            outs.append((out.detach(), m.get_submodule("bert.encoder.layer.0.attention.self.query").weight.grad))
-        (a, ga), (b, gb) = outs
+        (a, ga), (b, gb) = _reproducible_steps((model, fused), batch, query)
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-5)
 
@@ -353,15 +360,9 @@ def test_t5_sdpa_encoder_attention_fuses_past_its_dtype_question_and_patched_nor
         fused, plan = ol.fusion.fuse(model.train(), inputs)
     done = sorted(d.modules[0] for d in plan.decisions if d.pattern == "attention" and d.fused)
     assert done == ["encoder.block.0.layer.0.SelfAttention", "encoder.block.1.layer.0.SelfAttention"]
-    outs = []
-    for m in (model, fused):
-        ol.consistency.make_reproducible(m, 7)
-        m.zero_grad(set_to_none=True)
-        out = m(**inputs)
-        out.loss.backward()
-        outs.append((out.logits, m.get_submodule("encoder.block.0.layer.0.SelfAttention.q").weight.grad))
-    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-6)
+    (a, ga), (b, gb) = _reproducible_steps((model, fused), inputs, "encoder.block.0.layer.0.SelfAttention.q.weight")
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-6)
 
 
 def test_gpt2_sdpa_attention_with_a_cache_says_why_and_without_one_fuses():
@@ -376,11 +377,9 @@ def test_gpt2_sdpa_attention_with_a_cache_says_why_and_without_one_fuses():
     model.config.use_cache = False
     fused, plan = ol.fusion.fuse(model, inputs)
     assert plan.summary()["attention"] == {"fused": 2, "rejected": 0}
-    outs = []
-    for m in (model, fused):
-        ol.consistency.make_reproducible(m, 7)
-        outs.append(m(**inputs).logits)
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    (a, ga), (b, gb) = _reproducible_steps((model, fused), inputs, "transformer.h.0.attn.c_attn.weight")
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-6)
 
 
 def test_a_fused_eager_attention_draws_the_mask_its_inline_dropout_draws_under_make_reproducible():
@@ -391,12 +390,6 @@ def test_a_fused_eager_attention_draws_the_mask_its_inline_dropout_draws_under_m
     inputs.pop("labels", None)
     fused, plan = ol.fusion.fuse(model.train(), inputs)
     assert plan.summary()["attention"] == {"fused": 2, "rejected": 0}
-    outs = []
-    for m in (model, fused):
-        ol.consistency.make_reproducible(m, 7)
-        out = m(**inputs).logits
-        out.square().mean().backward()
-        outs.append((out.detach(), m.get_submodule("bert.encoder.layer.0.attention.self.query").weight.grad))
-    (a, ga), (b, gb) = outs
+    (a, ga), (b, gb) = _reproducible_steps((model, fused), inputs, "bert.encoder.layer.0.attention.self.query.weight")
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-5)
