@@ -175,6 +175,7 @@ class _ReproducibleState:
         self.logs: collections.deque = collections.deque(maxlen=_KEPT_FORWARDS)  # newest first
         self.warned: set[str] = set()
         self.handles: list = []
+        self.claims: dict | None = None  # functional call indices fused ops draw for (see functional_seed)
 
     def __deepcopy__(self, memo):
         """A copy of the model (``copy.deepcopy``, ``ol.fusion.apply``) carries its own state: its hooks are
@@ -189,6 +190,7 @@ class _ReproducibleState:
         new.local = _ForwardScope()
         new.logs, new.warned = collections.deque(maxlen=_KEPT_FORWARDS), set()
         new.handles = copy.deepcopy(self.handles, memo)
+        new.claims = None  # the copy may be rewritten (ol.fusion.apply): found again on its first draw
         return new
 
     # -- hooks (bound methods, so a deep copy of the model calls its own state) -----------------
@@ -256,13 +258,25 @@ class _ReproducibleState:
     def functional_seed(self, kind: str = "dropout") -> int:
         """The seed of the next ``kind`` call (``dropout`` or ``random``) of the innermost running module:
         ``"<module path>:<kind>.<i>"`` at this step; each kind counts its calls apart, so a new random op
-        never shifts a dropout's key."""
+        never shifts a dropout's key. An index a fused op draws for (it absorbed that call: ``op.rng_name``) is
+        skipped, so the module's other calls keep the keys they have in the unfused model."""
         path = self.local.stack[-1] if self.local.stack else ROOT
-        index = self.local.calls.get((path, kind), 0)
-        self.local.calls[(path, kind)] = index + 1
+        calls = self.local.calls.get((path, kind), 0)
+        self.local.calls[(path, kind)] = calls + 1
+        index = _unclaimed(self._claims().get((path, kind), ()), calls)
         seed = self.pool.seed_for(f"{path}:{kind}.{index}", self.step)
         self.local.log[position()] = seed  # for a checkpoint that recomputes this call (replay_seed)
         return seed
+
+    def _claims(self) -> dict:
+        """``{(module path, "dropout"): indices}`` the model's fused ops draw for in place of a functional call."""
+        if self.claims is None:
+            model, self.claims = self.model_ref(), {}
+            for name, _ in counter_streams(model) if model is not None else ():
+                path, sep, key = name.rpartition(":")
+                if sep and key.startswith("dropout.") and key[len("dropout."):].isdigit():
+                    self.claims.setdefault((path, "dropout"), set()).add(int(key[len("dropout."):]))
+        return self.claims
 
     def replay_seed(self) -> int | None:
         """The seed a recomputed functional call took in its forward, found by its position in torch's global
@@ -297,6 +311,18 @@ class _ReproducibleState:
         stack = self.local.stack
         if stack is not None and len(stack) > 1:
             stack.pop()
+
+
+def _unclaimed(claimed, n: int) -> int:
+    """The ``n``-th (from 0) index not in ``claimed``."""
+    if not claimed:
+        return n
+    index = -1
+    for _ in range(n + 1):
+        index += 1
+        while index in claimed:
+            index += 1
+    return index
 
 
 def _fused_op(module: nn.Module):

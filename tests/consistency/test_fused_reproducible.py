@@ -129,3 +129,48 @@ def test_a_counter_dropout_called_twice_keeps_its_masks_when_one_call_is_fused()
 def test_share_rng_rejects_a_module_without_a_stream():
     with pytest.raises(TypeError, match="leader"):
         ol.ops.Dropout(0.1).share_rng(nn.Dropout(0.1))
+
+
+class Draws(nn.Module):
+    """SDPA with dropout (the fused core absorbs it) and then an inline F.dropout in the same module: the
+    module's functional calls are "dropout.0" and "dropout.1", fused or not."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, 4, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.2 if self.training else 0.0)
+        return nn.functional.dropout(self.out(a.transpose(1, 2).reshape(b, t, d)), 0.1, self.training)
+
+
+class HoldsTwoDraws(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = Draws()
+
+    def forward(self, x):
+        if x.sum() > 1e9:  # data-dependent: `layer` is the region
+            x = x * 0.5
+        return self.layer(x)
+
+
+def test_a_functional_call_after_an_absorbed_one_keeps_its_index_and_its_mask():
+    torch.manual_seed(0)
+    plain, x = HoldsTwoDraws().train(), torch.randn(2, 6, 16)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(plain), (x,))
+    (att,) = [d for d in plan.fused if d.pattern == "attention"]
+    assert att.params["rng_name"] == "layer:dropout.0"
+    for m in (plain, fused):
+        make_reproducible(m, 9)
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-6)  # F.dropout: "layer:dropout.1" in both
+
+
+def test_unclaimed_indices_skip_the_claimed_ones():
+    from opsnn_lab.consistency.seed_pool import _unclaimed
+
+    assert [_unclaimed(set(), n) for n in range(3)] == [0, 1, 2]
+    assert [_unclaimed({0}, n) for n in range(3)] == [1, 2, 3]
+    assert [_unclaimed({1, 2}, n) for n in range(3)] == [0, 3, 4]
