@@ -258,24 +258,27 @@ class _ReproducibleState:
     def functional_seed(self, kind: str = "dropout") -> int:
         """The seed of the next ``kind`` call (``dropout`` or ``random``) of the innermost running module:
         ``"<module path>:<kind>.<i>"`` at this step; each kind counts its calls apart, so a new random op
-        never shifts a dropout's key. An index a fused op draws for (it absorbed that call: ``op.rng_name``) is
-        skipped, so the module's other calls keep the keys they have in the unfused model."""
+        never shifts a dropout's key. An index a fused op drew for in this forward (it absorbed that call:
+        ``op.rng_name``) is skipped, so the module's other calls keep the keys they have in the unfused model; one
+        whose op did not run (a guard sent the region to its original forward, which makes the call) is not."""
         path = self.local.stack[-1] if self.local.stack else ROOT
         calls = self.local.calls.get((path, kind), 0)
         self.local.calls[(path, kind)] = calls + 1
-        index = _unclaimed(self._claims().get((path, kind), ()), calls)
+        ops = self._claims().get((path, kind))
+        index = calls if not ops else _unclaimed({i for i, op in ops.items() if op.rng_step > 0}, calls)
         seed = self.pool.seed_for(f"{path}:{kind}.{index}", self.step)
         self.local.log[position()] = seed  # for a checkpoint that recomputes this call (replay_seed)
         return seed
 
     def _claims(self) -> dict:
-        """``{(module path, "dropout"): indices}`` the model's fused ops draw for in place of a functional call."""
+        """``{(module path, "dropout"): {index: op}}``: the model's fused ops that draw in place of a functional
+        call (their ``rng_step`` counts their draws since ``begin_forward`` reset it)."""
         if self.claims is None:
             model, self.claims = self.model_ref(), {}
-            for name, _ in counter_streams(model) if model is not None else ():
+            for name, op in counter_streams(model) if model is not None else ():
                 path, sep, key = name.rpartition(":")
                 if sep and key.startswith("dropout.") and key[len("dropout."):].isdigit():
-                    self.claims.setdefault((path, "dropout"), set()).add(int(key[len("dropout."):]))
+                    self.claims.setdefault((path, "dropout"), {})[int(key[len("dropout."):])] = op
         return self.claims
 
     def replay_seed(self) -> int | None:
