@@ -10,6 +10,8 @@
 * ``projected_loss(outputs)`` -- a fixed random projection of every output: no symmetry cancels it.
 * ``eager_without_dropout(config)`` -- a Hugging Face config with every dropout 0 and eager attention, so a
   fused and an unfused model compare in train mode.
+* ``AroundRegion(block)`` -- a model fx cannot trace whole around ``block``, which is then the region the fusion
+  rewrites with fx (the form for code only fx can fuse: inline adds, norms, attention).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
 from opsnn_lab.consistency.gemm_probe import threads  # re-exported: the thread-count context strict mode uses
 
@@ -38,6 +41,7 @@ __all__ = [
     "threads",
     "projected_loss",
     "eager_without_dropout",
+    "AroundRegion",
 ]
 
 # (atol, rtol) per dtype. fp32: 1e-5 relative is what the fused ops promise against eager.
@@ -175,3 +179,17 @@ def reloaded(*modules, **env: str):
         for m, namespace in saved:
             m.__dict__.clear()
             m.__dict__.update(namespace)
+
+
+class AroundRegion(nn.Module):
+    """``block(x, ...)`` behind a branch on ``x``'s values, which fx cannot trace: the analysis then traces
+    ``block`` (registered as ``self.block``) as a region of its own."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, *args, **kwargs):
+        if x.sum() > 1e9:  # data-dependent
+            x = x * 0.5
+        return self.block(x, *args, **kwargs)

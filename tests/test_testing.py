@@ -1,6 +1,6 @@
 """opsnn_lab.testing's ``reloaded``: a module reloaded under other environment variables for a while, then exactly
 the module it was (the same class objects), so what was made before still pickles; and its helpers for comparing
-fused with eager models (``projected_loss``, ``eager_without_dropout``)."""
+fused with eager models (``projected_loss``, ``eager_without_dropout``, ``AroundRegion``)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,24 @@ def test_eager_without_dropout_zeroes_every_dropout_in_every_sub_config():
         assert c._attn_implementation == "eager"
         drops = {k: v for k, v in vars(c).items() if "drop" in k.lower() and isinstance(v, (float, list))}
         assert drops and all(v in (0.0, [0.0, 0.0]) for v in drops.values()), drops
+
+
+def test_around_region_makes_its_block_the_fx_region():
+    import opsnn_lab as ol
+    from opsnn_lab.testing import AroundRegion, seeded
+
+    class AddNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.ln = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+
+        def forward(self, x, scale=1.0):
+            return self.ln(x + self.fc(x) * scale)  # the add runs inline: only fx can fuse it with the norm
+
+    torch.manual_seed(0)
+    model, x = AroundRegion(AddNorm()), seeded(2, 3, 8)
+    plan = ol.fusion.analyze(model.train(), (x, 2.0))
+    routes = {r["path"]: r["route"] for r in plan.routes}
+    assert routes[""] == "untraceable" and routes["block"] == "fx"
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:block")]
+    torch.testing.assert_close(model(x, 2.0), model.block(x, 2.0))

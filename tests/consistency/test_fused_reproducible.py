@@ -15,6 +15,7 @@ import opsnn_lab as ol
 from opsnn_lab.consistency import get_step, make_reproducible
 from opsnn_lab.consistency.seed_pool import counter_streams
 from opsnn_lab.models import Encoder, EncoderConfig
+from opsnn_lab.testing import AroundRegion
 
 
 def _mlp():
@@ -146,26 +147,15 @@ class Draws(nn.Module):
         return nn.functional.dropout(self.out(a.transpose(1, 2).reshape(b, t, d)), 0.1, self.training)
 
 
-class HoldsTwoDraws(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer = Draws()
-
-    def forward(self, x):
-        if x.sum() > 1e9:  # data-dependent: `layer` is the region
-            x = x * 0.5
-        return self.layer(x)
-
-
 def test_a_functional_call_after_an_absorbed_one_keeps_its_index_and_its_mask():
     torch.manual_seed(0)
-    plain, x = HoldsTwoDraws().train(), torch.randn(2, 6, 16)
+    plain, x = AroundRegion(Draws()).train(), torch.randn(2, 6, 16)
     fused, plan = ol.fusion.fuse(copy.deepcopy(plain), (x,))
     (att,) = [d for d in plan.fused if d.pattern == "attention"]
-    assert att.params["rng_name"] == "layer:dropout.0"
+    assert att.params["rng_name"] == "block:dropout.0"
     for m in (plain, fused):
         make_reproducible(m, 9)
-    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-6)  # F.dropout: "layer:dropout.1" in both
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-6)  # F.dropout: "block:dropout.1" in both
 
 
 def test_unclaimed_indices_skip_the_claimed_ones():

@@ -13,7 +13,7 @@ from torch import nn
 import opsnn_lab as ol
 from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion.rewrite import FxForward
-from opsnn_lab.testing import seeded
+from opsnn_lab.testing import AroundRegion, seeded
 
 
 class Out(dict):
@@ -482,20 +482,9 @@ class ReversesThenNorms(nn.Module):
         return self.ln(x + Reverse.apply(self.fc(x), 2.0))  # residual add + LayerNorm inline: only fx fuses it
 
 
-class HoldsReverse(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = ReversesThenNorms()
-
-    def forward(self, x):
-        if x.sum() > 1e9:
-            x = x * 0.5
-        return self.block(x)
-
-
 def test_a_custom_autograd_function_stays_one_call_and_keeps_its_backward():
     torch.manual_seed(0)
-    model, x = HoldsReverse().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    model, x = AroundRegion(ReversesThenNorms()).double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
     fused, plan = ol.fusion.fuse(model.train(), (x,))
     assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:block")]
     code = fused.block.__dict__["forward"].variants[True].code

@@ -15,7 +15,7 @@ import opsnn_lab as ol
 from opsnn_lab.fusion.plan import FusionPlan
 from opsnn_lab.fusion.specialise import SpecialisationMiss, expect, expect_len, metadata_only
 from opsnn_lab.fusion.tracer import trace_region
-from opsnn_lab.testing import seeded
+from opsnn_lab.testing import AroundRegion, seeded
 
 
 class BySize(nn.Module):
@@ -145,20 +145,9 @@ def test_metadata_only_is_sizes_dtypes_and_arithmetic_on_them():
     assert metadata_only(sizes) and metadata_only(dtype) and not metadata_only(value)
 
 
-class Holder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = BySize()
-
-    def forward(self, x):
-        if x.sum() > 1e9:  # data-dependent: `block` is the region
-            x = x * 0.5
-        return self.block(x)
-
-
 def test_a_fused_region_runs_its_original_forward_where_a_guard_misses():
     torch.manual_seed(0)
-    model, x = Holder().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    model, x = AroundRegion(BySize()).double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
     fused, plan = ol.fusion.fuse(model.train(), (x,))
     assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:block")]
     region = next(r for r in plan.routes if r["path"] == "block")
