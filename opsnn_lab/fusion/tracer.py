@@ -18,9 +18,10 @@ loops over tensor sizes and isinstance checks on its proxies):
    rewritten, and the submodule runs as it is;
 6. a custom ``torch.autograd.Function`` called on traced values stays one call (``apply_function``): fx would
    trace its ``forward`` inline and drop its ``backward``, so the rewritten model would get other gradients;
-7. given the ``example`` call's arguments, a branch on sizes (``if q_length > 1``) or an iteration over a shape
-   (``(*x.shape[:-1], -1)``) takes the example's answer, guarded at run time (specialise.py); the answers are
-   kept (``gm.meta["answers"]``) and replayed when the rewrite traces again (``answers=``).
+7. given the ``example`` call's arguments, a branch on sizes (``if q_length > 1``), an iteration over a shape
+   (``(*x.shape[:-1], -1)``) or a split, or a traced dtype handed to ``torch.finfo`` takes the example's answer,
+   guarded at run time (specialise.py); the answers are kept (``gm.meta["answers"]``) and replayed, question by
+   question, when the rewrite traces again (``answers=``).
 
 ``library_hooks`` installs the hooks a library adds on first use while the analysis and the rewrite trace.
 """
@@ -59,7 +60,8 @@ __all__ = ["trace_region", "library_hooks", "instance_state", "restore_instance_
 
 def kwargs_values(fact: dict) -> dict | None:
     """The values a ``**kwargs`` fact says the traced code took (``{}`` for ``{"empty": True}``, else its
-    ``"constant"``), or None for a tensor argument's fact."""
+    ``"constant"``), or None for a tensor argument's fact and for a ``**kwargs`` holding tensors (``"tensors"``:
+    the traced code takes that argument and reads them from it)."""
     if fact.get("empty"):
         return {}
     return None if "tensors" in fact else fact.get("constant")
@@ -314,8 +316,8 @@ def _hidden_function(m: nn.Module, tracer: fx.Tracer) -> bool:
     return next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
 
-_TORCH_DIR = os.path.dirname(os.path.dirname(fx.__file__))
-_OWN_DIR = os.path.dirname(__file__)
+_TORCH_DIR = os.path.dirname(os.path.dirname(fx.__file__)) + os.sep  # not torchvision's, which starts alike
+_OWN_DIR = os.path.dirname(__file__) + os.sep
 _RETRIES = 8  # traces of one region: each retry keeps one more helper or submodule opaque
 
 
