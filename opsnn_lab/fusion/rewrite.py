@@ -40,7 +40,7 @@ from opsnn_lab.fusion.regions import (
     trace_region,
 )
 from opsnn_lab.fusion.runtime import graph_free_memo, own_dtypes
-from opsnn_lab.fusion.specialise import GUARDS, SpecialisationMiss
+from opsnn_lab.fusion.specialise import GUARDS, SpecialisationMiss, writes_in_place
 from opsnn_lab.fusion.tracer import kwargs_values
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert", "REWRITE_FAILED"]
@@ -204,20 +204,10 @@ class FxForward(Patch):
         return out
 
 
-_INPLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
-                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
-                      operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
-
-
 def _impure(node) -> bool:
-    """fx's rule plus what it calls pure but a model relies on: a method or function that writes into a tensor
-    (``y.mul_(2)``, ``x[i] = v``, ``inplace=True``) and any module call (a BatchNorm updates its statistics)."""
-    if node.is_impure() or node.op == "call_module" or node.kwargs.get("inplace") is True or node.target in GUARDS:
-        return True
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
-        return True
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+    """fx's rule plus what it calls pure but a model relies on: a write into a tensor (``y.mul_(2)``, ``x[i] = v``,
+    ``inplace=True``), any module call (a BatchNorm updates its statistics) and the guards of specialise.py."""
+    return node.is_impure() or node.op == "call_module" or node.target in GUARDS or writes_in_place(node)
 
 
 def _eliminate_dead_code(graph) -> None:

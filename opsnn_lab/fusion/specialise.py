@@ -28,7 +28,7 @@ from torch import nn
 from opsnn_lab._hooks import has_hooks
 
 __all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "expect_dtype", "GUARDS",
-           "metadata_only", "answerable", "Answers", "check_guards"]
+           "metadata_only", "answerable", "Answers", "check_guards", "INPLACE_OPERATORS", "writes_in_place"]
 
 
 class GuardAfterState(fx.proxy.TraceError):
@@ -70,8 +70,8 @@ def expect_dtype(value, answer: str) -> None:
 
 
 GUARDS = (expect, expect_len, expect_dtype)
-for _guard in GUARDS:  # kept by fx's dead-code elimination, as its own asserts are
-    fx.node.has_side_effect(_guard)
+for _guard in GUARDS:  # kept by fx's dead-code elimination, as its own asserts are (rewrite._impure says so too)
+    getattr(fx.node, "has_side_effect", lambda fn: fn)(_guard)
 
 _META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "is_nested", "layout", "is_sparse", "is_quantized",
                "requires_grad"}
@@ -110,9 +110,16 @@ def answerable(node: fx.Node, kind: str) -> bool:
 _RANDOM = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "rrelu",
            "bernoulli", "multinomial", "normal", "poisson", "rand", "randn", "randint", "randperm", "rand_like",
            "randn_like", "randint_like", "native_dropout"}
-_INPLACE = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-            operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-            operator.ilshift, operator.irshift, operator.imatmul}
+INPLACE_OPERATORS = frozenset({operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                               operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                               operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul})
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """A method or function that writes into a tensor: ``y.mul_(2)``, ``x[i] = v``, ``inplace=True``."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.target in INPLACE_OPERATORS or node.kwargs.get("inplace") is True or (
+        isinstance(name, str) and name.endswith("_") and not name.endswith("__"))
 
 
 def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
@@ -131,8 +138,7 @@ def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
             return f"`{node.target}` draws random numbers"
         return ""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if node.target in _INPLACE or node.kwargs.get("inplace") is True or (
-            isinstance(name, str) and name.endswith("_") and not name.endswith("__")):
+    if writes_in_place(node):
         return f"`{node.name}` writes in place"
     if name in _RANDOM:
         p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else None)
