@@ -7,12 +7,11 @@ import torch.fx as fx
 from torch import nn
 
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_function, canonical_module
-from opsnn_lab.fusion.specialise import GUARDS
+from opsnn_lab.fusion.specialise import GUARDS, PY_MODULES
 
 __all__ = ["fx_graph"]
 
 _META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "T", "mT"}
-_PY_MODULES = ("_operator", "operator", "builtins", "math")  # arithmetic on sizes stays arithmetic on sizes
 _META_METHODS = {"size", "dim", "numel", "type", "stride", "is_contiguous", "get_device"}
 
 
@@ -21,7 +20,7 @@ def _is_meta(n: fx.Node, meta: set) -> bool:
         return n.args[1] in _META_ATTRS - {"T", "mT"}
     if n.op == "call_method" and n.target in _META_METHODS:
         return True
-    if n.op == "call_function" and getattr(n.target, "__module__", None) in _PY_MODULES:
+    if n.op == "call_function" and getattr(n.target, "__module__", None) in PY_MODULES:
         deps = n.all_input_nodes
         return bool(deps) and all(a.name in meta for a in deps)
     if n.op == "call_function" and (getattr(n.target, "__name__", "") == "_assert_is_none" or n.target in GUARDS):

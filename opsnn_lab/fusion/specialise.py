@@ -28,7 +28,8 @@ from torch import nn
 from opsnn_lab._hooks import has_hooks
 
 __all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "expect_dtype", "GUARDS",
-           "metadata_only", "answerable", "Answers", "check_guards", "INPLACE_OPERATORS", "writes_in_place"]
+           "metadata_only", "answerable", "Answers", "check_guards", "INPLACE_OPERATORS", "writes_in_place",
+           "PY_MODULES"]
 
 
 class GuardAfterState(fx.proxy.TraceError):
@@ -77,7 +78,7 @@ _META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "is_nested", "layo
                "requires_grad"}
 _META_METHODS = {"size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous", "get_device",
                  "is_floating_point", "is_complex", "element_size"}
-_PY_MODULES = ("_operator", "operator", "builtins", "math")
+PY_MODULES = ("_operator", "operator", "builtins", "math")  # arithmetic on sizes stays arithmetic on sizes
 
 
 def metadata_only(node: fx.Node) -> bool:
@@ -89,7 +90,7 @@ def metadata_only(node: fx.Node) -> bool:
     if node.target is getattr:
         source = node.args[0]
         return node.args[1] in _META_ATTRS or (isinstance(source, fx.Node) and metadata_only(source))
-    if getattr(node.target, "__module__", None) in _PY_MODULES:
+    if getattr(node.target, "__module__", None) in PY_MODULES:
         deps = node.all_input_nodes
         return bool(deps) and all(metadata_only(d) for d in deps)
     return False
@@ -151,7 +152,7 @@ def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
     module = getattr(node.target, "__module__", None) or ""
     if name == "apply_function":  # tracer.apply_function: a custom autograd Function, which may keep state
         return f"`{node.name}` runs the custom autograd Function `{node.args[0]}`"
-    if node.op == "call_function" and not (module.split(".")[0] in ("torch", *_PY_MODULES) or node.target is getattr):
+    if node.op == "call_function" and not (module.split(".")[0] in ("torch", *PY_MODULES) or node.target is getattr):
         return f"`{node.name}` calls `{name}`"
     return ""
 
