@@ -42,7 +42,9 @@ from opsnn_lab.fusion.graph import arg
 from opsnn_lab.fusion.patterns import Match, op_name
 from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace, tensor_version
 
-__all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches"]
+__all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches", "CONSTANT"]
+
+CONSTANT = "_opsnn_constant_"  # the prefix of a constant tensor a rewritten region's code reads from the region
 
 
 @dataclass(frozen=True)
@@ -378,8 +380,11 @@ def patches(model: nn.Module) -> dict[str, Patch]:
 
 
 def revert(model: nn.Module) -> nn.Module:
-    """Remove every module-level patch (in place): each module runs its class's forward again."""
+    """Remove every module-level patch (in place): each module runs its class's forward again. The constants a
+    rewritten region's code read (``rewrite._keep_constants``) go with it."""
     for m in model.modules():
         if isinstance(m.__dict__.get("forward"), Patch):
             del m.__dict__["forward"]
+        for name in [k for k in m.__dict__ if k.startswith(CONSTANT)]:
+            del m.__dict__[name]
     return model

@@ -25,7 +25,7 @@ from opsnn_lab._checks import check_type
 from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
-from opsnn_lab.fusion.patch import Patch, Route, inline_after, install, revert
+from opsnn_lab.fusion.patch import CONSTANT, Patch, Route, inline_after, install, revert
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.patterns_blocks import norm_verdicts
 from opsnn_lab.fusion.plan import Decision, FusionPlan
@@ -267,11 +267,37 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
             _rewrite(gm, g, m, name, moved)
             done += training
         _eliminate_dead_code(gm.graph)
+        _keep_constants(gm, region, training)
         gm.graph.lint()
         gm.recompile()
         variants[training] = gm
     region.__dict__["forward"] = FxForward(region, variants, route["concrete"])
     return done
+
+
+def _keep_constants(gm, region: nn.Module, training: bool) -> None:
+    """The tensors the tracer made constants (``torch.ones(8)`` in a forward, from no traced value): fx stows each
+    on the traced root as ``_tensor_constant<i>``, gone from it once traced, while the code reads it from ``self``,
+    which is the region when the code runs. Each is kept on the region under a name of its own (``CONSTANT``), as
+    a plain attribute: like the tensor the original makes at each call, it does not move with ``.to()``."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or _attr(region, node.target) is not None:
+            continue
+        value = _attr(gm, node.target)
+        if not isinstance(value, torch.Tensor) or "." in node.target:
+            raise RuntimeError(f"the traced code reads `{node.target}`, which the region does not have")
+        name = f"{CONSTANT}{int(training)}_{node.target.replace('.', '_')}"
+        region.__dict__[name] = value
+        setattr(gm, name, value)
+        delattr(gm, node.target)  # one name per tensor: fx names a constant by its tensor when it re-traces the code
+        node.target = name
+
+
+def _attr(module: nn.Module, target: str):
+    try:
+        return operator.attrgetter(target)(module)
+    except AttributeError:
+        return None
 
 
 def _rebuild(model: nn.Module, d: Decision) -> Match:

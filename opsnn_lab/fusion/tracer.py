@@ -153,6 +153,9 @@ class _Tracer(fx.Tracer):
     output_type: type | None = None
     flat_output_type: type | None = None
     _depth = 0
+    # a buffer the code reads is a traced value (fx would run the ops on it at trace time and keep the result as a
+    # constant: stale once the buffer changes, moves or is loaded)
+    proxy_buffer_attributes = True
 
     def __init__(self, autowrap_functions=(), tensor_facts=None, leaves=(), example=None, answers=None, held=None):
         super().__init__(autowrap_functions=autowrap_functions)

@@ -758,3 +758,68 @@ def test_an_object_argument_keeps_its_class_in_the_traced_code_and_guards_the_re
         grads = [torch.autograd.grad(m(x, cache).square().sum(), (x, m.block.fc.weight)) for m in (model, fused)]
         for a, b in zip(*grads):
             torch.testing.assert_close(b, a)
+
+
+class ReadsBuffers(nn.Module):
+    """A forward computing from its buffers (``order.flip(0)``, as timm's BEiT reshapes its relative-position index)
+    and making constant tensors, in the region of an inline GELU chain (fx's)."""
+
+    def __init__(self, scale_by_flag: bool = False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.register_buffer("order", torch.arange(8), persistent=False)
+        self.register_buffer("flag", torch.tensor(False))
+        self.scale_by_flag = scale_by_flag
+
+    def forward(self, x):
+        x = x[..., self.order.flip(0)]
+        if self.scale_by_flag and self.flag:  # a branch on a buffer's value
+            x = x * 2.0
+        y = self.fc2(nn.functional.gelu(self.fc1(x)))
+        return y * torch.tensor([2.0], dtype=torch.float64) + torch.ones(8, dtype=torch.float64)
+
+
+def _step(model, x):
+    out = model(x)
+    return [out, *torch.autograd.grad(out.sin().sum(), (x, model.block.fc1.weight, model.block.fc2.bias))]
+
+
+def _same(model, fused, x):
+    for a, b in zip(_step(model, x), _step(fused, x)):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_buffers_the_forward_computes_from_are_read_at_each_call_and_its_constants_stay_with_the_region():
+    model, x = AroundRegion(ReadsBuffers()).double(), seeded(3, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("linear_gelu_linear", "fx:block")]
+    code = fused.block.__dict__["forward"].variants[True].code
+    assert "self.order" in code and "flip" in code  # traced: not a constant made from the example's buffer
+    _same(model, fused, x)  # before: AttributeError, the constants were left on the tracer's root
+    for m in (model, fused):  # a buffer changed in place and one replaced: the traced code reads the new values
+        m.block.order.copy_(torch.randperm(8, generator=torch.Generator().manual_seed(1)))
+    _same(model, fused, x)
+    for m in (model, fused):
+        m.block.order = torch.arange(8).roll(3)
+    _same(model, fused, x)
+    for restored in (pickle.loads(pickle.dumps(fused)), __import__("copy").deepcopy(fused)):
+        _same(model, restored, x)
+    fused.eval()
+    model.eval()
+    _same(model, fused, x)  # eval with grad: the eval-mode code, with its own constants
+    constants = [k for k in fused.block.__dict__ if k.startswith(ol.fusion.patch.CONSTANT)]
+    assert len(constants) == 4  # two per mode
+    ol.fusion.revert(fused)
+    assert not [k for k in fused.block.__dict__ if k.startswith(ol.fusion.patch.CONSTANT)]
+    _same(model, fused, x)
+
+
+def test_a_branch_on_a_buffers_value_is_not_frozen_at_the_examples_value():
+    model = AroundRegion(ReadsBuffers(scale_by_flag=True)).double()
+    x = seeded(3, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    for m in (model, fused):  # the user turns the flag on after fusing
+        m.block.flag.fill_(True)
+    _same(model, fused, x)  # before: the traced code had taken the example's False for good (output 2x off)
+    route = next(r for r in plan.routes if r["path"] == "block")
+    assert route["route"] != "fx" and "control flow" in route["reason"]
