@@ -61,7 +61,7 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
             m.nodes += [*passed, act]
             m.outputs = [act]
         passed, pool = past_identities(g, m.outputs[0])
-        relu_mod = act_module(act)
+        relu_mod = act.obj if inner else act_module(act)  # the act a BatchNorm applies: its own child, any class
         op = _conv_op(m.pattern)
         pooled = _is_module(pool, "max_pool2d") and not _op_support(op, conv.obj, bn.obj, relu_mod, pool.obj)
         if pooled:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab.kernels.bn_act import Act
+from opsnn_lab.kernels.bn_act import ACTS, Act
 
 __all__ = ["activation_of", "SUPPORTED_ACTIVATIONS"]
 
@@ -24,6 +24,24 @@ def _reference(act: Act, x: torch.Tensor) -> torch.Tensor:
     return act.forward(x.clone(), inplace=True)
 
 
+def _computed(module: nn.Module) -> str | None:
+    """The one activation of ``ACTS`` a parameter-free module of another class computes on a probe (timm's own
+    ``GELU`` class, a hand-written swish), or None. The probe reaches past 6, where ReLU and ReLU6 part;
+    ``leaky_relu`` is taken at its default slope only."""
+    if next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
+        return None
+    x = torch.linspace(-8.0, 8.0, 129)
+    try:
+        with torch.no_grad():
+            got = module(x.clone())
+    except Exception:  # noqa: BLE001 - a module that cannot run on a CPU fp32 vector is not a pointwise activation
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape or not got.is_floating_point():
+        return None
+    found = [n for n in ACTS if (got.float() - _reference(Act(n), x)).abs().max().item() <= _PROBE_TOL]
+    return found[0] if len(found) == 1 else None
+
+
 def activation_of(module, name: str = "act") -> tuple[Act | None, str]:
     """``(Act, '')`` for a supported activation module, else ``(None, reason)``; ``name`` is the argument's name."""
     if not isinstance(module, nn.Module):
@@ -34,10 +52,11 @@ def activation_of(module, name: str = "act") -> tuple[Act | None, str]:
         return Act(_TORCH[kind], slope), ""
     if kind is nn.GELU:
         return Act("gelu_tanh" if module.approximate == "tanh" else "gelu"), ""
-    act_name = _HF.get(kind.__name__) if kind.__module__.startswith("transformers") else None
+    act_name = _HF.get(kind.__name__) if kind.__module__.startswith("transformers") else _computed(module)
     if act_name is None:
         return None, (f"{name} must be one of {', '.join(SUPPORTED_ACTIVATIONS)} (torch.nn or Hugging Face "
-                      f"ACT2FN), got {kind.__module__}.{kind.__name__}")
+                      f"ACT2FN), or a parameter-free module computing one of them, got {kind.__module__}."
+                      f"{kind.__name__}")
     act = Act(act_name)
     probe = torch.linspace(-6.0, 6.0, 97)
     with torch.no_grad():

@@ -221,3 +221,54 @@ def test_a_batch_norm_applying_its_own_activation_fuses_with_its_conv():
     fused.eval()
     eager.eval()
     torch.testing.assert_close(fused(x), eager(x), atol=1e-5, rtol=1e-5)
+
+
+class OwnGELU(nn.Module):  # timm's own GELU class (timm.layers.activations.GELU): F.gelu behind another class
+    def __init__(self, approximate="none"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x):
+        return F.gelu(x, approximate=self.approximate)
+
+
+class ConvBNActBlock(nn.Module):  # conv -> BNAct(act) -> conv -> BNAct(act), timm's ConvNormAct pairs
+    def __init__(self, act, c=4):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, 2 * c, 1, bias=False), BNAct(2 * c, act)
+        self.conv2 = nn.Conv2d(2 * c, 2 * c, 3, padding=1, groups=2 * c, bias=False)
+        self.bn2 = BNAct(2 * c, copy.deepcopy(act))
+
+    def forward(self, x):
+        return self.bn2(self.conv2(self.bn1(self.conv1(x))))
+
+
+@pytest.mark.parametrize("act, pattern", [(OwnGELU(), "conv_bn_gelu"), (OwnGELU("tanh"), "conv_bn_gelu_tanh"),
+                                          (HandGELU(), "conv_bn_gelu_tanh"), (FnSwish(), "conv_bn_silu")])
+def test_a_batch_norm_applying_an_activation_of_its_own_class_fuses_as_that_activation(act, pattern):
+    """The fusion hands the op the BatchNorm's own child, which the op names by what it computes on a probe. Before,
+    the op was handed a stand-in (``nn.GELU`` for timm's GELU class), not the BatchNorm's child, and refused
+    ("bn must be BatchNorm2d ..."): efficientformerv2_s0's 30 Conv -> BatchNormAct2d(GELU) chains."""
+    torch.manual_seed(0)
+    model, x = ConvBNActBlock(act), seeded(2, 4, 7, 7, requires_grad=True)
+    eager = copy.deepcopy(model)
+    fused, plan = ol.fusion.fuse(model, x)
+    assert [(d.pattern, d.fused) for d in plan.decisions] == [(pattern, True)] * 2
+    out, grads = _grads(fused, x)
+    want, want_grads = _grads(eager, x)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-4 * g.abs().max().item() + 1e-6, rtol=1e-4, msg=name)
+
+
+def test_the_op_takes_a_batch_norms_own_activation_of_any_class_and_never_a_second_one():
+    from opsnn_lab.ops import FusedConvBNAct
+
+    bn = BNAct(8, OwnGELU("tanh"))
+    op = FusedConvBNAct.from_modules(nn.Conv2d(4, 8, 1), bn, bn.act)  # named by what it computes on a probe
+    assert op.act_spec.name == "gelu_tanh"
+    with pytest.raises(TypeError, match="bn must be BatchNorm2d"):  # conv -> bn (with its act) -> another act
+        FusedConvBNAct.from_modules(nn.Conv2d(4, 8, 1), bn, nn.GELU(approximate="tanh"))
+    with pytest.raises(TypeError, match="or a parameter-free module computing one of them"):
+        cubed = BNAct(8, Cube())
+        FusedConvBNAct.from_modules(nn.Conv2d(4, 8, 1), cubed, cubed.act)
