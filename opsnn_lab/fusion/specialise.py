@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from opsnn_lab._hooks import has_hooks
+from opsnn_lab.fusion.ranks import structure_inputs
 
 __all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "expect_dtype", "GUARDS",
            "metadata_only", "answerable", "Answers", "check_guards", "INPLACE_OPERATORS", "writes_in_place",
@@ -157,9 +158,32 @@ def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
     return ""
 
 
-def check_guards(graph: fx.Graph, root: nn.Module) -> None:
+_DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"})
+
+
+def _plain_dropout(node: fx.Node, root: nn.Module) -> bool:
+    """A dropout whose output has its input's shape and nothing else happens: no hooks, not in place."""
+    if node.op == "call_module":
+        m = root.get_submodule(node.target)
+        return (isinstance(m, nn.modules.dropout._DropoutNd) or (hasattr(m, "next_draw") and hasattr(m, "p"))) \
+            and not getattr(m, "inplace", False) and not has_hooks(m) and not next(m.children(), None)
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_function", "call_method") and name in _DROPOUTS and not writes_in_place(node)
+
+
+def check_guards(graph: fx.Graph, root: nn.Module, facts: dict | None = None,
+                 facts_read: dict | None = None) -> None:
     """Raise ``GuardAfterState`` unless every step before each guard can run twice: a call that misses a guard
-    runs the original forward after the steps before it ran (``SpecialisationMiss``)."""
+    runs the original forward after the steps before it ran (``SpecialisationMiss``). A guard on the number of
+    sizes whose answer the tensor arguments' ranks alone decide (``ranks.structure_inputs``; ``facts``: the
+    example's, by argument) is dropped instead, those ranks noted in ``facts_read`` for the check made before
+    the call runs."""
+    for guard in [n for n in graph.nodes if n.op == "call_function" and n.target is expect_len]:
+        names = structure_inputs(guard.args[0], facts or {}, root) if facts_read is not None else None
+        if names is not None and _after_state(guard, root):
+            for name in names:
+                facts_read.setdefault(name, {})["ndim"] = facts[name]["ndim"]
+            graph.erase_node(guard)
     nodes = list(graph.nodes)
     guards = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.target in GUARDS]
     for node in nodes[:guards[-1] if guards else 0]:
@@ -170,6 +194,15 @@ def check_guards(graph: fx.Graph, root: nn.Module) -> None:
             stack = list((first.meta.get("nn_module_stack") or {}).values())
             raise GuardAfterState(f"control flow on sizes{where} follows a step that cannot run twice ({why})",
                                   stack[-1][0] if stack else "")
+
+
+def _after_state(guard: fx.Node, root: nn.Module) -> bool:
+    node = guard.prev
+    while node.op != "root":
+        if _why_not_twice(node, root):
+            return True
+        node = node.prev
+    return False
 
 
 def _unpatched():
@@ -190,7 +223,8 @@ class Answers:
         self.given = None if given is None else [list(a) for a in given]
         self.asked: list = []
         self._cursor = 0
-        self._values: dict = {}
+        self._values: dict = {}  # (node, structural) -> its value on the example
+        self._structural = False  # answering a ``len``: dropouts count as their input (``_plain_dropout``)
 
     @property
     def active(self) -> bool:
@@ -209,6 +243,7 @@ class Answers:
             self._cursor = at + 1
             got = self.given[at][2]
         else:
+            self._structural = kind == "len"
             try:
                 value = self._value(node)
             except fx.proxy.TraceError as exc:
@@ -218,15 +253,21 @@ class Answers:
         return got
 
     def _value(self, node: fx.Node):
-        if node in self._values:
-            return self._values[node]
+        key = (node, self._structural)
+        if key in self._values:
+            return self._values[key]
         why = _why_not_twice(node, self.root)
-        if why:
+        if why and self._structural and _plain_dropout(node, self.root):
+            # the number of sizes asked for (``len``) never depends on values: a dropout is its input there, and
+            # draws nothing (whether the answer may stand without a guard is check_guards' question)
+            value = self._value(node.args[0] if node.args else node.kwargs["input"])
+        elif why:
             raise fx.proxy.TraceError(f"control flow on a size that comes from a step that cannot run twice ({why})")
-        args = fx.node.map_arg((node.args, node.kwargs), self._value)
-        with torch.no_grad(), _unpatched():  # real calls: fx's patched Module.__call__ would trace them
-            value = self._run(node, *args)
-        self._values[node] = value
+        else:
+            args = fx.node.map_arg((node.args, node.kwargs), self._value)
+            with torch.no_grad(), _unpatched():  # real calls: fx's patched Module.__call__ would trace them
+                value = self._run(node, *args)
+        self._values[key] = value
         return value
 
     def _run(self, node: fx.Node, args, kwargs):

@@ -405,7 +405,7 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
                 with unwrapped_forward(module) if unwrap else contextlib.nullcontext():
                     graph = tracer.trace(module, concrete_args=plain or None)
                 try:
-                    check_guards(graph, module)
+                    check_guards(graph, module, tracer.tensor_facts, tracer.facts_read)
                 except GuardAfterState as exc:  # a child's code asked: that child may be kept as one call
                     tracer.failed_child = exc.module or None
                     raise

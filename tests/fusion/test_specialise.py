@@ -265,3 +265,59 @@ def test_a_dtype_handed_to_finfo_is_the_examples_and_guarded():
         gm(x.double())
     again, _ = trace_region(m.float(), {}, True, answers=gm.meta["answers"])
     assert again.code == gm.code
+
+
+class MergesHeadsAfterDropout(nn.Module):
+    """Self-attention as RoFormer, MPNet, RemBert, Tapas... write it: dropout on the probabilities, then the heads
+    merged back through a shape built from sizes (``view(*ctx.size()[:-2], hidden)``: fx asks its length), then
+    the residual add and LayerNorm. ``squeeze``: a step whose result's rank follows sizes comes first."""
+
+    def __init__(self, p: float = 0.1, squeeze: bool = False):
+        super().__init__()
+        self.qkv, self.drop, self.ln = nn.Linear(8, 24), nn.Dropout(p), nn.LayerNorm(8)
+        self.squeeze = squeeze
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(*x.shape[:-1], 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        probs = self.drop(torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1))
+        ctx = (probs @ v).permute(0, 2, 1, 3).contiguous()
+        if self.squeeze:
+            ctx = ctx.squeeze(0).unsqueeze(0)
+        return self.ln(x + ctx.view(*ctx.size()[:-2], 8))
+
+
+def test_the_number_of_sizes_after_a_dropout_is_decided_by_the_arguments_ranks_checked_before_the_call():
+    from opsnn_lab.fusion.regions import tensor_facts
+
+    torch.manual_seed(0)
+    m, x = MergesHeadsAfterDropout(), seeded(2, 5, 8)
+    facts = tensor_facts(m, ((x,), {}))
+    gm, _ = trace_region(m, {}, True, facts=facts, example={"x": x})
+    kinds = [a[0] for a in gm.meta["answers"]]
+    assert kinds == ["len", "len"]  # ctx's sizes after the dropout, asked twice by the star (x's rank is a fact)
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target is expect_len]
+    assert gm.meta["facts_read"]["x"]["ndim"] == 3  # checked when a call comes in, before anything runs
+    with pytest.raises(fx.proxy.TraceError, match=r"`squeeze`.*|cannot run twice"):
+        trace_region(MergesHeadsAfterDropout(squeeze=True), {}, True, facts=facts, example={"x": x})
+
+
+def test_attention_after_its_dropout_fuses_and_draws_the_masks_eager_draws_at_any_length():
+    torch.manual_seed(0)
+    model, x = AroundRegion(MergesHeadsAfterDropout()).double(), seeded(2, 5, 8, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert {d.pattern for d in plan.decisions if d.fused and d.route == "fx:block"} >= {"attention"}
+    restored = pickle.loads(pickle.dumps(fused))
+    again = ol.fusion.apply(model, FusionPlan.from_json(plan.to_json()))  # traced again from the plan's facts
+    for m in (restored, again):
+        assert any(n.startswith("fused_attention") for n, _ in m.block.named_children())
+        torch.testing.assert_close(m.eval()(x), model.eval()(x), rtol=1e-12, atol=1e-12)
+    model.train()
+    eager = ol.consistency.make_reproducible(model, seed=7)
+    fused = ol.consistency.make_reproducible(fused, seed=7)
+    for inp in (x, seeded(3, 11, 8, seed=1, dtype=torch.float64)):  # another batch and length, the same rank
+        inp = inp.requires_grad_()
+        want, got = eager(inp), fused(inp)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert not torch.equal(want, model.eval()(inp).detach()) and model.train() is model  # masks were drawn
+        (g_want,), (g_got,) = (torch.autograd.grad(o.sin().sum(), inp) for o in (want, got))
+        torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
