@@ -10,6 +10,11 @@ Each activation gets two rows, the two convolutions of an inverted-residual bloc
   x and the conv output: (4 + 1) / (4 + 2) = 0.83; ``conv_bn_silu_dw[recompute]`` (``recompute=True``) gives
   4 / 6 = 0.67 for a conv pass over x, the bound: x itself, which the conv's weight gradient needs.
 
+And the channels-first MLP (timm's ``ConvMlp`` / ``Mlp(use_conv=True)``: FocalNet, PoolFormer, RDNet):
+
+* ``conv_gelu_conv``: 1x1 conv C -> 4C, GELU, 1x1 conv 4C -> C. Eager saves x, the pre-activation and the GELU's
+  output; the fused op (``FusedConvActDropoutConv``) x and the pre-activation: (1 + 4) / (1 + 4 + 4) = 0.56.
+
 Widths from the bench's shape table: ``FULL`` (batch 8, stem 224) gives MobileNetV2's 56 x 56 stage
 (24 -> 144 channels); ``QUICK`` a 8 x 8 plane with 4 -> 24 channels. ReLU6 and Hardswish rows use
 MobileNetV2/V3's in-place activations, as torchvision builds them.
@@ -27,7 +32,7 @@ _ACTS = {"relu6": lambda: nn.ReLU6(inplace=True), "silu": lambda: nn.SiLU(inplac
 # (activation, depthwise stride): MobileNetV2 ReLU6 stride 1, EfficientNet SiLU stride 2, MobileNetV3 Hardswish 1
 _ROWS = (("relu6", 1), ("silu", 2), ("hardswish", 1))
 CONV_CHAINS = (*(name for act, _ in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw")),
-               "conv_bn_silu_dw[recompute]")
+               "conv_bn_silu_dw[recompute]", "conv_gelu_conv")
 
 
 def _widths(s: dict) -> tuple[int, int, int]:
@@ -62,3 +67,19 @@ def _builder(act: str, depthwise: bool, stride: int, recompute: bool | None = No
 CONV_BUILDERS = {name: _builder(act, name.endswith("_dw"), stride)
                  for act, stride in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw")}
 CONV_BUILDERS["conv_bn_silu_dw[recompute]"] = _builder("silu", True, 2, recompute=True)
+
+
+def _conv_mlp_chain(s, device, dtype):
+    """A FocalNet / PoolFormer stage's MLP: the stem's width (64 at FULL) over the 56 x 56 stage, widened 4x."""
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    c, side = s["channels"], s["image"] // 4
+    fc1, act, fc2 = nn.Conv2d(c, 4 * c, 1), nn.GELU(), nn.Conv2d(4 * c, c, 1)
+    eager = nn.Sequential(fc1, act, fc2).to(device, dtype)
+    x = torch.randn(s["batch"], c, side, side, device=device, dtype=dtype, requires_grad=True)
+    fused = ops.FusedConvActDropoutConv.from_modules(fc1, act, None, fc2)
+    return Chain("conv_gelu_conv", eager, fused, (x,), note=f"1x1 {c} -> {4 * c} -> {c} ch, {side}x{side}")
+
+
+CONV_BUILDERS["conv_gelu_conv"] = _conv_mlp_chain

@@ -119,6 +119,37 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
     return out
 
 
+# --------------------------------------------------------------------------- Conv2d -> act [-> Dropout] -> Conv2d
+def find_conv_act_conv(g: Graph) -> list[Match]:
+    """The MLP of channels-first blocks (1x1 convolutions) and any conv pair with an activation between: a conv
+    whose one reader is an activation leading (past identities and a dropout) to a second conv."""
+    out = []
+    for conv in g.nodes:
+        act = next((u for u in g.users.get(conv.name, []) if act_kind(u) in LINEAR_ACTS), None)
+        if not _is_module(conv, "conv2d") or act is None:
+            continue
+        passed, nxt = past_identities(g, act)
+        drop = nxt if nxt is not None and nxt.op == "dropout" else None
+        passed2, conv2 = past_identities(g, drop) if drop is not None else ([], nxt)
+        if not _is_module(conv2, "conv2d"):
+            continue  # a conv and its activation alone: no op takes them without a second conv
+        m = Match(f"conv_{act_kind(act)}{'_dropout' if drop is not None else ''}_conv", [conv, act], False, "",
+                  inputs=conv.inputs[:1], outputs=[conv2])
+        m.nodes += [*passed, *([drop] if drop is not None else []), *passed2, conv2]
+        m.params = {"conv1": conv.obj, "act": act_module(act), "dropout": _dropout_module(drop), "conv2": conv2.obj}
+        m.reason = (_consumer_reason(g, conv, act) or _op_support("FusedConvActDropoutConv", *m.params.values())
+                    or _common_checks(g, m.nodes))
+        m.ok = not m.reason
+        out.append(m)
+    return out
+
+
+def build_conv_act_conv(m: Match) -> nn.Module:
+    p = m.params
+    return op_class("FusedConvActDropoutConv").from_modules(p["conv1"], p["act"], p["dropout"], p["conv2"],
+                                                            register_modules=False)
+
+
 # --------------------------------------------------------------------------- the ops that replace them
 def _conv_op(variant: str) -> str:
     """ReLU chains keep their seed-named op; every other activation goes to the general one."""
@@ -171,9 +202,17 @@ def _only(find, *names):
 _LN_NEEDS = ("FusedLayerNorm rebuilds xhat from its output in backward, which costs time and pays only where "
              "the op reading that output (a Linear, a GELU, the QKV projection) saves it too")
 
+# a channels-first MLP widening 4x saves 4/9 of its chain's bytes, one that keeps its width 1/3; a
+# squeeze-excitation (a pooled 1 x 1 map, reduced 4x) 1/6 of a few kilobytes, for the fused op's host time
+_CONV_MLP_NEEDS = ("the fused op drops the activation's output, which pays for its host time only where that output "
+                   "is a large share of the chain's bytes (a squeeze-excitation's pooled maps are not)")
+
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("conv_bn_relu", find_conv_bn_relu, build_conv_bn_relu, "FusedConvBNReLU",
             "Conv2d -> BatchNorm2d -> activation [-> MaxPool2d]", "conv_bn_"),
+    Pattern("conv_act_conv", find_conv_act_conv, build_conv_act_conv, "FusedConvActDropoutConv",
+            "Conv2d -> activation [-> Dropout] -> Conv2d (a channels-first MLP)", "conv_", min_share=0.25,
+            needs=_CONV_MLP_NEEDS),
     # before linear_<act>: its gate -> act pair is part of the gated MLP
     Pattern("gated_mlp", blocks.find_gated_mlp, blocks.build_gated_mlp, "FusedGatedMLP",
             "act(gate(x)) * up(x) [-> Dropout] -> down (Linear x3)"),

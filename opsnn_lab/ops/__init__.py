@@ -15,6 +15,7 @@ _EXPORTS = {
     "FusedPackedGatedMLP": "gated_mlp",
     "FusedConvBNReLU": "conv_bn_relu",
     "FusedConvBNAct": "conv_bn_relu",
+    "FusedConvActDropoutConv": "conv_mlp",
     "FusedQKV": "qkv",
     "FusedAttention": "attention",
     "Dropout": "dropout",

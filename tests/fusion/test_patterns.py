@@ -87,12 +87,13 @@ def test_overlapping_candidates_and_switches():
 
 
 def test_table_rows():
-    assert FAMILIES == ("conv_bn_relu", "gated_mlp", "linear_gelu_dropout", "attention", "qkv", "add_layer_norm",
-                        "add_rms_norm", "layer_norm", "rms_norm", "linear_cross_entropy")
+    assert FAMILIES == ("conv_bn_relu", "conv_act_conv", "gated_mlp", "linear_gelu_dropout", "attention", "qkv",
+                        "add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm", "linear_cross_entropy")
     assert pattern_of("linear_cross_entropy").op == "FusedLinearCrossEntropy"
     assert pattern_of("add_rms_norm").op == "FusedAddRMSNorm" and pattern_of("rms_norm").op == "FusedRMSNorm"
-    assert pattern_of("conv_bn_relu_maxpool") is PATTERNS[0] and pattern_of("gated_mlp_silu") is PATTERNS[1]
+    assert pattern_of("conv_bn_relu_maxpool") is PATTERNS[0] and pattern_of("gated_mlp_silu") is PATTERNS[2]
     assert pattern_of("linear_gelu_dropout_linear").op == "FusedLinearGELUDropout"
+    assert pattern_of("conv_silu_dropout_conv").op == "FusedConvActDropoutConv"
     assert all(callable(p.find) and callable(p.build) and p.chain for p in PATTERNS)
 
 
@@ -390,3 +391,51 @@ def test_sdpa_with_dropout_fuses_saves_the_probabilities_and_draws_make_reproduc
     model.eval()
     fused.eval()
     torch.testing.assert_close(fused(x), model(x), rtol=0, atol=0)  # eval: SDPA itself, p = 0
+
+
+class ConvMlp(nn.Module):
+    """timm's ConvMlp / Mlp(use_conv=True) in a channels-first block: 1x1 conv -> GELU -> Dropout -> an identity
+    placeholder (its norm) -> 1x1 conv, with the residual add; ``inline``: the GELU as a function call (fx)."""
+
+    def __init__(self, c=8, inline=False, p=0.1):
+        super().__init__()
+        self.fc1, self.act, self.drop = nn.Conv2d(c, 4 * c, 1), nn.GELU(), nn.Dropout(p)
+        self.norm, self.fc2, self.inline = nn.Identity(), nn.Conv2d(4 * c, c, 1), inline
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x)) if self.inline else self.act(self.fc1(x))
+        return x + self.fc2(self.norm(self.drop(h)))
+
+
+@pytest.mark.parametrize("inline, route", [(False, "module:chain"), (True, "fx:")])
+def test_a_channels_first_conv_mlp_fuses_and_draws_the_unfused_masks(inline, route):
+    from opsnn_lab.testing import AroundRegion
+
+    torch.manual_seed(0)
+    model = AroundRegion(ConvMlp(inline=inline)).double().train()
+    x = seeded(2, 8, 5, 6, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    (d,) = [d for d in plan.decisions if d.fused]
+    assert d.pattern == "conv_gelu_dropout_conv" and d.route.startswith(route) and "FusedConvActDropoutConv" in d.reason
+    assert ol.bench.activation_bytes(lambda: fused(x)) < 0.6 * ol.bench.activation_bytes(lambda: model(x))
+    eager, fused = (ol.consistency.make_reproducible(m, seed=3) for m in (model, fused))
+    for _ in range(2):  # two steps: the masks move on alike
+        want, got = eager(x), fused(x)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        params = [*eager.parameters()], [*fused.parameters()]
+        g_want = torch.autograd.grad(want.sin().sum(), [x, *params[0]])
+        g_got = torch.autograd.grad(got.sin().sum(), [x, *params[1]])
+        for a, b in zip(g_want, g_got):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_a_conv_mlp_whose_hidden_output_is_read_twice_says_so():
+    class Tapped(ConvMlp):
+        def forward(self, x):
+            h = self.fc1(x)
+            return self.fc2(self.act(h)) + h.mean(1, keepdim=True)
+
+    plan = ol.fusion.analyze(Tapped().train(), seeded(2, 8, 4, 4))
+    (d,) = [d for d in plan.decisions if d.pattern.startswith("conv_")]
+    assert not d.fused and "the output of `fc1` is also read by" in d.reason
+    assert pattern_of("conv_gelu_conv").op == "FusedConvActDropoutConv" and "conv_act_conv" in FAMILIES
