@@ -280,13 +280,16 @@ def _keep_constants(gm, region: nn.Module, training: bool) -> None:
     on the traced root as ``_tensor_constant<i>``, gone from it once traced, while the code reads it from ``self``,
     which is the region when the code runs. Each is kept on the region under a name of its own (``CONSTANT``), as
     a plain attribute: like the tensor the original makes at each call, it does not move with ``.to()``."""
+    renamed: dict[str, str] = {}
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or _attr(region, node.target) is not None:
+        if node.op != "get_attr" or node.target in renamed or _attr(region, node.target) is not None:
+            if node.target in renamed:  # the same constant read again
+                node.target = renamed[node.target]
             continue
         value = _attr(gm, node.target)
         if not isinstance(value, torch.Tensor) or "." in node.target:
             raise RuntimeError(f"the traced code reads `{node.target}`, which the region does not have")
-        name = f"{CONSTANT}{int(training)}_{node.target.replace('.', '_')}"
+        name = renamed[node.target] = f"{CONSTANT}{int(training)}_{node.target}"
         region.__dict__[name] = value
         setattr(gm, name, value)
         delattr(gm, node.target)  # one name per tensor: fx names a constant by its tensor when it re-traces the code
