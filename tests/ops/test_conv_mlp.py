@@ -160,6 +160,23 @@ def test_parameters_stay_the_convolutions_own():
     assert not list(quiet.parameters()) and quiet.convs == (conv1, conv2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_matches_eager_error_bound(act, dtype):
+    convs = [c.cuda() for c in _convs(c=96, hidden=384, k1=1, dtype=dtype)]
+    convs64 = [c.cuda() for c in _convs(c=96, hidden=384, k1=1, dtype=torch.float64)]
+    x64 = seeded(8, 96, 28, 28, seed=12, dtype=torch.float64, device="cuda", scale=0.5, requires_grad=True)
+    x = x64.detach().to(dtype).requires_grad_(True)
+    out, grads = run_fwd_bwd(_fused(convs, act, 0.1), [x], _params(convs))
+    eager, eager_grads = run_fwd_bwd(_eager(convs, act, 0.1), [x], _params(convs))
+    ref, ref_grads = run_fwd_bwd(_eager(convs64, act, 0.1), [x64], _params(convs64))
+    assert_within_eager_error(out, eager, ref)
+    for i, (g, e, r) in enumerate(zip(grads, eager_grads, ref_grads)):
+        assert_within_eager_error(g, e, r, name=f"grad {i}")
+
+
 # --------------------------------------------------------------------------- Triton under the interpreter
 @pytest.fixture
 def interpreted():
