@@ -54,9 +54,28 @@ class _Geometry:
                                                    False, [0, 0], self.groups, mask)
 
 
-def _rows(h: torch.Tensor) -> torch.Tensor:
-    """(N, C, H, W) as the (N * C, H * W) rows the activation kernels take: row-major, as the counters run."""
-    return h.reshape(h.shape[0] * h.shape[1], h.shape[2] * h.shape[3])
+_CL = torch.channels_last
+
+
+def _order(h: torch.Tensor, p: float) -> str:
+    """How the activation kernels walk ``h``: ``"nhwc"`` (memory order, a view) for a channels-last map when no mask
+    is drawn, else ``"nchw"``: the dropout's counters run over the row-major (N, C, H, W) index."""
+    return "nhwc" if p == 0 and not h.is_contiguous() and h.is_contiguous(memory_format=_CL) else "nchw"
+
+
+def _rows(t: torch.Tensor, order: str) -> torch.Tensor:
+    """A (N, C, H, W) tensor as the 2-D rows the kernels take, in ``order`` (a view where the layout allows)."""
+    n, c, h, w = t.shape
+    return t.permute(0, 2, 3, 1).reshape(n * h * w, c) if order == "nhwc" else t.reshape(n * c, h * w)
+
+
+def _maps(rows: torch.Tensor, order: str, shape, channels_last: bool) -> torch.Tensor:
+    """Rows back as a (N, C, H, W) tensor in the layout eager's would have (channels-last where ``h`` was)."""
+    n, c, h, w = shape
+    if order == "nhwc":
+        return rows.view(n, h, w, c).permute(0, 3, 1, 2)
+    out = rows.view(n, c, h, w)
+    return out.contiguous(memory_format=_CL) if channels_last else out
 
 
 class ConvActDropoutConvFunction(torch.autograd.Function):
@@ -66,32 +85,33 @@ class ConvActDropoutConvFunction(torch.autograd.Function):
     @_amp.no_autocast
     def forward(ctx, x, weight1, bias1, weight2, bias2, geo1, geo2, p, seed, offset, act):
         h = geo1.conv(x, weight1, bias1)
-        d, h_rows = act_dropout_fwd(_rows(h), p, seed, offset, act)
-        ctx.cfg = (geo1, geo2, p, seed, offset, act, h.shape, bias1 is not None, bias2 is not None)
+        order, cl = _order(h, p), not h.is_contiguous() and h.is_contiguous(memory_format=_CL)
+        d, h_rows = act_dropout_fwd(_rows(h, order), p, seed, offset, act)
+        ctx.cfg = (geo1, geo2, p, seed, offset, act, h.shape, order, cl, bias1 is not None, bias2 is not None)
         ctx.save_for_backward(x, weight1, weight2, h_rows)
-        return geo2.conv(d.view(h.shape), weight2, bias2)
+        return geo2.conv(_maps(d, order, h.shape, cl), weight2, bias2)  # in the layout eager's output has
 
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad):
         x, weight1, weight2, h_rows = ctx.saved_tensors
-        geo1, geo2, p, seed, offset, act, shape, has_b1, has_b2 = ctx.cfg
+        geo1, geo2, p, seed, offset, act, shape, order, cl, has_b1, has_b2 = ctx.cfg
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        grad = grad.contiguous()
+        h = _maps(h_rows, order, shape, cl)  # conv2's input as the forward gave it: its gradients' layout follows
         first = need_x or need_w1 or (need_b1 and has_b1)
-        # conv2's input gradient needs only its input's shape: the pre-activation stands in for its output
-        grad_d = geo2.backward(grad, h_rows.view(shape), weight2, has_b2, [True, False, False])[0] if first else None
+        # conv2's input gradient needs only its input's shape and layout: the pre-activation stands in
+        grad_d = geo2.backward(grad, h, weight2, has_b2, [True, False, False])[0] if first else None
         if first:
-            grad_h, _, d = act_dropout_bwd(_rows(grad_d), h_rows, p, seed, offset, act, want_out=need_w2)
+            grad_h, _, d = act_dropout_bwd(_rows(grad_d, order), h_rows, p, seed, offset, act, want_out=need_w2)
         elif need_w2:
             d, _ = act_dropout_fwd(h_rows.clone(), p, seed, offset, act)
         grad_w2 = grad_b2 = None
         if need_w2 or (need_b2 and has_b2):
-            _, grad_w2, grad_b2 = geo2.backward(grad, d.view(shape) if need_w2 else h_rows.view(shape), weight2,
+            _, grad_w2, grad_b2 = geo2.backward(grad, _maps(d, order, shape, cl) if need_w2 else h, weight2,
                                                 has_b2, [False, need_w2, need_b2 and has_b2])
         grad_x = grad_w1 = grad_b1 = None
         if first:
-            grad_x, grad_w1, grad_b1 = geo1.backward(grad_h.view(shape), x, weight1, has_b1,
+            grad_x, grad_w1, grad_b1 = geo1.backward(_maps(grad_h, order, shape, cl), x, weight1, has_b1,
                                                      [need_x, need_w1, need_b1 and has_b1])
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None
 
