@@ -184,18 +184,25 @@ def _train_step(model, inputs):
     return outs, [g if g is not None else torch.zeros(0) for g in grads]
 
 
+def fuse_recorded(model, example, r: dict):
+    """``ol.fusion.fuse`` (stage "fuse"), the fused model pickled, and in ``r`` what fused: the patterns with their
+    routes, the fx regions, and any fx rewrite that failed (its region runs unfused with a warning, which the
+    sweeps ignore: a bug, kept in the record)."""
+    r["stage"] = "fuse"
+    fused, plan = ol.fusion.fuse(model, example)
+    pickle.dumps(fused)
+    r["fused"] = sorted(f"{d.pattern}@{d.route.split(':')[0]}" for d in plan.decisions if d.fused)
+    r["fx_regions"] = sorted(x["path"] or "<model>" for x in plan.routes if x["route"] == "fx")
+    r["rewrite_failed"] = sorted({d.reason for d in plan.decisions if d.reason.startswith(REWRITE_FAILED)})
+    return fused
+
+
 def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, inputs = build_running(name, dtype, r)
-        r["stage"] = "fuse"
-        fused, plan = ol.fusion.fuse(model, inputs)
-        pickle.dumps(fused)
-        r["fused"] = sorted(f"{d.pattern}@{d.route.split(':')[0]}" for d in plan.decisions if d.fused)
-        r["fx_regions"] = sorted(x["path"] or "<model>" for x in plan.routes if x["route"] == "fx")
-        # an fx region whose rewrite failed runs unfused with a warning (ignored above): a bug, kept in the record
-        r["rewrite_failed"] = sorted({d.reason for d in plan.decisions if d.reason.startswith(REWRITE_FAILED)})
+        fused = fuse_recorded(model, inputs, r)
         r["stage"] = "train"
         (outs_a, g_a), (outs_b, g_b) = (_train_step(m, inputs) for m in (model, fused))
         largest = largest_finite(g_a)  # a gradient 0 by symmetry is noise

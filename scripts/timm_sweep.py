@@ -14,7 +14,6 @@ them), then eval and ``inference_mode``, and the fused model pickled. The same r
 from __future__ import annotations
 
 import collections
-import pickle
 import sys
 import warnings
 from pathlib import Path
@@ -22,7 +21,6 @@ from pathlib import Path
 import torch
 
 import opsnn_lab as ol
-from opsnn_lab.fusion.rewrite import REWRITE_FAILED
 from opsnn_lab.testing import projected_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,12 +117,7 @@ def check(name: str, dtype: torch.dtype, r: dict) -> None:
             model, x = build(name, dtype, small=False)
             r["stage"] = "eager"
             _outs(model, x)
-        r["stage"] = "fuse"
-        fused, plan = ol.fusion.fuse(model, (x,))
-        pickle.dumps(fused)
-        r["fused"] = sorted(f"{d.pattern}@{d.route.split(':')[0]}" for d in plan.decisions if d.fused)
-        r["fx_regions"] = sorted(v["path"] or "<model>" for v in plan.routes if v["route"] == "fx")
-        r["rewrite_failed"] = sorted({d.reason for d in plan.decisions if d.reason.startswith(REWRITE_FAILED)})
+        fused = S.fuse_recorded(model, (x,), r)
         r["stage"] = "train"
         (outs_a, g_a), (outs_b, g_b) = (_train_step(m, x) for m in (model, fused))
         r["out_err"], r["grad_err"] = S._rel(outs_b, outs_a), S._rel(g_b, g_a, S.largest_finite(g_a))

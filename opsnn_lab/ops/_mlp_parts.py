@@ -18,8 +18,8 @@ from torch import nn
 from opsnn_lab.kernels.gelu_dropout import ACTS, act_forward
 from opsnn_lab.ops.dropout import Dropout
 
-__all__ = ["ACTS", "activation_name", "linear_layout", "dropout_p", "features", "parse_chain", "supports_of", "in_out",
-           "linear2d", "grad_weight"]
+__all__ = ["ACTS", "activation_name", "linear_layout", "dropout_p", "features", "parse_act_dropout", "parse_chain",
+           "supports_of", "in_out", "linear2d", "grad_weight"]
 
 _HF_ACTS = {  # class name -> activation (transformers.activations, 4.x and 5.x)
     "GELUActivation": "gelu",
@@ -100,17 +100,23 @@ def dropout_p(dropout) -> tuple[float | None, str]:
 
 
 # ------------------------------------------------------------------ one parse for supports() and from_modules()
+def parse_act_dropout(act, dropout, names=("act", "dropout")) -> tuple[str, float]:
+    """``(act_name, p)`` of a chain's activation and dropout, or TypeError naming the argument."""
+    act_name, why = activation_name(act)
+    if act_name is None:
+        raise TypeError(f"{names[0]}: {why}")
+    p, why = dropout_p(dropout)
+    if p is None:
+        raise TypeError(f"{names[1]}: {why}")
+    return act_name, p
+
+
 def parse_chain(linear, act, dropout, linear2=None, *, names=("linear", "act", "dropout", "linear2"), second=False):
     """``(transposed, act_name, p, transposed2)`` or raises TypeError/ValueError naming the argument."""
     transposed, why = linear_layout(linear)
     if transposed is None:
         raise TypeError(f"{names[0]}: {why}")
-    act_name, why = activation_name(act)
-    if act_name is None:
-        raise TypeError(f"{names[1]}: {why}")
-    p, why = dropout_p(dropout)
-    if p is None:
-        raise TypeError(f"{names[2]}: {why}")
+    act_name, p = parse_act_dropout(act, dropout, names[1:3])
     if not second:
         return transposed, act_name, p, None
     transposed2, why = linear_layout(linear2)

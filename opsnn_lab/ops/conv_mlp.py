@@ -23,7 +23,7 @@ from torch import nn
 from opsnn_lab._checks import check_range, check_tensor, check_type, same_device
 from opsnn_lab.kernels.gelu_dropout import act_dropout_bwd, act_dropout_fwd, act_forward
 from opsnn_lab.ops import _amp
-from opsnn_lab.ops._mlp_parts import ACTS, activation_name, dropout_p
+from opsnn_lab.ops._mlp_parts import ACTS, parse_act_dropout, supports_of
 from opsnn_lab.ops.conv_bn_relu import _conv_padding, _keeps_forward, _pair
 from opsnn_lab.ops.dropout import CounterRNG, Dropout
 
@@ -138,13 +138,7 @@ def _parse(conv1, act, dropout, conv2) -> tuple[str, float]:
     if conv2.weight.dtype != conv1.weight.dtype or conv2.weight.device != conv1.weight.device:
         raise TypeError("conv2 must have conv1's dtype and device, got "
                         f"{conv2.weight.dtype}/{conv2.weight.device} vs {conv1.weight.dtype}/{conv1.weight.device}")
-    act_name, why = activation_name(act)
-    if act_name is None:
-        raise TypeError(f"act: {why}")
-    p, why = dropout_p(dropout)
-    if p is None:
-        raise TypeError(f"dropout: {why}")
-    return act_name, p
+    return parse_act_dropout(act, dropout)
 
 
 class FusedConvActDropoutConv(CounterRNG, nn.Module):
@@ -181,11 +175,7 @@ class FusedConvActDropoutConv(CounterRNG, nn.Module):
     @classmethod
     def supports(cls, conv1, act, dropout=None, conv2=None) -> tuple[bool, str]:
         """``(True, "")`` if ``from_modules(conv1, act, dropout, conv2)`` would build, else ``(False, reason)``."""
-        try:
-            _parse(conv1, act, dropout, conv2)
-        except (TypeError, ValueError) as exc:
-            return False, str(exc)
-        return True, ""
+        return supports_of(_parse, conv1, act, dropout, conv2)
 
     @classmethod
     def from_modules(cls, conv1: nn.Module, act: nn.Module, dropout: nn.Module | None, conv2: nn.Module, *,
