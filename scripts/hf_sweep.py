@@ -197,6 +197,22 @@ def fuse_recorded(model, example, r: dict):
     return fused
 
 
+def autocast_errors(step, model, fused, fp32, r: dict) -> None:
+    """A training step under bf16 autocast (``step(m)`` -> outputs, gradients), eager and fused, each against the fp32
+    eager step ``fp32``: ``r["amp_out_err"]`` / ``r["amp_grad_err"]``, ``{"eager": .., "fused": ..}``."""
+    outs_a, g_a = fp32
+    model.train()
+    fused.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r["stage"] = "autocast eager"  # a model that fails here fails without opsnn_lab
+        outs_e, g_e = step(model)
+        r["stage"] = "autocast fused"
+        outs_f, g_f = step(fused)
+    largest = largest_finite(g_a)
+    r["amp_out_err"] = {"eager": _rel(outs_e, outs_a), "fused": _rel(outs_f, outs_a)}
+    r["amp_grad_err"] = {"eager": _rel(g_e, g_a, largest), "fused": _rel(g_f, g_a, largest)}
+
+
 def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
     with warnings.catch_warnings():
@@ -219,17 +235,8 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False) -> Non
             r["eval_err"] = _rel(_run(fused, inputs, **extra), want)
         with torch.inference_mode():
             r["inference_err"] = _rel(_run(fused, inputs), _run(model, inputs))
-        if autocast:  # bf16 autocast, eager and fused, each against the fp32 eager step; last, as its updates of
-            # BatchNorm running statistics differ between the two and would show in the eval comparison
-            model.train()
-            fused.train()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                r["stage"] = "autocast eager"  # a model that fails here fails without opsnn_lab
-                outs_e, g_e = _train_step(model, inputs)
-                r["stage"] = "autocast fused"
-                outs_f, g_f = _train_step(fused, inputs)
-            r["amp_out_err"] = {"eager": _rel(outs_e, outs_a), "fused": _rel(outs_f, outs_a)}
-            r["amp_grad_err"] = {"eager": _rel(g_e, g_a, largest), "fused": _rel(g_f, g_a, largest)}
+        if autocast:  # last: its updates of BatchNorm running statistics differ between the two models
+            autocast_errors(lambda m: _train_step(m, inputs), model, fused, (outs_a, g_a), r)
     del r["stage"]
 
 

@@ -8,6 +8,7 @@ them), then eval and ``inference_mode``, and the fused model pickled. The same r
 
     python scripts/timm_sweep.py                        # float64: errors are rounding (<= 1e-10)
     python scripts/timm_sweep.py --models resnet18,vit_tiny_patch16_224 --dtype float32
+    python scripts/timm_sweep.py --dtype float32 --autocast   # + a bf16 autocast step, fused and eager vs fp32
     python scripts/timm_sweep.py --list                 # the models the default run takes (built on meta)
 """
 
@@ -104,7 +105,7 @@ def _train_step(model, x):
     return outs, [g if g is not None else torch.zeros(0) for g in grads]
 
 
-def check(name: str, dtype: torch.dtype, r: dict) -> None:
+def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         r["stage"] = "build"
@@ -128,6 +129,8 @@ def check(name: str, dtype: torch.dtype, r: dict) -> None:
             r["eval_err"] = S._rel(_outs(fused, x), _outs(model, x))
         with torch.inference_mode():
             r["inference_err"] = S._rel(_outs(fused, x), _outs(model, x))
+        if autocast:
+            S.autocast_errors(lambda m: _train_step(m, x), model, fused, (outs_a, g_a), r)
     del r["stage"]
 
 
@@ -135,13 +138,17 @@ def main(argv=None) -> None:
     ap = S.argument_parser(__doc__)
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     ap.add_argument("--list", action="store_true", help="print the default models and stop")
+    ap.add_argument("--autocast", action="store_true", help="also a training step under bf16 autocast, eager and "
+                    "fused, each against the float32 eager step")
     args = ap.parse_args(argv)
     names = args.models.split(",") if args.models else smallest_per_family()
     if args.list:
         print("\n".join(names))
         return
+    if args.autocast and args.dtype != "float32":
+        ap.error("--autocast compares with the float32 step: use it with --dtype float32")
     dtype = getattr(torch, args.dtype)
-    S.run_sweep(names, lambda name, r: check(name, dtype, r), S._line, args.out)
+    S.run_sweep(names, lambda name, r: check(name, dtype, r, args.autocast), S._line, args.out)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ def test_the_timm_sweep_takes_the_smallest_of_each_family_and_checks_it(tmp_path
         assert "error" not in r and r["fused"] == ["conv_bn_relu@module"], r
         assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-12
     assert results["no_such_model"]["error"].startswith("build: KeyError")
+    sweep["main"](["--models", "net_small", "--dtype", "float32", "--autocast", "--out", str(out)])
+    amp = json.loads(out.read_text())["net_small"]
+    assert amp["amp_out_err"]["fused"] < 0.1 and amp["amp_grad_err"]["fused"] < 0.1, amp  # bf16 against fp32
     model, x = sweep["build"]("old_family", torch.float64)
     assert x.shape == (2, 3, 32, 32) and x.dtype == torch.float64  # its own input size: no img_size taken
     assert "no_such_model" in capsys.readouterr().out
