@@ -824,3 +824,27 @@ def test_a_branch_on_a_buffers_value_is_not_frozen_at_the_examples_value():
     _same(model, fused, x)  # before: the traced code had taken the example's False for good (output 2x off)
     route = next(r for r in plan.routes if r["path"] == "block")
     assert route["route"] != "fx" and "control flow" in route["reason"]
+
+
+class CountsCalls(ReadsBuffers):
+    """Updates a buffer in place in its forward (a step counter, a running average)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return super().forward(x)
+
+
+def test_a_buffer_the_forward_updates_in_place_moves_in_the_fused_model_as_in_eager():
+    model = AroundRegion(CountsCalls()).double()
+    x = seeded(3, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("linear_gelu_linear", "fx:block")]
+    start = int(model.block.calls)
+    for _ in range(3):
+        _same(model, fused, x)
+    # before buffers were traced values the update ran once, at trace time, and the traced code had none
+    assert int(fused.block.calls) == int(model.block.calls) == start + 3
