@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from opsnn_lab._hooks import has_hooks
+from opsnn_lab.fusion.graph import canonical_module
 from opsnn_lab.fusion.ranks import structure_inputs
 
 __all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "expect_dtype", "GUARDS",
@@ -165,7 +166,7 @@ def _plain_dropout(node: fx.Node, root: nn.Module) -> bool:
     """A dropout whose output has its input's shape and nothing else happens: no hooks, not in place."""
     if node.op == "call_module":
         m = root.get_submodule(node.target)
-        return (isinstance(m, nn.modules.dropout._DropoutNd) or (hasattr(m, "next_draw") and hasattr(m, "p"))) \
+        return (isinstance(m, nn.modules.dropout._DropoutNd) or canonical_module(m) == "dropout") \
             and not getattr(m, "inplace", False) and not has_hooks(m) and not next(m.children(), None)
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     return node.op in ("call_function", "call_method") and name in _DROPOUTS and not writes_in_place(node)
