@@ -54,6 +54,16 @@ def _compare(fused, eager, x, convs, dtype=None):
         assert_close_dtype(g, r, dtype, msg=f"grad {i}")
 
 
+def _within_twice_eager_error(convs, convs64, x, x64, act, p):
+    """The fused op's output and every gradient within twice eager's error in ``x``'s dtype, against fp64."""
+    ref, ref_grads = run_fwd_bwd(_eager(convs64, act, p), [x64], _params(convs64))
+    eager, eager_grads = run_fwd_bwd(_eager(convs, act, p), [x], _params(convs))
+    out, grads = run_fwd_bwd(_fused(convs, act, p), [x], _params(convs))
+    assert_within_eager_error(out, eager, ref)
+    for i, (g, e, r) in enumerate(zip(grads, eager_grads, ref_grads)):
+        assert_within_eager_error(g, e, r, name=f"grad {i}")
+
+
 @pytest.mark.parametrize("act", list(_ACTS))
 @pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("bias", [True, False])
@@ -86,12 +96,7 @@ def test_low_precision_within_twice_eager_error(act, dtype):
     convs64, convs = _convs(c=16, hidden=48, dtype=torch.float64), _convs(c=16, hidden=48, dtype=dtype)
     x64 = seeded(2, 16, 6, 5, seed=2, dtype=torch.float64, requires_grad=True)
     x = x64.detach().to(dtype).requires_grad_(True)
-    ref, ref_grads = run_fwd_bwd(_eager(convs64, act, 0.2), [x64], _params(convs64))
-    eager, eager_grads = run_fwd_bwd(_eager(convs, act, 0.2), [x], _params(convs))
-    out, grads = run_fwd_bwd(_fused(convs, act, 0.2), [x], _params(convs))
-    assert_within_eager_error(out, eager, ref)
-    for i, (g, e, r) in enumerate(zip(grads, eager_grads, ref_grads)):
-        assert_within_eager_error(g, e, r, name=f"grad {i}")
+    _within_twice_eager_error(convs, convs64, x, x64, act, 0.2)
 
 
 def test_under_autocast_it_computes_what_autocast_makes_of_the_chain():
@@ -173,12 +178,7 @@ def test_gpu_matches_eager_error_bound(act, dtype):
     convs64 = [c.cuda() for c in _convs(c=96, hidden=384, k1=1, dtype=torch.float64)]
     x64 = seeded(8, 96, 28, 28, seed=12, dtype=torch.float64, device="cuda", scale=0.5, requires_grad=True)
     x = x64.detach().to(dtype).requires_grad_(True)
-    out, grads = run_fwd_bwd(_fused(convs, act, 0.1), [x], _params(convs))
-    eager, eager_grads = run_fwd_bwd(_eager(convs, act, 0.1), [x], _params(convs))
-    ref, ref_grads = run_fwd_bwd(_eager(convs64, act, 0.1), [x64], _params(convs64))
-    assert_within_eager_error(out, eager, ref)
-    for i, (g, e, r) in enumerate(zip(grads, eager_grads, ref_grads)):
-        assert_within_eager_error(g, e, r, name=f"grad {i}")
+    _within_twice_eager_error(convs, convs64, x, x64, act, 0.1)
 
 
 # --------------------------------------------------------------------------- Triton under the interpreter
