@@ -11,7 +11,9 @@
    fused step's costliest kernels;
 5. whole models (:mod:`opsnn_lab.bench.models`: a Llama-style decoder with the fused head + loss, BERT-base,
    MobileNetV2, EfficientNet-B0): a training step fused/eager in time and activation bytes, fp32 and under bf16
-   autocast.
+   autocast;
+6. where those steps spend their time (:mod:`opsnn_lab.bench.model_profile`): kernels and host waits per step,
+   busy against wall time, the kernels the fused step adds and its costliest Python functions.
 
 Writes ``build/bench/gpu_check.json``. On a machine without CUDA it says so and exits 0.
 """
@@ -87,10 +89,12 @@ def kernel_bandwidth(device="cuda", shapes=((1024, 3072), (16384, 3072)),
 
 
 _HOST_SYNCS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item")  # reads that wait for the device
+_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # the host blocked on the GPU
 
 
-def _profiled(step, device, steps: int):
-    """``(kernels, host syncs, busy ms, wall ms, {kernel: busy ms})`` per step of ``step``."""
+def _profiled(step, device, steps: int) -> dict:
+    """Per step of ``step``: ``kernels``, host ``syncs`` (aten reads of a device value), ``waits`` (CUDA calls that
+    block the host), ``busy_ms`` (kernel time summed), ``wall_ms``, and ``per_kernel`` {name: busy ms}."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -109,9 +113,12 @@ def _profiled(step, device, steps: int):
     per_kernel: dict[str, float] = {}
     for e in events:
         per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
-    busy = sum(per_kernel.values())
-    syncs = sum(e.name in _HOST_SYNCS for e in prof.events() if e.device_type == DeviceType.CPU)
-    return len(events) / steps, syncs / steps, busy, wall * 1e3 / steps, per_kernel
+    host = [e.name for e in prof.events() if e.device_type == DeviceType.CPU]
+    # the final sync(device) is outside the steps: one wait less
+    waits = max(sum(name in _WAITS for name in host) - 1, 0) if on_gpu else 0
+    return {"kernels": len(events) / steps, "syncs": sum(name in _HOST_SYNCS for name in host) / steps,
+            "waits": waits / steps, "busy_ms": sum(per_kernel.values()), "wall_ms": wall * 1e3 / steps,
+            "per_kernel": per_kernel}
 
 
 def kernel_profile(chains, device="cuda", steps: int = 5, top: int = 5) -> list[dict]:
@@ -127,11 +134,9 @@ def kernel_profile(chains, device="cuda", steps: int = 5, top: int = 5) -> list[
         grads = [torch.randn_like(o) for o in _outputs(chain.eager(*chain.inputs))]
         row = {"chain": chain.name}
         for variant in ("eager", "fused"):
-            n, syncs, busy, wall, per_kernel = _profiled(_step(getattr(chain, variant), chain.inputs, grads), device,
-                                                         steps)
-            row.update({f"{variant}_kernels": n, f"{variant}_syncs": syncs, f"{variant}_busy_ms": busy,
-                        f"{variant}_wall_ms": wall})
-        worst = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+            got = _profiled(_step(getattr(chain, variant), chain.inputs, grads), device, steps)
+            row.update({f"{variant}_{key}": got[key] for key in ("kernels", "syncs", "busy_ms", "wall_ms")})
+        worst = sorted(got["per_kernel"].items(), key=lambda kv: -kv[1])[:top]
         row["fused_top"] = [[name[:80], round(ms, 4)] for name, ms in worst]
         rows.append(row)
     return rows
@@ -193,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
               ("ops_scaled", args.batch_scale > 1,
                lambda: {"batch_scale": args.batch_scale, **_ops_bench(args.no_compile, args.batch_scale)}),
               ("models", not args.no_models, _models),
+              ("model_profile", not args.no_models and not args.no_profile, _model_profile),
               ("profile", not args.no_profile, lambda: _profile(args.batch_scale))]
     for key, wanted, run in stages:  # the JSON is written after each stage: a later failure loses nothing
         if wanted:
@@ -217,6 +223,18 @@ def _models() -> list[dict]:
 
     rows = model_rows("cuda")
     print(format_table(rows, COLUMNS))
+    return rows
+
+
+def _model_profile() -> list[dict]:
+    from opsnn_lab.bench.model_profile import model_profile
+
+    rows = model_profile("cuda")
+    print(format_table(rows, ["model", "precision", "eager_kernels", "fused_kernels", "fused_syncs", "fused_waits",
+                              "eager_busy_ms", "eager_wall_ms", "fused_busy_ms", "fused_wall_ms", "error"]))
+    for row in rows:
+        print(row["model"], row.get("precision"), "kernels grown:", row.get("kernels_grown"))
+        print(row["model"], row.get("precision"), "host:", row.get("host_top"))
     return rows
 
 

@@ -209,6 +209,26 @@ def test_model_rows_time_bytes_and_loss_per_precision():
     assert bad["model"] == "no_such_model" and "ValueError" in bad["error"]
 
 
+def test_model_profile_names_the_added_work_and_the_host_functions():
+    """gpu_check's whole-model profile on a tiny model and a CPU (aten calls stand for kernels): eager and fused
+    counts, what the fused step adds, and its costliest Python functions; a bad model name gets an error row."""
+    pytest.importorskip("transformers")
+    from opsnn_lab.bench.model_profile import model_profile
+
+    (row, bad) = model_profile("cpu", names=("mobilenet_v2", "no_such_model"), quick=True, steps=1, top=4,
+                               bf16=False)
+    assert (row["model"], row["precision"]) == ("mobilenet_v2", "fp32") and bad["model"] == "no_such_model"
+    assert "ValueError" in bad["error"]
+    for variant in ("eager", "fused"):
+        assert row[f"{variant}_kernels"] > 50 and 0 < row[f"{variant}_busy_ms"] and 0 < row[f"{variant}_wall_ms"]
+        assert row[f"{variant}_syncs"] == 0 and row[f"{variant}_waits"] == 0  # waits are counted on CUDA only
+    assert row["fused_kernels"] < row["eager_kernels"]  # a fused Conv->BN->act is one call where eager makes three
+    # on a CPU the fused Function's own call is its top-level aten event: it is what the fused step adds
+    assert any("ConvBNAct" in name for name, _ in row["kernels_grown"]), row["kernels_grown"]
+    assert 1 <= len(row["host_top"]) <= 4
+    assert all(isinstance(where, str) and ms >= 0 and calls > 0 for where, ms, calls in row["host_top"])
+
+
 def test_gpu_check_runs_its_stages_in_order_and_keeps_each_result(tmp_path, monkeypatch):
     """The stages as a GPU run takes them (stubbed here): the JSON holds every stage that ran, a failing test
     run or a timed-out one makes the exit code 1."""
@@ -225,9 +245,10 @@ def test_gpu_check_runs_its_stages_in_order_and_keeps_each_result(tmp_path, monk
     monkeypatch.setattr(gpu_check, "_ops_bench", lambda nc, scale=1: ran.append(f"ops x{scale}") or
                         {"returncode": 0, "rows": [], "skipped": []})
     monkeypatch.setattr(gpu_check, "_models", lambda: ran.append("models") or [{"model": "llama"}])
+    monkeypatch.setattr(gpu_check, "_model_profile", lambda: ran.append("model profile") or [])
     monkeypatch.setattr(gpu_check, "_profile", lambda scale: ran.append(f"profile x{scale}") or [])
     assert gpu_check.main(["--out", str(tmp_path), "--no-base-ops", "--batch-scale", "8"]) == 0
-    assert ran == ["tests", "kernels", "ops x8", "models", "profile x8"]
+    assert ran == ["tests", "kernels", "ops x8", "models", "model profile", "profile x8"]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["device"] == "NVIDIA H200" and data["ops_scaled"]["batch_scale"] == 8 and "ops" not in data
     assert data["models"] == [{"model": "llama"}]

@@ -1,0 +1,93 @@
+"""Where a whole model's fused training step spends its time: the kernels and host waits the fused step adds
+over eager, and the Python functions that take its host time.
+
+Per model of :mod:`opsnn_lab.bench.models` and precision: kernels, host syncs (aten reads of a device value) and
+waits (CUDA calls that block the host) per step, GPU busy ms against wall ms for eager and fused, the kernels
+whose summed time grew most, and the fused step's costliest Python functions by own time (``cProfile``, which
+slows Python down: read them as shares, not as times). A step whose wall time is well over its busy time is
+bound by the host; a wait in it means the host cannot run ahead of the GPU, so every microsecond of Python
+after it adds to the step. Run by ``python -m opsnn_lab.bench gpu_check``; on a CPU it counts top-level aten
+calls instead of kernels (so it is tested without a GPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import cProfile
+import pstats
+
+import torch
+
+import opsnn_lab as ol
+from opsnn_lab.measuring import sync
+
+__all__ = ["model_profile", "host_functions"]
+
+
+def host_functions(step, device, steps: int = 3, top: int = 12) -> list[list]:
+    """``top`` functions by own time over ``steps`` calls of ``step``: ``[where, own ms, calls]`` per step."""
+    step()
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    sync(device)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    return [[f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line}:{name}"[:90], round(tt * 1e3 / steps, 3),
+             round(nc / steps, 1)] for (file, line, name), (_, nc, tt, _, _) in rows]
+
+
+def _rows(name: str, model, inputs: dict, device, steps: int, top: int, precisions) -> list[dict]:
+    from opsnn_lab.bench.gpu_check import _profiled
+    from opsnn_lab.bench.models import _loss
+
+    model = model.to(device).train()
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    fused, _ = ol.fusion.fuse(copy.deepcopy(model), inputs)
+    head_loss = ol.ops.lm_head_kind(fused)[0] is not None and {"labels", "input_ids"} <= set(inputs)
+    kind = torch.device(device).type
+    rows = []
+    for amp in precisions:
+        def step(m, fused_side, amp=amp):
+            with torch.autocast(kind, dtype=torch.bfloat16, enabled=amp):
+                loss = _loss(m, inputs, head_loss and fused_side)
+            loss.backward()
+
+        row, got = {"model": name, "precision": "bf16 autocast" if amp else "fp32"}, {}
+        for variant, m in (("eager", model), ("fused", fused)):
+            got[variant] = _profiled(lambda m=m, v=variant: step(m, v == "fused"), device, steps)
+            row.update({f"{variant}_{k}": got[variant][k] for k in ("kernels", "syncs", "waits", "busy_ms", "wall_ms")})
+        eager_k, fused_k = got["eager"]["per_kernel"], got["fused"]["per_kernel"]
+        grew = {k: fused_k.get(k, 0.0) - eager_k.get(k, 0.0) for k in set(eager_k) | set(fused_k)}
+        row["kernels_grown"] = [[k[:80], round(ms, 4)] for k, ms in sorted(grew.items(), key=lambda kv: -kv[1])[:top]
+                                if ms > 0]
+        row["host_top"] = host_functions(lambda: step(fused, True), device, steps, top)
+        rows.append(row)
+    return rows
+
+
+def model_profile(device="cuda", names=None, quick: bool = False, steps: int = 3, top: int = 8,
+                  bf16: bool = True) -> list[dict]:
+    """Rows as described in the module docstring; ``quick``: the zoo's tiny models (any of
+    ``opsnn_lab.demos.zoo``); a model that fails gets a row with its error."""
+    from opsnn_lab.bench.models import MODELS, _model
+
+    rows = []
+    for name in names or MODELS:
+        try:
+            if quick:
+                from opsnn_lab.demos import zoo
+
+                model, inputs = zoo.build(name, dropout=0.0)
+            else:
+                model, inputs = _model(name, torch.device(device).type)
+            rows += _rows(name, model, inputs, device, steps, top, (False, True) if bf16 else (False,))
+        except Exception as exc:  # report and go on: one model's failure must not lose the other rows
+            rows.append({"model": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
