@@ -13,21 +13,31 @@ __all__ = ["bn_act_forward_triton", "bn_act_backward_triton"]
 
 _CHUNK = 1024  # elements of one channel per program in the reductions (stage 1 of the two-stage sums)
 tl = None  # triton.language, bound on first kernel build so importing this file never imports triton
-_act_fwd = _act_grad = _store_affine = None  # the jitted helpers below, bound on first kernel build
-_EXACT = {"enable_fp_fusion": False}  # the [C]-sized kernels round each product and sum once, as torch ops do
+_act_fwd = _act_grad = _affine_of = _merge_stats = _grad_sums = _update_running = None  # bound on first build
+# Every kernel rounds each product and sum once, as torch ops do (no fused multiply-add): the statistics and the
+# folded affine get the same bits whichever kernel computes them, and the backward recomputes the forward's
+# pre-activation exactly.
+_EXACT = {"enable_fp_fusion": False}
+# At most this many chunks per channel, the kernel that uses the statistics (the forward's normalize, the
+# backward's phase 1) merges the chunk partials itself instead of a separate [C]-sized launch: every program
+# re-reads its channel's 2-3 x NUM_CHUNKS partials (from cache), one launch fewer each way. Small batches,
+# where a launch's host time is most of the step, are the ones with few chunks.
+_INLINE_CHUNKS = 128
 
 
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """The jitted kernels; built per interpreter mode because triton picks the mode at decoration time."""
-    global tl, _act_fwd, _act_grad, _store_affine
+    global tl, _act_fwd, _act_grad, _affine_of, _merge_stats, _grad_sums, _update_running
     import triton
     import triton.language as language
 
     tl = language
     _act_fwd, _act_grad = triton.jit(_act_fwd_src), triton.jit(_act_grad_src)
-    _store_affine = triton.jit(_store_affine_src)
-    fns = (_stats_partial_kernel, _stats_finalize_kernel, _affine_kernel, _grad_coef_kernel, _bn_act_fwd_kernel,
+    _affine_of, _merge_stats, _grad_sums, _update_running = (
+        triton.jit(_affine_of_src), triton.jit(_merge_stats_src), triton.jit(_grad_sums_src),
+        triton.jit(_update_running_src))
+    fns = (_stats_partial_kernel, _stats_finalize_kernel, _grad_coef_kernel, _bn_act_fwd_kernel,
            _bn_act_pool_fwd_kernel, _bn_act_bwd_kernel)
     return {f.__name__: triton.jit(f) for f in fns}
 
@@ -119,6 +129,18 @@ def _stats_finalize_kernel(
     # Launched with enable_fp_fusion=False: every product and sum rounded once, as those torch ops round them.
     # Reads 3 * C * NUM_CHUNKS fp32 twice, writes 4-6 * C values.
     c = tl.program_id(0)
+    mean, invstd, m2 = _merge_stats(PMEAN, PM2, PCOUNT, c, NUM_CHUNKS, M, eps, BLOCK_P)
+    tl.store(MEAN + c, mean)
+    tl.store(INVSTD + c, invstd)
+    scale, shift = _affine_of(W, B, c, mean, invstd, HAS_W, HAS_B)
+    tl.store(SCALE + c, scale)
+    tl.store(SHIFT + c, shift)
+    if RUNNING:
+        _update_running(RMEAN, RVAR, c, mean, m2, M, momentum, keep)
+
+
+def _merge_stats_src(PMEAN, PM2, PCOUNT, c, NUM_CHUNKS, M, eps, BLOCK_P: tl.constexpr):
+    """Channel ``c``'s ``(mean, invstd, m2)`` from its chunk partials: Chan's merge in a fixed order."""
     base = c * NUM_CHUNKS
     acc = tl.zeros([BLOCK_P], dtype=tl.float32)
     for j0 in range(0, NUM_CHUNKS, BLOCK_P):
@@ -133,37 +155,37 @@ def _stats_finalize_kernel(
         d = tl.load(PMEAN + base + j, mask=jm, other=0.0) - mean
         acc += tl.load(PM2 + base + j, mask=jm, other=0.0) + tl.load(PCOUNT + base + j, mask=jm, other=0.0) * d * d
     m2 = tl.sum(acc, axis=0)
-    invstd = 1.0 / tl.sqrt(m2 / M + eps)
-    tl.store(MEAN + c, mean)
-    tl.store(INVSTD + c, invstd)
-    _store_affine(W, B, SCALE, SHIFT, c, mean, invstd, HAS_W, HAS_B)
-    if RUNNING:
-        var = m2 / tl.maximum(M - 1, 1)
-        rm = tl.load(RMEAN + c).to(tl.float32)
-        rv = tl.load(RVAR + c).to(tl.float32)
-        tl.store(RMEAN + c, (mean * momentum + rm * keep).to(RMEAN.dtype.element_ty))
-        tl.store(RVAR + c, (var * momentum + rv * keep).to(RVAR.dtype.element_ty))
+    return mean, 1.0 / tl.sqrt(m2 / M + eps), m2
 
 
-def _store_affine_src(W, B, SCALE, SHIFT, c, mean, invstd, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+def _update_running_src(RMEAN, RVAR, c, mean, m2, M, momentum, keep):
+    """The running statistics of channel ``c``, updated in place (unbiased variance, as torch)."""
+    var = m2 / tl.maximum(M - 1, 1)
+    rm = tl.load(RMEAN + c).to(tl.float32)
+    rv = tl.load(RVAR + c).to(tl.float32)
+    tl.store(RMEAN + c, (mean * momentum + rm * keep).to(RMEAN.dtype.element_ty))
+    tl.store(RVAR + c, (var * momentum + rv * keep).to(RVAR.dtype.element_ty))
+
+
+def _affine_of_src(W, B, c, mean, invstd, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
     """``scale = invstd * w``, ``shift = b - mean * scale`` for channel ``c``, rounded as ``scale_shift``."""
     scale = invstd
     if HAS_W:
         scale = scale * tl.load(W + c).to(tl.float32)
     shift = tl.load(B + c).to(tl.float32) if HAS_B else 0.0
-    shift = shift - mean * scale
-    tl.store(SCALE + c, scale)
-    tl.store(SHIFT + c, shift)
+    return scale, shift - mean * scale
 
 
-def _affine_kernel(
-    W, B, MEAN, INVSTD,  # pointers to the [C] weight, bias (when HAS_W / HAS_B) and fp32 statistics
-    SCALE, SHIFT,  # pointers to the fp32 [C] folded affine (written)
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-):
-    # The folded affine the forward used, for the backward (same formula, same roundings: fp fusion off).
-    c = tl.program_id(0)
-    _store_affine(W, B, SCALE, SHIFT, c, tl.load(MEAN + c), tl.load(INVSTD + c), HAS_W, HAS_B)
+def _grad_sums_src(PG, PGX, c, NUM_CHUNKS, BLOCK_P: tl.constexpr):
+    """Channel ``c``'s bias and weight gradients from phase 0's chunk partials, summed in a fixed order."""
+    acc_g = tl.zeros([BLOCK_P], dtype=tl.float32)
+    acc_gx = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for j0 in range(0, NUM_CHUNKS, BLOCK_P):
+        j = j0 + tl.arange(0, BLOCK_P)
+        jm = j < NUM_CHUNKS
+        acc_g += tl.load(PG + c * NUM_CHUNKS + j, mask=jm, other=0.0)
+        acc_gx += tl.load(PGX + c * NUM_CHUNKS + j, mask=jm, other=0.0)
+    return tl.sum(acc_g, axis=0), tl.sum(acc_gx, axis=0)
 
 
 def _grad_coef_kernel(
@@ -178,15 +200,7 @@ def _grad_coef_kernel(
     # Stage 2 of the BN weight/bias gradients (fixed-order sums, no atomics) and the coefficients of
     # gy = CA * g + CB * xhat + CD: CA = invstd * w; in training CB = -CA * gw / M and CD = -CA * gb / M.
     c = tl.program_id(0)
-    acc_g = tl.zeros([BLOCK_P], dtype=tl.float32)
-    acc_gx = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for j0 in range(0, NUM_CHUNKS, BLOCK_P):
-        j = j0 + tl.arange(0, BLOCK_P)
-        jm = j < NUM_CHUNKS
-        acc_g += tl.load(PG + c * NUM_CHUNKS + j, mask=jm, other=0.0)
-        acc_gx += tl.load(PGX + c * NUM_CHUNKS + j, mask=jm, other=0.0)
-    gb = tl.sum(acc_g, axis=0)
-    gw = tl.sum(acc_gx, axis=0)
+    gb, gw = _grad_sums(PG, PGX, c, NUM_CHUNKS, BLOCK_P)
     tl.store(GB + c, gb)
     tl.store(GW + c, gw)
     a = tl.load(INVSTD + c)
@@ -204,16 +218,35 @@ def _grad_coef_kernel(
 def _bn_act_fwd_kernel(
     Y,  # pointer to the conv output (N, C, H, W)
     OUT,  # pointer to act(y * scale + shift), same shape
-    SCALE, SHIFT,  # pointers to fp32 [C] folded affine
+    SCALE, SHIFT,  # pointers to fp32 [C] folded affine (read unless FINAL)
+    PMEAN, PM2, PCOUNT,  # FINAL: pointers to fp32 [C, NUM_CHUNKS] statistics partials (_stats_partial_kernel)
+    MEAN, INVSTD,  # FINAL: pointers to fp32 [C] batch mean and 1/std, written by each channel's first program
+    WT, BS, RMEAN, RVAR,  # FINAL: pointers to the [C] weight, bias and running statistics (per the flags)
     SLOPE,  # leaky_relu negative slope (unread by the other activations)
-    H, W, M,  # plane height, plane width, elements per channel
+    H, W, M, NUM_CHUNKS,  # plane height, plane width, elements per channel, statistics chunks per channel
+    eps, momentum, keep,  # FINAL: BatchNorm epsilon, running-statistics momentum and 1 - momentum
     s_n, s_c, s_h, s_w,  # strides of Y
     o_n, o_c, o_h, o_w,  # strides of OUT
     ACT: tl.constexpr,  # activation code
+    FINAL: tl.constexpr,  # merge the statistics partials here (_stats_finalize_kernel's work, per program)
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, RUNNING: tl.constexpr,
     BLOCK: tl.constexpr,  # elements per program
+    BLOCK_P: tl.constexpr,  # partials merged per step (FINAL)
 ):
-    # Element-wise: reads and writes N*C*H*W elements once each (2 x itemsize bytes per element).
+    # Element-wise: reads and writes N*C*H*W elements once each (2 x itemsize bytes per element); FINAL adds
+    # 3 x NUM_CHUNKS fp32 per program, read twice (from cache after the channel's first program).
     c = tl.program_id(0)
+    if FINAL:
+        mean, invstd, m2 = _merge_stats(PMEAN, PM2, PCOUNT, c, NUM_CHUNKS, M, eps, BLOCK_P)
+        scale, shift = _affine_of(WT, BS, c, mean, invstd, HAS_W, HAS_B)
+        if tl.program_id(1) == 0:
+            tl.store(MEAN + c, mean)
+            tl.store(INVSTD + c, invstd)
+            if RUNNING:
+                _update_running(RMEAN, RVAR, c, mean, m2, M, momentum, keep)
+    else:
+        scale = tl.load(SCALE + c)
+        shift = tl.load(SHIFT + c)
     m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = m < M
     hw = H * W
@@ -222,7 +255,7 @@ def _bn_act_fwd_kernel(
     w = m % W
     y = tl.load(Y + n * s_n + c * s_c + h * s_h + w * s_w, mask=mask, other=0.0).to(tl.float32)
     # Rounded to the storage dtype first: eager's activation reads the stored BN output.
-    z = (y * tl.load(SCALE + c) + tl.load(SHIFT + c)).to(OUT.dtype.element_ty).to(tl.float32)
+    z = (y * scale + shift).to(OUT.dtype.element_ty).to(tl.float32)
     a = _act_fwd(z, SLOPE, ACT)
     tl.store(OUT + n * o_n + c * o_c + h * o_h + w * o_w, a.to(OUT.dtype.element_ty), mask=mask)
 
@@ -287,19 +320,24 @@ def _bn_act_bwd_kernel(
     G,  # pointer to the upstream gradient: (N, C, H, W), or (N, C, OH, OW) when POOL
     IDX,  # pointer to the uint8 within-window argmax (N, C, OH, OW) when POOL
     GY,  # pointer to the gradient written in PHASE 1, strides as Y's
-    PG, PGX,  # pointers to fp32 [C, NUM_CHUNKS] partial sums of g and g * xhat (PHASE 0)
-    SCALE, SHIFT, MEAN, INVSTD,  # pointers to fp32 [C]: forward affine, batch mean and 1/std
-    CA, CB, CD,  # pointers to fp32 [C]: PHASE 1 writes CA * g + CB * xhat + CD
+    PG, PGX,  # pointers to fp32 [C, NUM_CHUNKS] partial sums of g and g * xhat (written in PHASE 0)
+    WT, BS, MEAN, INVSTD,  # pointers to the [C] weight, bias (per HAS_W / HAS_B), fp32 mean and 1/std
+    CA, CB, CD,  # pointers to fp32 [C] (COEF 0): PHASE 1 writes CA * g + CB * xhat + CD
+    GB, GW,  # pointers to fp32 [C] bias and weight gradients, written by each channel's first program (COEF 1)
     SLOPE,  # leaky_relu negative slope
     H, W, OH, OW, M, NUM_CHUNKS,  # input plane, pooled plane, elements per channel, chunks per channel
     s_n, s_c, s_h, s_w,  # strides of Y and GY
     g_n, g_c, g_h, g_w,  # strides of G
     i_n, i_c, i_h, i_w,  # strides of IDX
     ACT: tl.constexpr, POOL: tl.constexpr, DEAD: tl.constexpr, NEED_Y: tl.constexpr, PHASE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    COEF: tl.constexpr,  # PHASE 1's coefficients: 0 read CA/CB/CD; 1 from PG/PGX here; 2 invstd * w alone
+    TRAINING: tl.constexpr,  # COEF 1: the batch statistics' terms CB and CD (else 0)
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,  # pool window, stride
     PH: tl.constexpr, PW: tl.constexpr,  # pool padding
     NH: tl.constexpr, NW: tl.constexpr,  # windows that can cover one element: ceil(KH / SH), ceil(KW / SW)
     BLOCK: tl.constexpr,  # elements of one channel per program
+    BLOCK_P: tl.constexpr,  # partials summed per step (COEF 1)
 ):
     # g = dL/d(pre-activation) is recomputed in both phases instead of stored: with POOL it is gathered from
     # the <= ceil(K/S)^2 windows that can point at an element (a gather, so no atomics); then multiplied by
@@ -308,6 +346,9 @@ def _bn_act_bwd_kernel(
     # same and writes N*C*H*W itemsize.
     c = tl.program_id(0)
     j = tl.program_id(1)
+    mean = tl.load(MEAN + c)
+    invstd = tl.load(INVSTD + c)
+    scale, shift = _affine_of(WT, BS, c, mean, invstd, HAS_W, HAS_B)  # the forward's, to the bit
     m = j * BLOCK + tl.arange(0, BLOCK)
     mask = m < M
     hw = H * W
@@ -335,14 +376,32 @@ def _bn_act_bwd_kernel(
         g = tl.load(G + n * g_n + c * g_c + h * g_h + w * g_w, mask=mask, other=0.0).to(tl.float32)
     if not (POOL and DEAD):
         # The pre-activation as the forward stored it (rounded to y's dtype), so the derivative is eager's.
-        z = (y * tl.load(SCALE + c) + tl.load(SHIFT + c)).to(GY.dtype.element_ty).to(tl.float32)
+        z = (y * scale + shift).to(GY.dtype.element_ty).to(tl.float32)
         g = tl.where(mask, _act_grad(g, z, SLOPE, ACT), 0.0)
-    xhat = (y - tl.load(MEAN + c)) * tl.load(INVSTD + c)
+    xhat = (y - mean) * invstd
     if PHASE == 0:
         tl.store(PG + c * NUM_CHUNKS + j, tl.sum(g, axis=0))
         tl.store(PGX + c * NUM_CHUNKS + j, tl.sum(tl.where(mask, g * xhat, 0.0), axis=0))
     else:
-        gy = tl.load(CA + c) * g + tl.load(CB + c) * xhat + tl.load(CD + c)
+        if COEF == 0:
+            ca = tl.load(CA + c)
+            cb = tl.load(CB + c)
+            cd = tl.load(CD + c)
+        else:  # _grad_coef_kernel's arithmetic, per program
+            ca = invstd
+            if HAS_W:
+                ca = ca * tl.load(WT + c).to(tl.float32)
+            cb = 0.0
+            cd = 0.0
+            if COEF == 1:
+                gb, gw = _grad_sums(PG, PGX, c, NUM_CHUNKS, BLOCK_P)
+                if j == 0:
+                    tl.store(GB + c, gb)
+                    tl.store(GW + c, gw)
+                if TRAINING:
+                    cb = -ca * gw / M
+                    cd = -ca * gb / M
+        gy = ca * g + cb * xhat + cd
         tl.store(GY + y_off, gy.to(GY.dtype.element_ty), mask=mask)
 
 
@@ -359,9 +418,8 @@ def _pool_consts(pool: PoolSpec | None) -> dict:
     return {"KH": k[0], "KW": k[1], "SH": s[0], "SW": s[1], "PH": p[0], "PW": p[1]}
 
 
-def _batch_stats(k, y: torch.Tensor, eps: float, weight, bias, running_mean, running_var, momentum: float):
-    """Two-stage per-channel mean and 1/std of ``y`` (fp32 [C] each) and the folded (scale, shift); updates
-    the running statistics in place when given. Two launches."""
+def _stats_partials(k, y: torch.Tensor):
+    """Stage 1 of the statistics, one launch: ``(partials fp32 [3, C, chunks], chunks)``."""
     n, c, h, w = y.shape
     m = n * h * w
     block, warps = calculate_settings(min(m, _CHUNK))
@@ -369,15 +427,21 @@ def _batch_stats(k, y: torch.Tensor, eps: float, weight, bias, running_mean, run
     part = torch.empty(3, c, chunks, device=y.device, dtype=torch.float32)
     k["_stats_partial_kernel"][(c, chunks)](y, part[0], part[1], part[2], c, h, w, m, *_strides4(y), chunks,
                                            BLOCK=block, num_warps=warps)
-    stats = torch.empty(2, c, device=y.device, dtype=torch.float32)  # saved for backward: nothing more in it
-    affine = torch.empty(2, c, device=y.device, dtype=torch.float32)
+    return part, chunks
+
+
+def _finalize(k, part, chunks, m, eps, weight, bias, running_mean, running_var, momentum, stats):
+    """Stage 2 as its own launch: the batch statistics into ``stats`` and the folded (scale, shift); updates the
+    running statistics in place when given."""
+    c = stats.shape[1]
+    affine = torch.empty(2, c, device=stats.device, dtype=torch.float32)
     block_p, warps_p = calculate_settings(min(chunks, _CHUNK))
     k["_stats_finalize_kernel"][(c,)](
         part[0], part[1], part[2], stats[0], stats[1], _or(weight, stats), _or(bias, stats), affine[0], affine[1],
         _or(running_mean, stats), _or(running_var, stats), chunks, m, eps, momentum, 1 - momentum,
         HAS_W=weight is not None, HAS_B=bias is not None, RUNNING=running_mean is not None, BLOCK_P=block_p,
         num_warps=warps_p, **_EXACT)
-    return stats[0], stats[1], affine[0], affine[1]
+    return affine[0], affine[1]
 
 
 def _or(t, fallback):
@@ -385,34 +449,43 @@ def _or(t, fallback):
     return fallback if t is None else t
 
 
-def _affine(k, weight, bias, mean, invstd, c, device):
-    """The folded fp32 (scale, shift) as the forward computed them, in one launch (mean, invstd given)."""
-    out = torch.empty(2, c, device=device, dtype=torch.float32)
-    k["_affine_kernel"][(c,)](_or(weight, out), _or(bias, out), mean, invstd, out[0], out[1],
-                              HAS_W=weight is not None, HAS_B=bias is not None, num_warps=1, **_EXACT)
-    return out[0], out[1]
-
-
 def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act: Act = RELU,
                           pool: PoolSpec | None = None):
     """Triton version of :func:`opsnn_lab.kernels.bn_act.bn_act_forward` (same shapes; stats fp32 [C]).
 
-    y: (N, C, H, W) fp32/fp16/bf16, any strides; weight/bias/running stats: [C] or None.
+    y: (N, C, H, W) fp32/fp16/bf16, any strides; weight/bias/running stats: [C] or None. Training takes two
+    launches where a channel has at most ``_INLINE_CHUNKS`` chunks (the normalize merges the statistics), three
+    otherwise or with a pool; eval one.
     """
     k = _kernels(_interpreting())
     n, c, h, w = y.shape
+    m = n * h * w
+    mean = invstd = scale = shift = part = None
+    chunks, final = 1, False
     if training:
-        mean, invstd, scale, shift = _batch_stats(k, y, eps, weight, bias, running_mean, running_var, momentum)
+        part, chunks = _stats_partials(k, y)
+        stats = torch.empty(2, c, device=y.device, dtype=torch.float32)  # saved for backward: nothing more in it
+        mean, invstd = stats[0], stats[1]
+        final = pool is None and chunks <= _INLINE_CHUNKS
+        if not final:
+            scale, shift = _finalize(k, part, chunks, m, eps, weight, bias, running_mean, running_var, momentum,
+                                     stats)
     else:
         mean = running_mean
         invstd = None if running_var is None else torch.rsqrt(running_var.float() + eps)
         scale, shift = scale_shift(c, weight, bias, mean, invstd, y.device)
     if pool is None:
         out = torch.empty_like(y)
-        block, warps = calculate_settings(min(n * h * w, _CHUNK))
-        grid = (c, _cdiv(n * h * w, block))
-        k["_bn_act_fwd_kernel"][grid](y, out, scale, shift, act.negative_slope, h, w, n * h * w, *_strides4(y),
-                                      *_strides4(out), ACT=act.code, BLOCK=block, num_warps=warps)
+        block, warps = calculate_settings(min(m, _CHUNK))
+        stand_in = out  # a pointer for each argument the kernel does not read
+        p = part if final else (stand_in, stand_in, stand_in)
+        k["_bn_act_fwd_kernel"][(c, _cdiv(m, block))](
+            y, out, _or(scale, stand_in), _or(shift, stand_in), p[0], p[1], p[2], _or(mean, stand_in),
+            _or(invstd, stand_in), _or(weight, stand_in), _or(bias, stand_in), _or(running_mean, stand_in),
+            _or(running_var, stand_in), act.negative_slope, h, w, m, chunks, eps, momentum, 1 - momentum,
+            *_strides4(y), *_strides4(out), ACT=act.code, FINAL=final, HAS_W=weight is not None,
+            HAS_B=bias is not None, RUNNING=running_mean is not None, BLOCK=block,
+            BLOCK_P=calculate_settings(min(chunks, _CHUNK))[0], num_warps=warps, **_EXACT)
         return out, mean, invstd, None
     oh, ow = pool.out_size(h, w)
     fmt = torch.channels_last if y.is_contiguous(memory_format=torch.channels_last) and c > 1 else None
@@ -422,22 +495,21 @@ def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, trainin
     k["_bn_act_pool_fwd_kernel"][(n * c, _cdiv(oh * ow, block))](
         y, out, idx, scale, shift, act.negative_slope, c, h, w, oh, ow, *_strides4(y), *_strides4(out),
         ACT=act.code, MONOTONE=act.monotone, DEAD=act.has_dead_zone, **_pool_consts(pool), BLOCK=block,
-        num_warps=warps)
+        num_warps=warps, **_EXACT)
     return out, mean, invstd, idx
 
 
 def bn_act_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, training, eps, act: Act = RELU,
                            pool: PoolSpec | None = None, in_shape=None, output_mask=(True, True, True)):
     """Triton version of :func:`opsnn_lab.kernels.bn_act.bn_act_backward`; BN weight/bias gradients by
-    two-stage fixed-order sums. grad_out: output-shaped, y's dtype; idx: uint8 (N, C, OH, OW) with a pool."""
+    two-stage fixed-order sums. grad_out: output-shaped, y's dtype; idx: uint8 (N, C, OH, OW) with a pool.
+    Two launches where the BN gradients are wanted and a channel has at most ``_INLINE_CHUNKS`` chunks (phase 1
+    sums phase 0's partials itself), three beyond; one where they are not."""
     k = _kernels(_interpreting())
     n, c, h, w = tuple(y.shape) if y is not None else tuple(in_shape)
     m = n * h * w
     dev = grad_out.device
-    if mean is not None and invstd is not None and mean.dtype == invstd.dtype == torch.float32:
-        scale, shift = _affine(k, weight, bias, mean, invstd, c, dev)  # one launch for the usual case
-    else:
-        scale, shift = scale_shift(c, weight, bias, mean, invstd, dev)
+    # the kernel folds (scale, shift) from these as the forward did: no statistics is the identity
     mean32 = torch.zeros(c, device=dev, dtype=torch.float32) if mean is None else mean.float()
     inv32 = torch.ones(c, device=dev, dtype=torch.float32) if invstd is None else invstd.float()
     dead = pool is not None and act.has_dead_zone
@@ -452,30 +524,32 @@ def bn_act_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, trai
     idx_t = idx if idx is not None else grad_out
     pc = _pool_consts(pool)
     cover = dict(NH=_cdiv(pc["KH"], pc["SH"]), NW=_cdiv(pc["KW"], pc["SW"]))
-    common = dict(ACT=act.code, POOL=pool is not None, DEAD=dead, NEED_Y=need_y, BLOCK=block, num_warps=warps,
-                  **pc, **cover)
+    block_p, warps_p = calculate_settings(min(chunks, _CHUNK))
+    common = dict(ACT=act.code, POOL=pool is not None, DEAD=dead, NEED_Y=need_y, HAS_W=weight is not None,
+                  HAS_B=bias is not None, TRAINING=training, BLOCK=block, BLOCK_P=block_p, num_warps=warps, **pc,
+                  **cover, **_EXACT)
     ph = pool.out_size(h, w) if pool else (h, w)
+    coef = torch.empty(5, c, device=dev, dtype=torch.float32)  # gb, gw, then phase 1's CA, CB, CD
 
-    def launch(phase, ca, cb, cd):
+    def launch(phase, mode):
         k["_bn_act_bwd_kernel"][(c, chunks)](
-            like, grad_out, idx_t, gy, part[0], part[1], scale, shift, mean32, inv32, ca, cb, cd,
-            act.negative_slope, h, w, ph[0], ph[1], m, chunks, *_strides4(gy), *_strides4(grad_out),
-            *_strides4(idx_t), PHASE=phase, **common)
+            like, grad_out, idx_t, gy, part[0], part[1], _or(weight, inv32), _or(bias, inv32), mean32, inv32,
+            coef[2], coef[3], coef[4], coef[0], coef[1], act.negative_slope, h, w, ph[0], ph[1], m, chunks,
+            *_strides4(gy), *_strides4(grad_out), *_strides4(idx_t), PHASE=phase, COEF=mode, **common)
 
     gw = gb = None
     if training or (weight is not None and any(output_mask[1:])):
-        launch(0, scale, scale, scale)  # phase 0 reads no coefficient
-        coef = torch.empty(5, c, device=dev, dtype=torch.float32)
-        block_p, warps_p = calculate_settings(min(chunks, _CHUNK))
-        k["_grad_coef_kernel"][(c,)](part[0], part[1], _or(weight, inv32), inv32, *coef, chunks, m,
-                                     HAS_W=weight is not None, TRAINING=training, BLOCK_P=block_p,
-                                     num_warps=warps_p, **_EXACT)
+        launch(0, 0)  # phase 0 reads no coefficient
         gb, gw = coef[0], coef[1]
-        launch(1, coef[2], coef[3], coef[4])
+        if chunks <= _INLINE_CHUNKS:
+            launch(1, 1)
+        else:
+            k["_grad_coef_kernel"][(c,)](part[0], part[1], _or(weight, inv32), inv32, *coef, chunks, m,
+                                         HAS_W=weight is not None, TRAINING=training, BLOCK_P=block_p,
+                                         num_warps=warps_p, **_EXACT)
+            launch(1, 0)
     else:
-        a_coef = inv32 * (1.0 if weight is None else weight.float())
-        zero = torch.zeros_like(a_coef)
-        launch(1, a_coef, zero, zero)
+        launch(1, 2)
 
     def cast(t, on):
         return None if t is None or not on or weight is None else t.to(weight.dtype)

@@ -174,15 +174,104 @@ def test_backward_needs_y_for_a_smooth_activation_with_pool():
                                  act=K.Act("silu"), pool=POOLS[1], in_shape=(1, 2, 6, 6))
 
 
+class _Counting:
+    """A kernel that records its launches by name."""
+
+    def __init__(self, name, fn, calls):
+        self.name, self.fn, self.calls = name, fn, calls
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def run(*args, **kwargs):
+            self.calls.append(self.name)
+            return launch(*args, **kwargs)
+        return run
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernels' launches, by name, in order."""
+    calls, real = [], T._kernels
+    monkeypatch.setattr(T, "_kernels", lambda interpret: {name: _Counting(name, fn, calls)
+                                                          for name, fn in real(interpret).items()})
+    return calls
+
+
+def _both_ways(shape, pool, training, act, monkeypatch, dtype=torch.float32):
+    """Forward and backward with the statistics merged inside the normalize / phase 1 (few chunks), and again
+    with each merge in its own [C]-sized launch (``_INLINE_CHUNKS`` 0, as a large batch takes it)."""
+    out = []
+    for inline in (T._INLINE_CHUNKS, 0):
+        monkeypatch.setattr(T, "_INLINE_CHUNKS", inline)
+        _, results = _forward_both(shape, pool, training, dtype, act=act)
+        out.append((results[1], _backward_both(shape, pool, training, dtype, act=act)[1]))
+    return out
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape", [(2, 3, 7, 9), (2, 2, 23, 23)], ids=["one_chunk", "two_chunks"])
+@pytest.mark.parametrize("act, training", [(K.RELU, True), (K.Act("silu"), True), (K.Act("hardswish"), False)],
+                         ids=["relu-train", "silu-train", "hardswish-eval"])
+def test_statistics_merged_in_the_normalize_give_the_separate_launches_bits(shape, act, training, monkeypatch):
+    """The forward's statistics, running statistics and output, and every gradient, to the bit: both ways run
+    the same fixed-order arithmetic with every product and sum rounded once."""
+    (merged, merged_grads), (separate, separate_grads) = _both_ways(shape, None, training, act, monkeypatch)
+    (out_a, bufs_a), (out_b, bufs_b) = merged, separate
+    for a, b in zip([*out_a[:3], *bufs_a, *merged_grads], [*out_b[:3], *bufs_b, *separate_grads]):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("inline", [True, False], ids=["merged", "separate"])
+def test_separate_merges_match_torch(inline, monkeypatch):
+    """The large-batch way (statistics and BN-gradient sums in their own launches) against the torch path."""
+    monkeypatch.setattr(T, "_INLINE_CHUNKS", T._INLINE_CHUNKS if inline else 0)
+    for pool, training in ((None, True), (None, False), (POOLS[1], True)):
+        _, results = _forward_both((2, 2, 23, 23), pool, training, act=K.Act("silu"))
+        _check_forward(results, torch.float32)
+        ref, tri = _backward_both((2, 2, 23, 23), pool, training, act=K.Act("silu"))
+        for name, a, b in zip(("grad_y", "grad_weight", "grad_bias"), tri, ref):
+            assert_close_dtype(a.float(), b.float(), torch.float32, msg=name)
+
+
+@needs_interpreter
+def test_launches_per_training_step(launches, monkeypatch):
+    """A launch costs host time a small batch's step is mostly made of: a training forward is two launches and its
+    backward two while a channel has at most ``_INLINE_CHUNKS`` chunks, three each beyond; an eval backward that
+    wants no BN gradient is one; a pool keeps its separate statistics merge."""
+    y, weight, bias, rm, rv = _inputs((2, 3, 7, 9))
+    kw = dict(momentum=0.1, eps=1e-5, act=K.Act("silu"))
+
+    def step(training, output_mask=(True, True, True), pool=None):
+        launches.clear()
+        out, mean, invstd, idx = T.bn_act_forward_triton(y, weight, bias, rm.clone(), rv.clone(), training=training,
+                                                         pool=pool, **kw)
+        fwd = list(launches)
+        launches.clear()
+        T.bn_act_backward_triton(torch.ones_like(out), y, weight, bias, mean, invstd, idx, training=training,
+                                 eps=1e-5, act=kw["act"], pool=pool, output_mask=output_mask)
+        return fwd, list(launches)
+
+    assert step(True) == (["_stats_partial_kernel", "_bn_act_fwd_kernel"], ["_bn_act_bwd_kernel"] * 2)
+    assert step(False, (True, False, False)) == (["_bn_act_fwd_kernel"], ["_bn_act_bwd_kernel"])
+    assert step(True, pool=POOLS[1])[0] == ["_stats_partial_kernel", "_stats_finalize_kernel",
+                                            "_bn_act_pool_fwd_kernel"]
+    monkeypatch.setattr(T, "_INLINE_CHUNKS", 0)
+    assert step(True) == (["_stats_partial_kernel", "_stats_finalize_kernel", "_bn_act_fwd_kernel"],
+                          ["_bn_act_bwd_kernel", "_grad_coef_kernel", "_bn_act_bwd_kernel"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape, spec", [((8, 64, 112, 112), POOLS[1]), ((3, 5, 33, 31), None),
-                                         ((4, 7, 57, 45), POOLS[3])])
+                                         ((4, 7, 57, 45), POOLS[3]), ((16, 3, 128, 128), None)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("act", [K.RELU, K.Act("silu"), K.Act("hardswish")], ids=["relu", "silu", "hardswish"])
 def test_gpu_triton_matches_torch(shape, spec, dtype, training, act):
-    """Compiled kernels against the torch path at real sizes (up to 100k elements per channel), forward and
+    """Compiled kernels against the torch path at real sizes (up to 262k elements per channel: 256 chunks, so
+    the statistics merge in their own launches; the smaller ones merge them in the normalize), forward and
     backward, by the error criterion against float64: two reduction orders over that many elements part by
     more than an elementwise fp32 tolerance, and in bf16 the kernel keeps dL/d(pre-activation) in fp32."""
     (y, weight, bias), results = _forward_both(shape, spec, training, dtype, device="cuda", channels_last=True,
