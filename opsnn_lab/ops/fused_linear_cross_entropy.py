@@ -115,7 +115,7 @@ def _grad_pass(h2, weight, bias, target, row_scale, cfg, need):
 def _scale(grad, go, dtype):
     if grad is None:
         return None
-    if go is not None and not bool((go == 1).all()):
+    if go is not None:
         grad = grad * go.to(grad.dtype)
     return grad.to(dtype)
 
@@ -164,6 +164,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             go = None
         else:
             grad_h, grad_w, grad_b = ctx.saved_tensors
+            # the usual grad_loss is 1 (loss.backward()): one host read of it for the three gradients, which
+            # then skip a pass over each (grad_w is vocabulary x hidden)
+            go = None if bool((grad_loss == 1).all()) else grad_loss
         grad_h, grad_w, grad_b = (_scale(g, go, ctx.dtype) for g in (grad_h, grad_w, grad_b))
         grad_h = None if grad_h is None else grad_h.view(ctx.shape)
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
