@@ -227,14 +227,10 @@ def _models() -> list[dict]:
 
 
 def _model_profile() -> list[dict]:
-    from opsnn_lab.bench.model_profile import model_profile
+    from opsnn_lab.bench.model_profile import model_profile, print_rows
 
     rows = model_profile("cuda")
-    print(format_table(rows, ["model", "precision", "eager_kernels", "fused_kernels", "fused_syncs", "fused_waits",
-                              "eager_busy_ms", "eager_wall_ms", "fused_busy_ms", "fused_wall_ms", "error"]))
-    for row in rows:
-        print(row["model"], row.get("precision"), "kernels grown:", row.get("kernels_grown"))
-        print(row["model"], row.get("precision"), "host:", row.get("host_top"))
+    print_rows(rows)
     return rows
 
 

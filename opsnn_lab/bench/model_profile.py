@@ -6,12 +6,14 @@ waits (CUDA calls that block the host) per step, GPU busy ms against wall ms for
 whose summed time grew most, and the fused step's costliest Python functions by own time (``cProfile``, which
 slows Python down: read them as shares, not as times). A step whose wall time is well over its busy time is
 bound by the host; a wait in it means the host cannot run ahead of the GPU, so every microsecond of Python
-after it adds to the step. Run by ``python -m opsnn_lab.bench gpu_check``; on a CPU it counts top-level aten
-calls instead of kernels (so it is tested without a GPU).
+after it adds to the step. Run by ``python -m opsnn_lab.bench gpu_check``, or alone:
+``python -m opsnn_lab.bench model_profile [--device cpu|cuda] [--quick] [--models ...]``; on a CPU it counts
+top-level aten calls instead of kernels (and no waits). Writes ``build/bench/model_profile.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import cProfile
 import pstats
@@ -19,9 +21,13 @@ import pstats
 import torch
 
 import opsnn_lab as ol
+from opsnn_lab.bench.common import format_table, keeps_threads, machine_line, write_json
 from opsnn_lab.measuring import sync
 
-__all__ = ["model_profile", "host_functions"]
+__all__ = ["main", "model_profile", "host_functions", "COLUMNS"]
+
+COLUMNS = ["model", "precision", "eager_kernels", "fused_kernels", "fused_syncs", "fused_waits", "eager_busy_ms",
+           "eager_wall_ms", "fused_busy_ms", "fused_wall_ms", "error"]
 
 
 def host_functions(step, device, steps: int = 3, top: int = 12) -> list[list]:
@@ -91,3 +97,44 @@ def model_profile(device="cuda", names=None, quick: bool = False, steps: int = 3
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(format_table(rows, [c for c in COLUMNS if any(c in r for r in rows)]))
+    for row in rows:
+        if "error" not in row:
+            print(row["model"], row["precision"], "kernels grown:", row["kernels_grown"])
+            print(row["model"], row["precision"], "host:", row["host_top"])
+
+
+@keeps_threads
+def main(argv: list[str] | None = None) -> int:
+    from opsnn_lab.bench.models import MODELS
+    from opsnn_lab.demos import zoo
+
+    ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench model_profile", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--models", nargs="*", default=list(MODELS),
+                    help=f"of {', '.join(MODELS)} (with --quick: any model of opsnn_lab.demos.zoo)")
+    ap.add_argument("--quick", action="store_true", help="the test zoo's tiny models")
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps per variant")
+    ap.add_argument("--top", type=int, default=8, help="kernels and Python functions listed per row")
+    ap.add_argument("--no-bf16", action="store_true", help="fp32 only")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
+    ap.add_argument("--out", default=None, help="directory for model_profile.json (default build/bench)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    known = zoo.MODELS if args.quick else MODELS
+    if unknown := [m for m in args.models if m not in known]:
+        ap.error(f"--models must name models of {sorted(known)}, got {unknown}")
+    if args.steps < 1 or args.top < 1:
+        ap.error(f"--steps and --top must be >= 1, got {args.steps} and {args.top}")
+    rows = model_profile(args.device, args.models, quick=args.quick, steps=args.steps, top=args.top,
+                         bf16=not args.no_bf16)
+    print(machine_line())
+    print_rows(rows)
+    path = write_json("model_profile", {"device": args.device, "quick": args.quick, "steps": args.steps,
+                                        "rows": rows}, args.out)
+    print(f"wrote {path}")
+    return 1 if any("error" in r for r in rows) else 0

@@ -229,6 +229,22 @@ def test_model_profile_names_the_added_work_and_the_host_functions():
     assert all(isinstance(where, str) and ms >= 0 and calls > 0 for where, ms, calls in row["host_top"])
 
 
+def test_model_profile_main_writes_its_rows_and_refuses_bad_arguments(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import json
+
+    from opsnn_lab.bench import model_profile
+
+    argv = ["--device", "cpu", "--quick", "--models", "gpt2", "--steps", "1", "--no-bf16", "--out", str(tmp_path)]
+    assert model_profile.main(argv) == 0
+    (row,) = json.loads((tmp_path / "model_profile.json").read_text())["rows"]
+    assert (row["model"], row["precision"]) == ("gpt2", "fp32") and row["fused_kernels"] > 0
+    assert "host:" in capsys.readouterr().out
+    for bad in (["--models", "gpt2"], ["--quick", "--models", "gpt2", "--steps", "0"]):
+        with pytest.raises(SystemExit):
+            model_profile.main(["--device", "cpu", *bad])
+
+
 def test_gpu_check_runs_its_stages_in_order_and_keeps_each_result(tmp_path, monkeypatch):
     """The stages as a GPU run takes them (stubbed here): the JSON holds every stage that ran, a failing test
     run or a timed-out one makes the exit code 1."""
