@@ -105,7 +105,9 @@ def _train_step(model, x):
     return outs, [g if g is not None else torch.zeros(0) for g in grads]
 
 
-def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False) -> None:
+def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=build) -> None:
+    """The checks of the module docstring on ``build(name, dtype, small)``'s model and input (torchvision_sweep.py
+    hands its own)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         r["stage"] = "build"
@@ -113,7 +115,7 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False) -> Non
         r["stage"] = "eager"
         try:
             _outs(model, x)
-        except Exception:  # noqa: BLE001 - takes img_size, yet fixes a grid or window elsewhere: its own size
+        except Exception:  # noqa: BLE001 - too small for it (takes img_size, yet fixes a grid): its own size
             r["stage"] = "build"
             model, x = build(name, dtype, small=False)
             r["stage"] = "eager"

@@ -1,0 +1,93 @@
+"""Fuse every torchvision classification model (up to 100M parameters) and check it against eager.
+
+torchvision is not a dependency of opsnn_lab: install the build made for your torch beside it. The checks are
+``timm_sweep.py``'s: built without weights, 10 classes, every dropout and stochastic depth at 0 where the
+constructor takes one; 2 images of 64 px, or 224 px for a model that fails at 64 (ViT's fixed grid, Inception's
+minimum); one training step of the fused model and of the original (the logits and every parameter gradient of a
+fixed random projection of them), eval, ``inference_mode``, the fused model pickled.
+
+    python scripts/torchvision_sweep.py                   # float64: errors are rounding (<= 1e-10)
+    python scripts/torchvision_sweep.py --models resnet18,mobilenet_v3_small --dtype float32 --autocast
+    python scripts/torchvision_sweep.py --list            # the models the default run takes (built on meta)
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_sweep as S  # noqa: E402 - the sweep loop and its records
+import timm_sweep as TS  # noqa: E402 - the checks, shared
+
+MAX_PARAMETERS = 100_000_000  # larger ones (ViT-L/H, RegNet-Y 16-128GF, VGG) are left out
+SIDE, OWN_SIDE = 64, 224
+# what torchvision constructors call their random steps; each model takes some of them
+_NO_RANDOM = {"dropout": 0.0, "attention_dropout": 0.0, "stochastic_depth_prob": 0.0, "drop_rate": 0.0,
+              "dropout_aux": 0.0}
+
+
+def _create(name: str):
+    """``torchvision.models.get_model`` without weights, with every random step the constructor takes at 0."""
+    import torchvision
+
+    kwargs = dict(weights=None, num_classes=10, **_NO_RANDOM)
+    while True:
+        try:
+            return torchvision.models.get_model(name, **kwargs)
+        except TypeError as exc:
+            unknown = [k for k in _NO_RANDOM if k in kwargs and f"'{k}'" in str(exc)]
+            if not unknown:
+                raise
+            for k in unknown:
+                del kwargs[k]
+
+
+def classification_models() -> list[str]:
+    """torchvision's classification models of at most ``MAX_PARAMETERS``, counted on the meta device."""
+    import torchvision
+
+    names = []
+    for name in torchvision.models.list_models(module=torchvision.models):
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            try:
+                size = sum(p.numel() for p in _create(name).parameters())
+            except Exception:  # noqa: BLE001 - a constructor that cannot run on meta (initialises from data)
+                continue
+        if size <= MAX_PARAMETERS:
+            names.append(name)
+    return names
+
+
+def build(name: str, dtype: torch.dtype, small: bool = True):
+    """The model (train mode, ``dtype``) and 2 images of ``SIDE`` px (``OWN_SIDE`` unless ``small``)."""
+    torch.manual_seed(0)
+    model = _create(name)
+    side = SIDE if small else OWN_SIDE
+    x = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    return model.to(dtype).train(), x
+
+
+def main(argv=None) -> None:
+    ap = S.argument_parser(__doc__)
+    ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    ap.add_argument("--list", action="store_true", help="print the default models and stop")
+    ap.add_argument("--autocast", action="store_true", help="also a training step under bf16 autocast, eager and "
+                    "fused, each against the float32 eager step")
+    args = ap.parse_args(argv)
+    names = args.models.split(",") if args.models else classification_models()
+    if args.list:
+        print("\n".join(names))
+        return
+    if args.autocast and args.dtype != "float32":
+        ap.error("--autocast compares with the float32 step: use it with --dtype float32")
+    dtype = getattr(torch, args.dtype)
+    S.run_sweep(names, lambda name, r: TS.check(name, dtype, r, args.autocast, build=build), S._line, args.out)
+
+
+if __name__ == "__main__":
+    main()
