@@ -2,9 +2,10 @@
 
 torchvision is not a dependency of opsnn_lab: install the build made for your torch beside it. The checks are
 ``timm_sweep.py``'s: built without weights, 10 classes, every dropout and stochastic depth at 0 where the
-constructor takes one; 2 images of 64 px, or 224 px for a model that fails at 64 (ViT's fixed grid, Inception's
-minimum); one training step of the fused model and of the original (the logits and every parameter gradient of a
-fixed random projection of them), eval, ``inference_mode``, the fused model pickled.
+constructor takes one; 2 images of 64 px, or of the model's own crop size (its weights' transform: 224, Inception
+299) for a model that fails at 64 (ViT's fixed grid, MaxViT's windows, Inception's auxiliary head); one training
+step of the fused model and of the original (the logits and every parameter gradient of a fixed random projection
+of them), eval, ``inference_mode``, the fused model pickled.
 
     python scripts/torchvision_sweep.py                   # float64: errors are rounding (<= 1e-10)
     python scripts/torchvision_sweep.py --models resnet18,mobilenet_v3_small --dtype float32 --autocast
@@ -24,7 +25,7 @@ import hf_sweep as S  # noqa: E402 - the sweep loop and its records
 import timm_sweep as TS  # noqa: E402 - the checks, shared
 
 MAX_PARAMETERS = 100_000_000  # larger ones (ViT-L/H, RegNet-Y 16-128GF, VGG) are left out
-SIDE, OWN_SIDE = 64, 224
+SIDE = 64
 # what torchvision constructors call their random steps; each model takes some of them
 _NO_RANDOM = {"dropout": 0.0, "attention_dropout": 0.0, "stochastic_depth_prob": 0.0, "drop_rate": 0.0,
               "dropout_aux": 0.0}
@@ -38,7 +39,7 @@ def _create(name: str):
     while True:
         try:
             return torchvision.models.get_model(name, **kwargs)
-        except TypeError as exc:
+        except (TypeError, KeyError) as exc:  # a builder that also sets one names it twice: a KeyError at times
             unknown = [k for k in _NO_RANDOM if k in kwargs and f"'{k}'" in str(exc)]
             if not unknown:
                 raise
@@ -63,11 +64,21 @@ def classification_models() -> list[str]:
     return names
 
 
+def own_side(name: str) -> int:
+    """The crop size of the model's weights' transform (no download), 224 where it names none."""
+    import torchvision
+
+    try:
+        return int(torchvision.models.get_model_weights(name).DEFAULT.transforms().crop_size[0])
+    except Exception:  # noqa: BLE001 - a model without registered weights or transform
+        return 224
+
+
 def build(name: str, dtype: torch.dtype, small: bool = True):
-    """The model (train mode, ``dtype``) and 2 images of ``SIDE`` px (``OWN_SIDE`` unless ``small``)."""
+    """The model (train mode, ``dtype``) and 2 images of ``SIDE`` px (of :func:`own_side` unless ``small``)."""
     torch.manual_seed(0)
     model = _create(name)
-    side = SIDE if small else OWN_SIDE
+    side = SIDE if small else own_side(name)
     x = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(0), dtype=dtype)
     return model.to(dtype).train(), x
 

@@ -1,6 +1,7 @@
 """scripts/torchvision_sweep.py on a stand-in ``torchvision`` (not a dependency): the classification models up to
 the size limit, counted on the meta device; random steps a constructor takes set to 0 and the ones it does not
-take left out; a model that fails at 64 px run at 224; a fused model compared with eager."""
+take left out; a model that fails at 64 px run at its own crop size (224 where it names none); a fused model
+compared with eager."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def _fake_torchvision(monkeypatch, made):
     tv.models = types.ModuleType("torchvision.models")
     tv.models.list_models = lambda module=None: list(makers)
     tv.models.get_model = lambda name, weights=None, **kw: makers[name](**kw)
+    tv.models.get_model_weights = lambda name: {}[name]  # no weights registered: 224
     monkeypatch.setitem(sys.modules, "torchvision", tv)
     monkeypatch.setitem(sys.modules, "torchvision.models", tv.models)
 
