@@ -136,21 +136,26 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=
     del r["stage"]
 
 
-def main(argv=None) -> None:
-    ap = S.argument_parser(__doc__)
+def sweep_main(argv, doc: str, default_names, build=build) -> None:
+    """The command line of this sweep and of torchvision_sweep.py: ``default_names()`` when no ``--models``."""
+    ap = S.argument_parser(doc)
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     ap.add_argument("--list", action="store_true", help="print the default models and stop")
     ap.add_argument("--autocast", action="store_true", help="also a training step under bf16 autocast, eager and "
                     "fused, each against the float32 eager step")
     args = ap.parse_args(argv)
-    names = args.models.split(",") if args.models else smallest_per_family()
+    names = args.models.split(",") if args.models else default_names()
     if args.list:
         print("\n".join(names))
         return
     if args.autocast and args.dtype != "float32":
         ap.error("--autocast compares with the float32 step: use it with --dtype float32")
     dtype = getattr(torch, args.dtype)
-    S.run_sweep(names, lambda name, r: check(name, dtype, r, args.autocast), S._line, args.out)
+    S.run_sweep(names, lambda name, r: check(name, dtype, r, args.autocast, build=build), S._line, args.out)
+
+
+def main(argv=None) -> None:
+    sweep_main(argv, __doc__, smallest_per_family)
 
 
 if __name__ == "__main__":

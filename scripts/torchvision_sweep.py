@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import hf_sweep as S  # noqa: E402 - the sweep loop and its records
-import timm_sweep as TS  # noqa: E402 - the checks, shared
+import timm_sweep as TS  # noqa: E402 - the checks and the command line, shared
 
 MAX_PARAMETERS = 100_000_000  # larger ones (ViT-L/H, RegNet-Y 16-128GF, VGG) are left out
 SIDE = 64
@@ -84,20 +83,7 @@ def build(name: str, dtype: torch.dtype, small: bool = True):
 
 
 def main(argv=None) -> None:
-    ap = S.argument_parser(__doc__)
-    ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    ap.add_argument("--list", action="store_true", help="print the default models and stop")
-    ap.add_argument("--autocast", action="store_true", help="also a training step under bf16 autocast, eager and "
-                    "fused, each against the float32 eager step")
-    args = ap.parse_args(argv)
-    names = args.models.split(",") if args.models else classification_models()
-    if args.list:
-        print("\n".join(names))
-        return
-    if args.autocast and args.dtype != "float32":
-        ap.error("--autocast compares with the float32 step: use it with --dtype float32")
-    dtype = getattr(torch, args.dtype)
-    S.run_sweep(names, lambda name, r: TS.check(name, dtype, r, args.autocast, build=build), S._line, args.out)
+    TS.sweep_main(argv, __doc__, classification_models, build=build)
 
 
 if __name__ == "__main__":

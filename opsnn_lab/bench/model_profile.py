@@ -13,14 +13,9 @@ top-level aten calls instead of kernels (and no waits). Writes ``build/bench/mod
 
 from __future__ import annotations
 
-import argparse
-import copy
 import cProfile
 import pstats
 
-import torch
-
-import opsnn_lab as ol
 from opsnn_lab.bench.common import format_table, keeps_threads, machine_line, write_json
 from opsnn_lab.measuring import sync
 
@@ -48,29 +43,20 @@ def host_functions(step, device, steps: int = 3, top: int = 12) -> list[list]:
 
 def _rows(name: str, model, inputs: dict, device, steps: int, top: int, precisions) -> list[dict]:
     from opsnn_lab.bench.gpu_check import _profiled
-    from opsnn_lab.bench.models import _loss
+    from opsnn_lab.bench.models import training_steps
 
-    model = model.to(device).train()
-    inputs = {k: v.to(device) for k, v in inputs.items()}
-    fused, _ = ol.fusion.fuse(copy.deepcopy(model), inputs)
-    head_loss = ol.ops.lm_head_kind(fused)[0] is not None and {"labels", "input_ids"} <= set(inputs)
-    kind = torch.device(device).type
+    model, fused, _, _, _, step = training_steps(model, inputs, device)
     rows = []
     for amp in precisions:
-        def step(m, fused_side, amp=amp):
-            with torch.autocast(kind, dtype=torch.bfloat16, enabled=amp):
-                loss = _loss(m, inputs, head_loss and fused_side)
-            loss.backward()
-
         row, got = {"model": name, "precision": "bf16 autocast" if amp else "fp32"}, {}
         for variant, m in (("eager", model), ("fused", fused)):
-            got[variant] = _profiled(lambda m=m, v=variant: step(m, v == "fused"), device, steps)
+            got[variant] = _profiled(lambda m=m, v=variant, amp=amp: step(m, v == "fused", amp), device, steps)
             row.update({f"{variant}_{k}": got[variant][k] for k in ("kernels", "syncs", "waits", "busy_ms", "wall_ms")})
         eager_k, fused_k = got["eager"]["per_kernel"], got["fused"]["per_kernel"]
         grew = {k: fused_k.get(k, 0.0) - eager_k.get(k, 0.0) for k in set(eager_k) | set(fused_k)}
         row["kernels_grown"] = [[k[:80], round(ms, 4)] for k, ms in sorted(grew.items(), key=lambda kv: -kv[1])[:top]
                                 if ms > 0]
-        row["host_top"] = host_functions(lambda: step(fused, True), device, steps, top)
+        row["host_top"] = host_functions(lambda amp=amp: step(fused, True, amp), device, steps, top)
         rows.append(row)
     return rows
 
@@ -79,24 +65,11 @@ def model_profile(device="cuda", names=None, quick: bool = False, steps: int = 3
                   bf16: bool = True) -> list[dict]:
     """Rows as described in the module docstring; ``quick``: the zoo's tiny models (any of
     ``opsnn_lab.demos.zoo``); a model that fails gets a row with its error."""
-    from opsnn_lab.bench.models import MODELS, _model
+    from opsnn_lab.bench.models import MODELS, each_model
 
-    rows = []
-    for name in names or MODELS:
-        try:
-            if quick:
-                from opsnn_lab.demos import zoo
-
-                model, inputs = zoo.build(name, dropout=0.0)
-            else:
-                model, inputs = _model(name, torch.device(device).type)
-            rows += _rows(name, model, inputs, device, steps, top, (False, True) if bf16 else (False,))
-        except Exception as exc:  # report and go on: one model's failure must not lose the other rows
-            rows.append({"model": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    return rows
+    precisions = (False, True) if bf16 else (False,)
+    return each_model(names or MODELS, device, quick,
+                      lambda name, model, inputs: _rows(name, model, inputs, device, steps, top, precisions))
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -109,25 +82,13 @@ def print_rows(rows: list[dict]) -> None:
 
 @keeps_threads
 def main(argv: list[str] | None = None) -> int:
-    from opsnn_lab.bench.models import MODELS
-    from opsnn_lab.demos import zoo
+    from opsnn_lab.bench.models import model_arguments, parse_model_arguments
 
-    ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench model_profile", description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--models", nargs="*", default=list(MODELS),
-                    help=f"of {', '.join(MODELS)} (with --quick: any model of opsnn_lab.demos.zoo)")
-    ap.add_argument("--quick", action="store_true", help="the test zoo's tiny models")
+    ap = model_arguments("model_profile", __doc__)
     ap.add_argument("--steps", type=int, default=3, help="profiled steps per variant")
     ap.add_argument("--top", type=int, default=8, help="kernels and Python functions listed per row")
     ap.add_argument("--no-bf16", action="store_true", help="fp32 only")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
-    ap.add_argument("--out", default=None, help="directory for model_profile.json (default build/bench)")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    known = zoo.MODELS if args.quick else MODELS
-    if unknown := [m for m in args.models if m not in known]:
-        ap.error(f"--models must name models of {sorted(known)}, got {unknown}")
+    args = parse_model_arguments(ap, argv)
     if args.steps < 1 or args.top < 1:
         ap.error(f"--steps and --top must be >= 1, got {args.steps} and {args.top}")
     rows = model_profile(args.device, args.models, quick=args.quick, steps=args.steps, top=args.top,

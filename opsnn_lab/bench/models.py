@@ -27,7 +27,8 @@ import opsnn_lab as ol
 from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_threads, machine_line, write_json
 from opsnn_lab.measuring import activation_bytes
 
-__all__ = ["main", "model_rows", "MODELS", "SIZES"]
+__all__ = ["main", "model_rows", "model_arguments", "parse_model_arguments", "training_steps", "each_model", "MODELS",
+           "SIZES"]
 
 MODELS = ("llama", "bert", "mobilenet_v2", "efficientnet")
 # per device kind: Llama (hidden, intermediate, heads, kv heads, batch, tokens), BERT-base batch, image batch and side
@@ -71,22 +72,55 @@ def _loss(model, inputs: dict, head_loss: bool):
     return training_loss(model(**inputs))
 
 
-def _row(name: str, model, inputs: dict, device, repeat: int, precisions) -> list[dict]:
+def training_steps(model, inputs: dict, device):
+    """The model and a fused copy on ``device`` in train mode, the plan, the inputs there, whether the fused side
+    takes the fused head + loss, and ``step(m, fused_side, amp)``: one forward + backward, returning the loss."""
     model = model.to(device).train()
     inputs = {k: v.to(device) for k, v in inputs.items()}
     fused, plan = ol.fusion.fuse(copy.deepcopy(model), inputs)
-    head_loss = ol.ops.lm_head_kind(fused)[0] is not None and "labels" in inputs and "input_ids" in inputs
+    head_loss = ol.ops.lm_head_kind(fused)[0] is not None and {"labels", "input_ids"} <= set(inputs)
+    kind = torch.device(device).type
+
+    def step(m, fused_side: bool, amp: bool):
+        with torch.autocast(kind, dtype=torch.bfloat16, enabled=amp):
+            loss = _loss(m, inputs, head_loss and fused_side)
+        loss.backward()
+        return loss
+
+    return model, fused, plan, inputs, head_loss, step
+
+
+def each_model(names, device, quick: bool, rows_of) -> list[dict]:
+    """``rows_of(name, model, inputs)`` for each model, built as the module docstring says (``quick``: the zoo's
+    tiny models); a model that fails gets a row with its error, and the others go on."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    for name in tqdm(names, desc="models", unit="model"):
+        try:
+            if quick:
+                from opsnn_lab.demos import zoo
+
+                model, inputs = zoo.build(name, dropout=0.0)
+            else:
+                model, inputs = _model(name, torch.device(device).type)
+            rows += rows_of(name, model, inputs)
+        except Exception as exc:  # report and go on: one model's failure must not lose the other rows
+            rows.append({"model": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _row(name: str, model, inputs: dict, device, repeat: int, precisions) -> list[dict]:
+    model, fused, plan, inputs, head_loss, step = training_steps(model, inputs, device)
     kind = torch.device(device).type
     rows = []
     for amp in precisions:
-        def step(m, fused_side, amp=amp):
-            with torch.autocast(kind, dtype=torch.bfloat16, enabled=amp):
-                loss = _loss(m, inputs, head_loss and fused_side)
-            loss.backward()
-            return loss
-
-        losses = [float(step(m, side).detach()) for m, side in ((model, False), (fused, True))]
-        times = interleaved_medians({"eager": lambda: step(model, False), "fused": lambda: step(fused, True)},
+        losses = [float(step(m, side, amp).detach()) for m, side in ((model, False), (fused, True))]
+        times = interleaved_medians({"eager": lambda amp=amp: step(model, False, amp),
+                                     "fused": lambda amp=amp: step(fused, True, amp)},
                                     warmup=2, repeat=repeat, device=device)
         with torch.autocast(kind, dtype=torch.bfloat16, enabled=amp):
             eager_b = activation_bytes(lambda: _loss(model, inputs, False), exclude=tuple(model.parameters()))
@@ -100,29 +134,40 @@ def _row(name: str, model, inputs: dict, device, repeat: int, precisions) -> lis
 
 def model_rows(device="cuda", names=MODELS, quick: bool = False, repeat: int = 10, bf16: bool = True) -> list[dict]:
     """Rows as described in the module docstring; ``quick``: the zoo's tiny models; ``bf16=False``: fp32 only."""
-    from tqdm.auto import tqdm
-
-    rows = []
     precisions = (False, True) if bf16 else (False,)
-    for name in tqdm(names, desc="models", unit="model"):
-        try:
-            if quick:
-                from opsnn_lab.demos import zoo
-
-                model, inputs = zoo.build(name, dropout=0.0)
-            else:
-                model, inputs = _model(name, torch.device(device).type)
-            rows += _row(name, model, inputs, device, repeat, precisions)
-        except Exception as exc:  # report and go on: one model's failure must not lose the other rows
-            rows.append({"model": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    return rows
+    return each_model(names, device, quick, lambda name, model, inputs: _row(name, model, inputs, device, repeat,
+                                                                             precisions))
 
 
 COLUMNS = ["model", "precision", "fused", "candidates", "time fused/eager", "eager ms", "bytes fused/eager",
            "loss rel diff", "error"]
+
+
+def model_arguments(name: str, doc: str) -> argparse.ArgumentParser:
+    """The arguments of ``python -m opsnn_lab.bench NAME`` over these models: --device, --models, --quick,
+    --threads, --out."""
+    ap = argparse.ArgumentParser(prog=f"python -m opsnn_lab.bench {name}", description=doc.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--models", nargs="*", default=list(MODELS),
+                    help=f"of {', '.join(MODELS)} (with --quick: any model of opsnn_lab.demos.zoo)")
+    ap.add_argument("--quick", action="store_true", help="the test zoo's tiny models")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads for the run (1 gives steadier ratios on a shared, loaded CPU)")
+    ap.add_argument("--out", default=None, help=f"directory for {name}.json (default build/bench)")
+    return ap
+
+
+def parse_model_arguments(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Parsed, the models checked against the sizes (or the zoo with --quick), the thread count set."""
+    args = ap.parse_args(argv)
+    from opsnn_lab.demos import zoo
+
+    known = zoo.MODELS if args.quick else MODELS
+    if unknown := [m for m in args.models if m not in known]:
+        ap.error(f"--models must name models of {sorted(known)}, got {unknown}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
 
 
 @keeps_threads
@@ -130,23 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     from opsnn_lab.bench.allocator import steady
     from opsnn_lab.bench.machine import emulated_note
 
-    ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench models", description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--models", nargs="*", default=list(MODELS),
-                    help=f"of {', '.join(MODELS)} (with --quick: any model of opsnn_lab.demos.zoo)")
-    ap.add_argument("--quick", action="store_true", help="the test zoo's tiny models")
+    ap = model_arguments("models", __doc__)
     ap.add_argument("--repeat", type=int, default=None, help="timed rounds per variant (default 10, CPU 7)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch.set_num_threads for the run (1 gives steadier ratios on a shared, loaded CPU)")
-    ap.add_argument("--out", default=None, help="directory for models.json (default build/bench)")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from opsnn_lab.demos import zoo
-
-    known = zoo.MODELS if args.quick else MODELS
-    if unknown := [m for m in args.models if m not in known]:
-        ap.error(f"--models must name models of {sorted(known)}, got {unknown}")
+    args = parse_model_arguments(ap, argv)
     on_cpu = torch.device(args.device).type == "cpu"
     allocator = steady() if on_cpu else "cuda caching allocator"  # no variant pays for the other's page faults
     why = emulated_note(torch.bfloat16) if on_cpu else None
