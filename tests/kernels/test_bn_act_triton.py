@@ -255,6 +255,15 @@ def test_launches_per_training_step(launches, monkeypatch):
 
     assert step(True) == (["_stats_partial_kernel", "_bn_act_fwd_kernel"], ["_bn_act_bwd_kernel"] * 2)
     assert step(False, (True, False, False)) == (["_bn_act_fwd_kernel"], ["_bn_act_bwd_kernel"])
+    # that one launch (no BN gradient asked for in eval) gives the torch path's input gradient
+    grad = seeded(*y.shape, seed=9)
+    mean, invstd = rm, torch.rsqrt(rv + 1e-5)
+    got = T.bn_act_backward_triton(grad, y, weight, bias, mean, invstd, None, training=False, eps=1e-5,
+                                   act=kw["act"], output_mask=(True, False, False))
+    want = K.bn_act_backward_torch(grad, y, weight, bias, mean, invstd, None, training=False, eps=1e-5,
+                                   act=kw["act"], output_mask=(True, False, False))
+    assert got[1] is None and got[2] is None
+    assert_close_dtype(got[0], want[0], torch.float32)
     assert step(True, pool=POOLS[1])[0] == ["_stats_partial_kernel", "_stats_finalize_kernel",
                                             "_bn_act_pool_fwd_kernel"]
     monkeypatch.setattr(T, "_INLINE_CHUNKS", 0)
