@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-scale", type=int, default=16,
                     help="second ops run with every batch this many times larger (default 16; 1: no second run)")
     ap.add_argument("--no-base-ops", action="store_true", help="skip the ops run at the CPU-sized shapes")
-    ap.add_argument("--no-profile", action="store_true", help="skip the per-row kernel profile")
-    ap.add_argument("--no-models", action="store_true", help="skip the whole-model training steps")
+    ap.add_argument("--no-profile", action="store_true", help="skip the kernel profiles (per ops row and per model)")
+    ap.add_argument("--no-models", action="store_true", help="skip the whole models (their training steps and profile)")
     ap.add_argument("--out", default=None, help="directory for gpu_check.json (default build/bench)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
