@@ -206,7 +206,7 @@ def _reason(exc: BaseException) -> str:
     where = f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno}" if user else ""
     where = f"{where} `{(user[-1].line or '').strip()}`" if where and where not in msg else ""  # said once
     notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
-    return f"{type(exc).__name__}: {msg[:240]}{where}{notes}"
+    return f"{type(exc).__name__}: {msg[:360]}{where}{notes}"
 
 
 def _note(exc: BaseException, text: str) -> None:

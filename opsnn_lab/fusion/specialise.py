@@ -150,13 +150,31 @@ def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
     # what else may run twice: tensor methods and torch's and Python's functions; an object's method (a cache's
     # ``update``) or a helper kept opaque may change state
     if node.op == "call_method" and not hasattr(torch.Tensor, name):
-        return f"`{node.name}` calls `{name}` on an object"
+        return f"`{node.name}` calls `{name}` on an object" + (_CACHE_HINT if _is_cache(node.args[0]) else "")
     module = getattr(node.target, "__module__", None) or ""
     if name == "apply_function":  # tracer.apply_function: a custom autograd Function, which may keep state
         return f"`{node.name}` runs the custom autograd Function `{node.args[0]}`"
     if node.op == "call_function" and not (module.split(".")[0] in ("torch", *PY_MODULES) or node.target is getattr):
         return f"`{node.name}` calls `{name}`"
     return ""
+
+
+_CACHE_HINT = ", a key/value cache: to train, set `model.config.use_cache = False` and fuse again"
+
+
+def _is_cache(receiver) -> bool:
+    """Whether an object whose method a forward calls is a key/value cache, by its name or the attribute path
+    that reaches it (``past_key_values``, ``layer_past``, ``cache.self_attention_cache``)."""
+    while isinstance(receiver, fx.Node):
+        if "cache" in receiver.name.lower() or "past" in receiver.name.lower():
+            return True
+        if receiver.op == "call_function" and receiver.target is getattr:
+            if "cache" in str(receiver.args[1]).lower():
+                return True
+            receiver = receiver.args[0]
+        else:
+            return False
+    return False
 
 
 _DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"})

@@ -132,10 +132,26 @@ class FromACache(nn.Module):
 def test_a_size_that_an_objects_method_makes_is_not_worked_out_and_the_object_is_untouched():
     torch.manual_seed(0)
     cache, x = Cache(), seeded(2, 5, 8)
-    with pytest.raises(fx.proxy.TraceError, match="calls `update` on an object"):
+    with pytest.raises(fx.proxy.TraceError, match="calls `update` on an object") as info:
         trace_region(FromACache(), {}, True, facts={"cache": {"type": f"{__name__}:Cache"}},
                      example={"x": x, "cache": cache})
     assert cache.keys == []
+    assert "config.use_cache = False" in str(info.value)  # says how a training run avoids it
+
+
+class FromAStore(FromACache):
+    def forward(self, x, store):
+        k = store.update(self.fc(x))
+        if k.shape[1] > x.shape[1]:
+            k = k[:, -x.shape[1]:]
+        return k
+
+
+def test_an_object_that_is_not_a_cache_gets_no_cache_advice():
+    with pytest.raises(fx.proxy.TraceError, match="calls `update` on an object") as info:
+        trace_region(FromAStore(), {}, True, facts={"store": {"type": f"{__name__}:Cache"}},
+                     example={"x": seeded(2, 5, 8), "store": Cache()})
+    assert "use_cache" not in str(info.value)
 
 
 def test_metadata_only_is_sizes_dtypes_and_arithmetic_on_them():
