@@ -113,6 +113,10 @@ class Analysis:
                     self.fx_routes.setdefault(m.key, f"fx:{r.path or '<model>'}")
         for k, label in self.fx_routes.items():
             self.rewritable.setdefault(k, label)
+        for k in self.why_not:  # an SDPA call inside a forward fx cannot trace: redirected at the call (patch.py)
+            if k not in self.rewritable and (box := self._sdpa_host(self.matches[k])) is not None:
+                self.routes[k] = Route("sdpa", (box.path,))
+                self.rewritable[k] = self.routes[k].label
         for k, why in self.why_not.items():
             if k not in self.rewritable and (box := _container_across(self.regions, self.matches[k])):
                 self.why_not[k] = (f"{why}; its steps run in different children of `{box.path or '<model>'}`, which "
@@ -127,6 +131,20 @@ class Analysis:
                 self.costs[_site(m)] = self.cost.site(m)
         self.trace.tensors.clear()  # activations (and the autograd graph holding them) are no longer needed
         self.trace.output = None
+
+    def _sdpa_host(self, m: Match) -> Region | None:
+        """The region of the module whose forward, which fx cannot trace, makes ``m``'s one
+        ``scaled_dot_product_attention`` call, when each of its calls makes exactly one; else None."""
+        n = m.nodes[0]
+        if m.pattern != "attention" or len(m.nodes) != 1 or n.op != "scaled_dot_product_attention" \
+                or n.kind != "function" or not n.scope:
+            return None
+        box = _untraceable_around(self.regions, m)
+        if box is None or box.path != n.scope:
+            return None
+        calls = sum(c.path == n.scope for c in self.trace.module_calls)
+        made = sum(x.op == n.op and x.scope == n.scope for x in self.trace.graph.nodes)
+        return box if calls and made == calls else None
 
     def _not_rewritable(self, m: Match, why_not: dict) -> str:
         why = why_not.get(m.key, "")
@@ -175,6 +193,9 @@ class Analysis:
                                      f"`{label.rpartition('.')[0] or '<model>'}`.forward before `{path}` has p=0 here "
                                      f"and runs as it is on the fused output: `{path}` checks at each call that it "
                                      "receives the fused op's output, and raises if that dropout is given p > 0")
+            if route is not None and route.kind == "sdpa":
+                d.reason += (f"; `{route.carriers[0]}` runs its own forward (fx cannot trace it: see the plan's "
+                             "routes), its scaled_dot_product_attention call redirected to the fused core")
             if route is not None and m.key in self.shared:
                 path, n = self.shared[m.key]
                 d.reason += f"; `{path}` runs {n} times per forward, each call this chain: its one rewrite serves all"

@@ -17,6 +17,11 @@ trace saw (``runtime.ModuleCall``), in one of three ways (``Decision.route``):
   Linear. Works for grouped-query attention (k/v narrower than q).
 * ``module:whole`` (c) one module call computes exactly the chain (its input -> chain -> its output,
   nothing else recorded inside, nothing else escapes): that module's forward becomes the fused op.
+* ``module:sdpa`` (d) an attention core that is one ``F.scaled_dot_product_attention`` call inside a forward fx
+  cannot trace (GPT-2's updates a key/value cache first), one such call per call of that module: the module
+  runs its own code, and that call runs the fused core (``FusedAttention.as_sdpa``: its dropout from the op's
+  counter stream, nothing T x T saved). Under ``make_reproducible`` the call is left to its functional
+  interception, which runs the same core on the stream it names, so fused and unfused draw the same masks.
 
 A patch is an object bound as ``module.__dict__["forward"]`` (module-level classes only: ``torch.save``
 pickles it, ``copy.deepcopy`` copies it with the Parameters it shares); ``revert(model)`` removes every
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import arg
@@ -49,8 +55,8 @@ CONSTANT = "_opsnn_constant_"  # the prefix of a constant tensor a rewritten reg
 
 @dataclass(frozen=True)
 class Route:
-    kind: str  # "chain" | "qkv" | "whole"
-    carriers: tuple[str, ...]  # chain: the module of each step (first gets the op); qkv: q, k, v; whole: one
+    kind: str  # "chain" | "qkv" | "whole" | "sdpa"
+    carriers: tuple[str, ...]  # chain: the module of each step (first gets the op); qkv: q, k, v; whole, sdpa: one
     first: int = 0  # qkv: which sibling the model calls first (it runs the packed GEMM)
     after: tuple[str, ...] = ()  # chain: per carrier, the identity op run inline just before it ('' when none)
 
@@ -301,6 +307,45 @@ class WholeForward(Patch):
         return self.op(x)
 
 
+class SDPACallSite(Patch):
+    """A module whose forward makes one ``F.scaled_dot_product_attention`` call: its own code runs, that call runs
+    the fused core (route ``module:sdpa``)."""
+
+    def __init__(self, host: nn.Module, op: nn.Module, pattern: str):
+        super().__init__(host)
+        self.op, self.pattern = op, pattern
+
+    @opaque_to_compile
+    def __call__(self, *args, **kwargs):
+        self._sync(self.op)
+        if not self.op.training:
+            return type(self.host).forward(self.host, *args, **kwargs)
+        with _SDPARedirect(self.op):
+            return type(self.host).forward(self.host, *args, **kwargs)
+
+
+class _SDPARedirect(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` -> ``op.as_sdpa``; every other call runs as it is."""
+
+    def __init__(self, op: nn.Module):
+        super().__init__()
+        self.op = op
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and not _reproducible_forward():
+            return self.op.as_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _reproducible_forward() -> bool:
+    """Whether ``make_reproducible``'s functional interception is active around this call (it then runs the
+    fused core itself, on the stream it names)."""
+    from opsnn_lab.consistency.functional import FunctionalRandomness
+
+    return any(isinstance(m, FunctionalRandomness) for m in _get_current_function_mode_stack())
+
+
 class QKVCore:
     """One packed GEMM for three sibling Linears; results wait for the siblings' calls on the same input."""
 
@@ -369,8 +414,10 @@ def install(model: nn.Module, route: Route, op: nn.Module, pattern: str) -> None
         core = QKVCore(op, route.first)
         for i, mod in enumerate(mods):
             mod.__dict__["forward"] = QKVMember(mod, core, i)
+    elif route.kind == "sdpa":
+        mods[0].__dict__["forward"] = SDPACallSite(mods[0], op, pattern)
     else:
-        raise ValueError(f"route kind must be 'chain', 'qkv' or 'whole', got {route.kind!r}")
+        raise ValueError(f"route kind must be 'chain', 'qkv', 'whole' or 'sdpa', got {route.kind!r}")
 
 
 def patches(model: nn.Module) -> dict[str, Patch]:

@@ -17,7 +17,7 @@ class Decision:
     reason: str  # always set: what was fused into which op, or why not
     saved_bytes: int = 0  # activation bytes this chain alone saves per training step, at the example shapes
     traffic_bytes: int = 0  # estimated memory traffic avoided per step (forward + backward)
-    route: str = ""  # "module:chain" | "module:qkv" | "module:whole" | "fx:<region>" ('' when not rewritten)
+    route: str = ""  # "module:chain" | "module:qkv" | "module:whole" | "module:sdpa" | "fx:<region>" ('' if none)
     carriers: list[str] = field(default_factory=list)  # module routes: the modules whose forward is patched
     first: int = 0  # module:qkv: the sibling called first (it runs the packed GEMM)
     ops: list[str] = field(default_factory=list)  # canonical op of each chain step (a plan from JSON rebuilds)

@@ -159,7 +159,7 @@ def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
     return ""
 
 
-_CACHE_HINT = ", a key/value cache: to train, set `model.config.use_cache = False` and fuse again"
+_CACHE_HINT = ", a key/value cache (a Hugging Face model trains without one: `model.config.use_cache = False`)"
 
 
 def _is_cache(receiver) -> bool:

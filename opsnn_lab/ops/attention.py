@@ -292,6 +292,20 @@ class FusedAttention(CounterRNG, nn.Module):
             return _counter_sdpa(q, k, v, mask, p, self.is_causal, self.scale, self.enable_gqa, seed, offset,
                                  return_probs=self.return_probs, fp32_softmax=self.__dict__.get("fp32_softmax", False))
 
+    def as_sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        """An ``F.scaled_dot_product_attention`` call (its arguments) whose dropout, in training, draws from this
+        op's stream and saves nothing T x T; without dropout, the call itself (its kernels save no T x T tensor
+        either). What ``ol.fusion``'s ``module:sdpa`` route runs in place of such a call."""
+        if not self.training or not dropout_p:
+            flags = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no enable_gqa
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, **flags)
+        with _amp.region(query) as cast:
+            q, k, v, mask = _cast_operands(cast, query, key, value, attn_mask)
+            seed, offset = self.next_draw(q)
+            return _counter_sdpa(q, k, v, mask, float(dropout_p), is_causal, scale, enable_gqa, seed, offset)
+
     def extra_repr(self) -> str:
         flags = "".join(f", {k}=True" for k in ("return_probs", "is_causal", "enable_gqa", "fp32_softmax")
                         if getattr(self, k, False))

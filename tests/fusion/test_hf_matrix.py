@@ -355,33 +355,42 @@ def test_t5_sdpa_encoder_attention_fuses_past_its_dtype_question_and_patched_nor
     # T5's SDPA path asks torch.finfo(key.dtype) to build its position-bias mask (answered from the example and
     # guarded), and its T5LayerNorm, asked about its weight's dtype while the analysis traces, is patched at module
     # level before the rewrite traces the layer again: the answers are matched question by question (kind and
-    # line), not by position. Encoder cores fuse; the decoder's update the cache before SDPA's size questions.
+    # line), not by position. Encoder cores fuse through fx; the decoder's update the cache before SDPA's size
+    # questions, so fx cannot trace them, and their SDPA calls are redirected at the call (module:sdpa).
     model, inputs = zoo.build("t5", batch=2, seq=16)  # default attention (sdpa), dropout 0.1
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed fx rewrite warns
         fused, plan = ol.fusion.fuse(model.train(), inputs)
-    done = sorted(d.modules[0] for d in plan.decisions if d.pattern == "attention" and d.fused)
-    assert done == ["encoder.block.0.layer.0.SelfAttention", "encoder.block.1.layer.0.SelfAttention"]
-    (a, ga), (b, gb) = _reproducible_steps((model, fused), inputs, "encoder.block.0.layer.0.SelfAttention.q.weight")
-    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-6)
+    done = {d.modules[0]: d.route for d in plan.decisions if d.pattern == "attention" and d.fused}
+    assert done == {**{f"encoder.block.{i}.layer.0.SelfAttention": f"fx:encoder.block.{i}.layer.0" for i in (0, 1)},
+                    **{f"decoder.block.{i}.layer.{j}.{name}": "module:sdpa" for i in (0, 1)
+                       for j, name in ((0, "SelfAttention"), (1, "EncDecAttention"))}}
+    for weight in ("encoder.block.0.layer.0.SelfAttention.q.weight", "decoder.block.1.layer.0.SelfAttention.q.weight",
+                   "decoder.block.0.layer.1.EncDecAttention.k.weight"):
+        (a, ga), (b, gb) = _reproducible_steps((model, fused), inputs, weight)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-6)
 
 
-def test_gpt2_sdpa_attention_with_a_cache_says_why_and_without_one_fuses():
+def test_gpt2_sdpa_attention_fuses_with_a_cache_at_the_call_and_without_one_through_fx():
     # GPT-2's layers update the model's key/value cache (config use_cache=True, also in training) before SDPA
     # asks `kv_length > q_length`: a call missing that guard would update the cache twice, so the layer is not
-    # traced, and the plan names the line; with use_cache=False the core fuses and draws make_reproducible's masks
-    model, inputs = zoo.build("gpt2", batch=2, seq=16)  # default attention (sdpa), attention dropout 0.1
-    inputs.pop("labels", None)
-    plan = ol.fusion.analyze(model.train(), inputs)
-    why = {d.reason for d in plan.decisions if d.pattern == "attention"}
-    assert len(why) == 2 and all("`update`" in w and "kv_length > q_length" in w for w in why), why
-    model.config.use_cache = False
-    fused, plan = ol.fusion.fuse(model, inputs)
-    assert plan.summary()["attention"] == {"fused": 2, "rejected": 0}
-    (a, ga), (b, gb) = _reproducible_steps((model, fused), inputs, "transformer.h.0.attn.c_attn.weight")
-    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-6)
+    # traced (the routes name the line and the cache) and its SDPA call is redirected at the call; with
+    # use_cache=False the layer traces and the core fuses through fx. Both draw make_reproducible's masks.
+    for use_cache, route in ((True, "module:sdpa"), (False, "fx:transformer.h.{}.attn")):
+        model, inputs = zoo.build("gpt2", batch=2, seq=16)  # default attention (sdpa), attention dropout 0.1
+        inputs.pop("labels", None)
+        model.config.use_cache = use_cache
+        fused, plan = ol.fusion.fuse(model.train(), inputs)
+        assert [d.route for d in plan.decisions if d.pattern == "attention" and d.fused] == \
+            [route.format(i) for i in (0, 1)], [d.reason for d in plan.decisions if d.pattern == "attention"]
+        if use_cache:
+            why = [r["reason"] for r in plan.routes if r["path"].endswith(".attn")]
+            assert len(why) == 2 and all("`update`" in w and "kv_length > q_length" in w and "use_cache = False" in w
+                                         for w in why), why
+        (a, ga), (b, gb) = _reproducible_steps((model, fused), inputs, "transformer.h.0.attn.c_attn.weight")
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-6)
 
 
 def test_a_fused_eager_attention_draws_the_mask_its_inline_dropout_draws_under_make_reproducible():
