@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import opsnn_lab as ol
 from opsnn_lab.fusion.patch import SDPACallSite, patches
@@ -51,13 +52,17 @@ class Net(nn.Module):
         super().__init__()
         self.emb, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
         self.layers = nn.ModuleList(CachedAttention(p=p, calls=calls) for _ in range(2))
+        self.checkpointed = False
 
     def forward(self, x):
         if not bool(x.isfinite().all()):  # a branch on values: fx traces the layers alone, each given its cache
             raise ValueError("x has non-finite values")
         h = self.emb(x)
         for layer in self.layers:
-            h = h + layer(h, Store())
+            if self.checkpointed:  # recomputed in backward, with a fresh cache as in the forward
+                h = h + checkpoint(lambda h, layer=layer: layer(h, Store()), h, use_reentrant=False)
+            else:
+                h = h + layer(h, Store())
         return self.head(h)
 
 
@@ -126,6 +131,19 @@ def test_the_masks_come_from_the_ops_stream_and_replay_from_seed_and_step():
         for i, op in enumerate(ops):
             op.set_rng(100 + i, 0)
         assert torch.equal(again, fused(x))
+
+
+def test_a_checkpointed_layer_replays_the_forwards_masks():
+    torch.manual_seed(0)
+    model, x = Net().train(), seeded(2, 24, 8)
+    fused, _ = _fused(model, x)
+    plain, recomputed = copy.deepcopy(fused), copy.deepcopy(fused)
+    recomputed.checkpointed = True
+    for m in (plain, recomputed):
+        for i, patch in enumerate(p for p in patches(m).values() if isinstance(p, SDPACallSite)):
+            patch.op.set_rng(50 + i, 0)
+    (out_a, g_a), (out_b, g_b) = _step(plain, x), _step(recomputed, x)
+    assert torch.equal(out_a, out_b) and all(torch.equal(a, b) for a, b in zip(g_a, g_b))
 
 
 def test_pickled_copied_and_reverted():
