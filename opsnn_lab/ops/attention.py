@@ -301,10 +301,9 @@ class FusedAttention(CounterRNG, nn.Module):
             flags = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no enable_gqa
             return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=is_causal, scale=scale, **flags)
-        with _amp.region(query) as cast:
-            q, k, v, mask = _cast_operands(cast, query, key, value, attn_mask)
-            seed, offset = self.next_draw(q)
-            return _counter_sdpa(q, k, v, mask, float(dropout_p), is_causal, scale, enable_gqa, seed, offset)
+        seed, offset = self.next_draw(query)
+        return counter_sdpa(query, key, value, attn_mask, float(dropout_p), is_causal, scale, enable_gqa, seed=seed,
+                            offset=offset)
 
     def extra_repr(self) -> str:
         flags = "".join(f", {k}=True" for k in ("return_probs", "is_causal", "enable_gqa", "fp32_softmax")
