@@ -28,6 +28,7 @@ from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, acc_dtype, bn_act_back
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops._activations import activation_of
 from opsnn_lab.ops._bn_act import computes_batch_norm
+from opsnn_lab.ops._conv_grad import convolution_backward
 
 __all__ = ["FusedConvBNAct", "FusedConvBNReLU", "ConvBNActFunction", "ConvBNReLUFunction"]
 
@@ -229,8 +230,8 @@ def _conv_backward(ctx, grad_y, x, weight, need_w):
     cfg, need = ctx.cfg, ctx.needs_input_grad
     # [0] without a bias: the same call autograd makes for the eager conv, so ATen picks the same kernels
     bias_sizes = [weight.shape[0]] if ctx.has_bias else [0]
-    return torch.ops.aten.convolution_backward(grad_y, x, weight, bias_sizes, *cfg.conv_args(), False, [0, 0],
-                                               cfg.groups, [need[0], need_w, need[2] and ctx.has_bias])
+    return convolution_backward(grad_y, x, weight, bias_sizes, *cfg.conv_args(), cfg.groups,
+                                [need[0], need_w, need[2] and ctx.has_bias])
 
 
 def _backward_train(ctx, grad_out):
@@ -257,9 +258,8 @@ def _backward_eval(ctx, grad_out):
                                    output_mask=(True, False, False))
     need_wf = need[1] or need[3]
     bias_sizes = [weight.shape[0]]
-    dx, dw_f, db_f = torch.ops.aten.convolution_backward(grad_a, _internal(x, cfg), w_f, bias_sizes,
-                                                         *cfg.conv_args(), False, [0, 0], cfg.groups,
-                                                         [need[0], need_wf, True])
+    dx, dw_f, db_f = convolution_backward(grad_a, _internal(x, cfg), w_f, bias_sizes, *cfg.conv_args(), cfg.groups,
+                                          [need[0], need_wf, True])
     db_f = db_f.to(acc)
     dw = (dw_f.to(acc) * fold.view(-1, 1, 1, 1)).to(weight.dtype) if need[1] else None
     db = (db_f * fold).to(weight.dtype) if need[2] and ctx.has_bias else None

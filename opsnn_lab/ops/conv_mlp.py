@@ -9,7 +9,8 @@ backward recomputes the activation and its dropout mask (counter RNG at ``(seed,
 ``nn.Dropout`` there does under ``ol.consistency.make_reproducible``).
 
 Activation and mask run through ``kernels.gelu_dropout`` (its Triton kernels on a GPU, torch elsewhere), each
-convolution's gradients through aten's ``convolution_backward``, the call autograd makes for an eager conv.
+convolution's gradients through aten's ``convolution_backward``, the call autograd makes for an eager conv (a 1x1
+conv's input gradient on CPU as one GEMM: ``ops._conv_grad``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from opsnn_lab._checks import check_range, check_tensor, check_type, same_device
 from opsnn_lab.kernels.gelu_dropout import act_dropout_bwd, act_dropout_fwd, act_forward
 from opsnn_lab.ops import _amp
+from opsnn_lab.ops._conv_grad import convolution_backward
 from opsnn_lab.ops._mlp_parts import ACTS, parse_act_dropout, supports_of
 from opsnn_lab.ops.conv_bn_relu import _conv_padding, _keeps_forward, _pair
 from opsnn_lab.ops.dropout import CounterRNG, Dropout
@@ -49,9 +51,8 @@ class _Geometry:
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
     def backward(self, grad, x, weight, has_bias: bool, mask):
-        return torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[0]] if has_bias else [0],
-                                                   list(self.stride), list(self.padding), list(self.dilation),
-                                                   False, [0, 0], self.groups, mask)
+        return convolution_backward(grad, x, weight, [weight.shape[0]] if has_bias else [0], self.stride,
+                                    self.padding, self.dilation, self.groups, mask)
 
 
 _CL = torch.channels_last
