@@ -7,8 +7,9 @@ sample. On channels-first maps aten's CPU kernels reach it the long way: its own
 reorders around its own. On an AVX-512 Xeon the GEMM alone took 0.1-0.9 of the call's time (fp32 and bf16, 1 and
 2 threads, maps of 14x14 to 56x56), with the same bits in every case tried. The fused ops whose backward holds
 such a conv's input gradient (a 1x1 Conv->BN->act, the convolutions of a channels-first MLP) take the GEMM; the
-weight and bias gradients, channels-last maps (where oneDNN's kernel was as fast) and maps under 8x8 stay aten's,
-and so does everything under deterministic algorithms (``strict()``), whose bits ``strict()`` pins.
+weight and bias gradients, channels-last maps (where oneDNN's kernel was as fast), maps under 8x8 and inputs under
+64k elements (where a second call costs more than the copy) stay aten's, and so does everything under
+deterministic algorithms (``strict()``), whose bits ``strict()`` pins.
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ __all__ = ["convolution_backward", "gemm_input_grad"]
 _CL = torch.channels_last
 # Narrower maps make a thin GEMM per sample: at 7x7 over 960 channels aten's bf16 kernel was 1.4x faster
 _MIN_PIXELS = 64
+# Under this many input elements the second call (aten's, for the weight gradient) costs more than the copy the
+# GEMM saves: fp32 4x16x8x8 1.42x aten's time, 4x16x16x16 1.22x, 8x32x16x16 0.88x (Xeon, one thread)
+_MIN_ELEMENTS = 1 << 16
 
 
 def gemm_input_grad(x: torch.Tensor, weight: torch.Tensor, stride, padding, groups: int) -> bool:
     """Whether the input gradient of ``conv2d(x, weight, stride=stride, padding=padding, groups=groups)`` is
-    computed here as one GEMM per sample: CPU, a channels-first ``x`` of at least ``_MIN_PIXELS`` pixels a map, a 1x1
-    kernel, stride 1, no padding, one group, deterministic algorithms off."""
+    computed here as one GEMM per sample: CPU, a channels-first ``x`` of at least ``_MIN_PIXELS`` pixels a map and
+    ``_MIN_ELEMENTS`` elements, a 1x1 kernel, stride 1, no padding, one group, deterministic algorithms off."""
     return (x.device.type == "cpu" and x.dim() == 4 and groups == 1 and tuple(weight.shape[-2:]) == (1, 1)
             and tuple(stride) == (1, 1) and tuple(padding) == (0, 0) and x.dtype == weight.dtype
-            and x.shape[-1] * x.shape[-2] >= _MIN_PIXELS and _channels_first(x)
+            and x.shape[-1] * x.shape[-2] >= _MIN_PIXELS and x.numel() >= _MIN_ELEMENTS and _channels_first(x)
             and not torch.are_deterministic_algorithms_enabled())
 
 

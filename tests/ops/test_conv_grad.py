@@ -11,6 +11,12 @@ from opsnn_lab.testing import assert_close_dtype, run_fwd_bwd, seeded
 _ONE = ([1, 1], [0, 0], [1, 1])  # stride, padding, dilation of a pointwise conv
 
 
+@pytest.fixture(autouse=True)
+def _small_inputs_count(monkeypatch):
+    """The tests' small inputs take the GEMM too (it starts at 64k elements, where it starts to pay)."""
+    monkeypatch.setattr(_conv_grad, "_MIN_ELEMENTS", 0)
+
+
 def _aten(grad, x, weight, bias_sizes, stride, padding, dilation, groups, mask):
     return torch.ops.aten.convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, False,
                                                [0, 0], groups, mask)
@@ -58,7 +64,7 @@ def test_empty_batch():
 
 
 @pytest.mark.parametrize("change", ["stride", "padding", "groups", "kernel", "channels_last", "small_map",
-                                    "deterministic"])
+                                    "few_elements", "deterministic"])
 def test_other_convolutions_keep_atens_path(change, monkeypatch):
     grad, x, weight = _case(2, 4, 6, 8, 8, torch.float32)
     stride, padding, groups = [1, 1], [0, 0], 1
@@ -76,6 +82,8 @@ def test_other_convolutions_keep_atens_path(change, monkeypatch):
         x = x.contiguous(memory_format=torch.channels_last)
     elif change == "small_map":
         grad, x, weight = _case(2, 4, 6, 7, 9, torch.float32)  # 63 pixels
+    elif change == "few_elements":
+        monkeypatch.setattr(_conv_grad, "_MIN_ELEMENTS", x.numel() + 1)
     if change == "deterministic":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert not _conv_grad.gemm_input_grad(x, weight, stride, padding, groups)
