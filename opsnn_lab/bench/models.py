@@ -2,7 +2,9 @@
 against the fused model (``ol.fusion.fuse``), fp32 and under bf16 ``torch.autocast``.
 
 Per (model, precision): forward+backward time fused/eager (interleaved medians), activation bytes fused/eager
-(parameters excluded) and the relative loss difference. Models from Hugging Face configs, sized per device:
+(parameters excluded), peak bytes of the step fused/eager (``peak_bytes``: activations, temporaries and the
+``.grad`` tensors made afresh, what the step adds to the parameters) and the relative loss difference. Models from
+Hugging Face configs, sized per device:
 
 * ``llama``: ``LlamaForCausalLM``, vocabulary 32000, GQA; the fused side is the fused model with the fused
   head + loss (``ol.ops.lm_head_loss``). GPU: hidden 1024, intermediate 2816, 4 layers, 16/8 heads, 8 x 512
@@ -25,7 +27,7 @@ import torch
 
 import opsnn_lab as ol
 from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_threads, machine_line, write_json
-from opsnn_lab.measuring import activation_bytes
+from opsnn_lab.measuring import activation_bytes, peak_bytes
 
 __all__ = ["main", "model_rows", "model_arguments", "parse_model_arguments", "training_steps", "each_model", "MODELS",
            "SIZES"]
@@ -113,6 +115,14 @@ def each_model(names, device, quick: bool, rows_of) -> list[dict]:
     return rows
 
 
+def _peak(model, step) -> int:
+    """Peak bytes of one training step (``peak_bytes``): activations, temporaries and the parameters' ``.grad``,
+    made afresh as after ``zero_grad(set_to_none=True)``."""
+    for p in model.parameters():
+        p.grad = None
+    return peak_bytes(step)
+
+
 def _row(name: str, model, inputs: dict, device, repeat: int, precisions) -> list[dict]:
     model, fused, plan, inputs, head_loss, step = training_steps(model, inputs, device)
     kind = torch.device(device).type
@@ -125,9 +135,12 @@ def _row(name: str, model, inputs: dict, device, repeat: int, precisions) -> lis
         with torch.autocast(kind, dtype=torch.bfloat16, enabled=amp):
             eager_b = activation_bytes(lambda: _loss(model, inputs, False), exclude=tuple(model.parameters()))
             fused_b = activation_bytes(lambda: _loss(fused, inputs, head_loss), exclude=tuple(fused.parameters()))
+        peaks = [_peak(m, lambda m=m, side=side, amp=amp: step(m, side, amp))
+                 for m, side in ((model, False), (fused, True))]
         rows.append({"model": name, "precision": "bf16 autocast" if amp else "fp32", "fused": len(plan.fused),
                      "candidates": len(plan.decisions), "time fused/eager": times["fused"] / times["eager"],
                      "eager ms": times["eager"] * 1e3, "bytes fused/eager": fused_b / eager_b,
+                     "peak fused/eager": peaks[1] / peaks[0], "eager peak MB": peaks[0] / 2**20,
                      "loss rel diff": abs(losses[1] - losses[0]) / max(abs(losses[0]), 1e-12)})
     return rows
 
@@ -140,7 +153,7 @@ def model_rows(device="cuda", names=MODELS, quick: bool = False, repeat: int = 1
 
 
 COLUMNS = ["model", "precision", "fused", "candidates", "time fused/eager", "eager ms", "bytes fused/eager",
-           "loss rel diff", "error"]
+           "peak fused/eager", "eager peak MB", "loss rel diff", "error"]
 
 
 def model_arguments(name: str, doc: str) -> argparse.ArgumentParser:

@@ -204,6 +204,8 @@ def test_model_rows_time_bytes_and_loss_per_precision():
         ("llama", "fp32"), ("llama", "bf16 autocast"), ("mobilenet_v2", "fp32"), ("mobilenet_v2", "bf16 autocast")]
     for r in rows:
         assert r["fused"] > 0 and 0 < r["bytes fused/eager"] < 1 and r["time fused/eager"] > 0, r
+        # the step's peak, .grad included: the tiny decoder's is its gradients (~0.1 MB), the CNN's its activations
+        assert 0 < r["peak fused/eager"] < (1 if r["model"] == "mobilenet_v2" else 1.2) and r["eager peak MB"] > 0, r
         assert r["loss rel diff"] < (1e-5 if r["precision"] == "fp32" else 2e-2), r
     (bad,) = model_rows("cpu", names=("no_such_model",), quick=True)
     assert bad["model"] == "no_such_model" and "ValueError" in bad["error"]
