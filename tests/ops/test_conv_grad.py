@@ -56,6 +56,16 @@ def test_non_contiguous_gradient_and_input():
         torch.testing.assert_close(g, r)
 
 
+def test_a_broadcast_gradient():
+    """``out.sum().backward()`` hands the backward a gradient with zero strides."""
+    grad, x, weight = _case(2, 5, 6, 9, 10, torch.float32)
+    flat = torch.ones(()).expand(grad.shape)
+    got = _conv_grad.convolution_backward(flat, x, weight, [6], *_ONE, 1, [True, True, True])
+    want = _aten(flat.contiguous(), x, weight, [6], *_ONE, 1, [True, True, True])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+
+
 def test_empty_batch():
     grad, x, weight = _case(0, 3, 4, 8, 8, torch.float32)
     got = _conv_grad.convolution_backward(grad, x, weight, [4], *_ONE, 1, [True, True, True])
