@@ -26,20 +26,22 @@ _BLOCK_V = 4096  # vocabulary columns per loop step of the Triton kernel (the ro
 
 
 # --------------------------------------------------------------------------- torch reference
-def cross_entropy_chunk_reference(logits, target, ignore_index, smoothing, row_scale=None):
+def cross_entropy_chunk_reference(logits, target, ignore_index, smoothing, row_scale=None, *, scratch=False):
     """Torch path: ``(loss, lse)`` per row, both (C,) fp32; with ``row_scale`` (C,) fp32 the logits (C, V)
-    fp32 are overwritten by the scaled gradient (ignored rows must have scale 0)."""
+    fp32 are overwritten by the scaled gradient (ignored rows must have scale 0); without it, by the
+    probabilities when ``scratch`` (else they are left alone)."""
     valid = target != ignore_index
     safe = torch.where(valid, target, torch.zeros_like(target))
     picked = logits.gather(1, safe[:, None]).squeeze(1)
     zmean = logits.mean(-1) if smoothing else None
-    if row_scale is None:
-        lse = torch.logsumexp(logits, dim=-1)
+    if row_scale is None and not scratch:
+        lse = torch.logsumexp(logits, dim=-1)  # a (C, V) temporary: the logits are the caller's
     else:  # in place, no (C, V) temporary: aten's row softmax does max, exp-sum and scale while a row is in
         # cache (3.1 ms for 256 x 32000 fp32 on one core, against 6.5 ms for amax, sub, exp, sum and mul)
         m = logits.amax(-1)
         grad = torch.ops.aten._softmax.out(logits, 1, False, out=logits)
         lse = m - grad.amax(-1).log()  # the largest probability is exp(0) / sum(exp(z - max))
+    if row_scale is not None:
         grad.mul_(row_scale[:, None])
         if smoothing:
             grad.sub_((row_scale * (smoothing / logits.shape[1]))[:, None])
@@ -111,14 +113,16 @@ def _chunk_triton(logits, target, ignore_index, smoothing, row_scale):
     return loss, lse
 
 
-def cross_entropy_chunk(logits, target, ignore_index=-100, smoothing=0.0, row_scale=None):
+def cross_entropy_chunk(logits, target, ignore_index=-100, smoothing=0.0, row_scale=None, *, scratch=False):
     """Row losses and logsumexp of a logits chunk; with ``row_scale``, the scaled gradient in place.
 
-    logits: (C, V) contiguous fp32 (overwritten when ``row_scale`` is given); target: (C,) int64 with values in
-    [0, V) or ``ignore_index``; row_scale: (C,) fp32, 0 on ignored rows. Returns ``(loss, lse)``, (C,) fp32 each.
+    logits: (C, V) contiguous fp32 (overwritten when ``row_scale`` is given; without it, left alone unless
+    ``scratch``: a chunk nobody reads afterwards, which the CPU path then uses for its softmax instead of making a
+    (C, V) temporary); target: (C,) int64 with values in [0, V) or ``ignore_index``; row_scale: (C,) fp32, 0 on
+    ignored rows. Returns ``(loss, lse)``, (C,) fp32 each.
     """
     if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
         raise ValueError(f"logits must be a contiguous 2-D fp32 chunk, got {logits.dtype} {tuple(logits.shape)}")
     if backend_for(logits) == "triton":
         return _chunk_triton(logits, target.contiguous(), ignore_index, smoothing, row_scale)
-    return cross_entropy_chunk_reference(logits, target, ignore_index, smoothing, row_scale)
+    return cross_entropy_chunk_reference(logits, target, ignore_index, smoothing, row_scale, scratch=scratch)

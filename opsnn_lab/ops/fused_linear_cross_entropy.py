@@ -91,7 +91,12 @@ def _grad_pass(h2, weight, bias, target, row_scale, cfg, need):
     for a, b in _chunks(n, rows):
         hc = h2[a:b]
         z = _logits(hc, weight, bias)
-        loss[a:b] = cross_entropy_chunk(z, target[a:b], ignore_index, smoothing, row_scale[a:b] if want else None)[0]
+        # the loss-only pass (recompute's forward) reads the chunk no more: its softmax may take the chunk's place
+        loss[a:b] = cross_entropy_chunk(z, target[a:b], ignore_index, smoothing, row_scale[a:b] if want else None,
+                                        scratch=not want)[0]
+        if not want:
+            del z
+            continue
         # Plain mm for the logits and grad_h (no out=): strict() swaps aten's mm/addmm for fixed-order ones.
         zc = z.to(acc) if need_h or acc == torch.bfloat16 else z  # one cast, shared by both GEMMs
         if need_b:

@@ -37,6 +37,20 @@ def test_reference_matches_f_cross_entropy(smoothing):
     _check(K.cross_entropy_chunk_reference, 9, 37, smoothing, ignore_rows=(0, 4))
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_scratch_logits_give_the_same_loss_and_hold_the_probabilities(smoothing):
+    logits, target = _case(9, 37, ignore_rows=(0, 4))
+    want_loss, want_lse, _ = _eager(logits, target, smoothing, torch.ones(9))
+    kept = logits.clone()
+    K.cross_entropy_chunk(kept, target, -100, smoothing)
+    assert torch.equal(kept, logits)  # no scratch: left alone
+    work = logits.clone()
+    loss, lse = K.cross_entropy_chunk(work, target, -100, smoothing, scratch=True)
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(work, torch.softmax(logits, -1))
+
+
 def test_public_entry_rejects_what_it_would_corrupt():
     with pytest.raises(ValueError, match="logits"):
         K.cross_entropy_chunk(torch.zeros(3, 4, dtype=torch.float16), torch.zeros(3, dtype=torch.long))

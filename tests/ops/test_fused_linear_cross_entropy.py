@@ -138,6 +138,28 @@ def test_never_holds_the_full_logits_forward_or_backward(recompute):
     assert eager.largest >= 96 * 211  # the probe sees eager's full logits
 
 
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_loss_only_pass_makes_no_chunk_sized_temporary():
+    """recompute's forward computes the loss alone: its softmax takes the chunk's place. aten's logsumexp would
+    make a (C, V) ``z - max`` inside its kernel, which neither a dispatch mode nor ``peak_bytes`` sees."""
+    hidden, weight, bias, target = _problem(shape=(96,), v=211, h=8)
+    with _Ops() as seen:
+        loss = ops.linear_cross_entropy(hidden, weight, target, bias, chunk_size=16, recompute=True)
+    assert "_softmax" in seen.names and "logsumexp" not in seen.names
+    torch.testing.assert_close(loss, eager_linear_cross_entropy(hidden, weight, target, bias))
+    peak = peak_bytes(lambda: ops.linear_cross_entropy(hidden, weight, target, bias, chunk_size=16, recompute=True))
+    assert peak < 1.5 * 16 * 211 * 4  # one chunk of logits
+
+
 def test_saved_bytes_vs_eager():
     n, v, h = 256, 1000, 32
     head = nn.Linear(h, v)
