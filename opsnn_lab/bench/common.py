@@ -6,14 +6,25 @@ import functools
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+import torch
+
 from opsnn_lab.bench.machine import machine_info, machine_line
-from opsnn_lab.measuring import interleaved_medians, median_time, sync
+from opsnn_lab.measuring import interleaved_medians, median_time, peak_bytes, sync
 
 __all__ = ["median_time", "interleaved_medians", "Timer", "machine_info", "machine_line", "write_json", "format_table",
-           "bench_dir", "sync", "keeps_threads"]
+           "bench_dir", "sync", "keeps_threads", "step_peak_bytes"]
+
+
+def step_peak_bytes(step: Callable[[], object], tensors: Iterable[torch.Tensor]) -> int:
+    """``peak_bytes(step)`` with the ``.grad`` of every tensor in ``tensors`` that requires grad set to None first,
+    as after ``zero_grad(set_to_none=True)``: the gradients the step makes count in its peak."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.grad = None
+    return peak_bytes(step)
 
 
 def keeps_threads(main):

@@ -26,8 +26,15 @@ import copy
 import torch
 
 import opsnn_lab as ol
-from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_threads, machine_line, write_json
-from opsnn_lab.measuring import activation_bytes, peak_bytes
+from opsnn_lab.bench.common import (
+    format_table,
+    interleaved_medians,
+    keeps_threads,
+    machine_line,
+    step_peak_bytes,
+    write_json,
+)
+from opsnn_lab.measuring import activation_bytes
 
 __all__ = ["main", "model_rows", "model_arguments", "parse_model_arguments", "training_steps", "each_model", "MODELS",
            "SIZES"]
@@ -115,14 +122,6 @@ def each_model(names, device, quick: bool, rows_of) -> list[dict]:
     return rows
 
 
-def _peak(model, step) -> int:
-    """Peak bytes of one training step (``peak_bytes``): activations, temporaries and the parameters' ``.grad``,
-    made afresh as after ``zero_grad(set_to_none=True)``."""
-    for p in model.parameters():
-        p.grad = None
-    return peak_bytes(step)
-
-
 def _row(name: str, model, inputs: dict, device, repeat: int, precisions) -> list[dict]:
     model, fused, plan, inputs, head_loss, step = training_steps(model, inputs, device)
     kind = torch.device(device).type
@@ -135,7 +134,7 @@ def _row(name: str, model, inputs: dict, device, repeat: int, precisions) -> lis
         with torch.autocast(kind, dtype=torch.bfloat16, enabled=amp):
             eager_b = activation_bytes(lambda: _loss(model, inputs, False), exclude=tuple(model.parameters()))
             fused_b = activation_bytes(lambda: _loss(fused, inputs, head_loss), exclude=tuple(fused.parameters()))
-        peaks = [_peak(m, lambda m=m, side=side, amp=amp: step(m, side, amp))
+        peaks = [step_peak_bytes(lambda m=m, side=side, amp=amp: step(m, side, amp), m.parameters())
                  for m, side in ((model, False), (fused, True))]
         rows.append({"model": name, "precision": "bf16 autocast" if amp else "fp32", "fused": len(plan.fused),
                      "candidates": len(plan.decisions), "time fused/eager": times["fused"] / times["eager"],

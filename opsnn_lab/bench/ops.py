@@ -37,9 +37,17 @@ from opsnn_lab.bench import chains_mlp
 from opsnn_lab.bench.allocator import page_faults, prefault, steady
 from opsnn_lab.bench.chains_conv import CONV_BUILDERS, CONV_CHAINS
 from opsnn_lab.bench.chains_norm import NORM_BUILDERS, NORM_CHAINS
-from opsnn_lab.bench.common import format_table, interleaved_medians, keeps_threads, machine_line, sync, write_json
+from opsnn_lab.bench.common import (
+    format_table,
+    interleaved_medians,
+    keeps_threads,
+    machine_line,
+    step_peak_bytes,
+    sync,
+    write_json,
+)
 from opsnn_lab.bench.machine import emulated_note
-from opsnn_lab.measuring import activation_bytes, peak_bytes
+from opsnn_lab.measuring import activation_bytes
 
 __all__ = ["main", "build_chains", "measure", "emulated_rows", "scaled", "FusedEncoderLayer", "CHAINS", "ROW_DTYPES",
            "FULL", "QUICK"]
@@ -238,13 +246,6 @@ def _bytes(fn: Callable, inputs: tuple) -> int | None:
         return None
 
 
-def _peak(step: Callable[[], None], chain: Chain) -> int:
-    for t in (*chain.inputs, *chain.params):  # fresh .grad tensors, as in a step after zero_grad(set_to_none)
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.grad = None
-    return peak_bytes(step)
-
-
 def _counting(step: Callable[[], None], faults: dict, calls: dict, key: str) -> Callable[[], None]:
     def run():
         f0 = page_faults()
@@ -270,7 +271,8 @@ def measure(chain: Chain, *, compile_: bool, repeat: int, warmup: int, device, m
     for f in steps.values():  # warm-up outside the fault count: its first-touch faults are not the steps'
         for _ in range(warmup):
             f()
-    peak = {k: _peak(steps[k], chain) for k in ("eager", "fused")} if headroom or chain.params else {}
+    peak = ({k: step_peak_bytes(steps[k], (*chain.inputs, *chain.params)) for k in ("eager", "fused")}
+            if headroom or chain.params else {})
     if headroom:
         row["headroom_bytes"] = max(headroom, 2 * max(peak.values()))
         prefault(row["headroom_bytes"])
