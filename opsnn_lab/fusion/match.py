@@ -147,6 +147,18 @@ def past_identities(g: Graph, node: Node) -> tuple[list[Node], Node | None]:
     return passed, nxt
 
 
+def act_reader(g: Graph, node: Node, acts) -> tuple[list[Node], Node | None]:
+    """The activation (a kind in ``acts``) reading ``node``: a direct reader, else the one behind ``nn.Identity``
+    placeholders (timm's ConvMlp: ``fc1 -> norm (Identity) -> act``): ``(the identities passed, the activation)``,
+    ``([], None)`` where there is none. A direct reader is taken even when ``node`` has others, so the candidate
+    is reported with them as its reason."""
+    act = next((u for u in g.users.get(node.name, []) if act_kind(u) in acts), None)
+    if act is not None:
+        return [], act
+    passed, nxt = past_identities(g, node)
+    return (passed, nxt) if passed and nxt is not None and act_kind(nxt) in acts else ([], None)
+
+
 def _dropout_module(n: Node | None):
     if n is None:
         return None

@@ -23,6 +23,7 @@ from opsnn_lab.fusion.match import (
     _op_support,
     act_kind,
     act_module,
+    act_reader,
     op_class,
     past_identities,
 )
@@ -87,11 +88,13 @@ def _inner_act(bn: Node) -> Node | None:
 def find_linear_gelu_dropout(g: Graph) -> list[Match]:
     out = []
     for lin in g.nodes:
-        act = next((u for u in g.users.get(lin.name, []) if act_kind(u) in LINEAR_ACTS), None)
-        if not _is_module(lin, "linear") or act is None:
+        if not _is_module(lin, "linear"):
             continue
-        m = Match(f"linear_{act_kind(act)}", [lin, act], False, "", inputs=lin.inputs[:1], outputs=[act])
-        m.reason = _consumer_reason(g, lin, act)
+        before, act = act_reader(g, lin, LINEAR_ACTS)
+        if act is None:
+            continue
+        m = Match(f"linear_{act_kind(act)}", [lin, *before, act], False, "", inputs=lin.inputs[:1], outputs=[act])
+        m.reason = _consumer_reason(g, lin, m.nodes[1])
         if m.reason:
             out.append(m)
             continue
@@ -125,19 +128,21 @@ def find_conv_act_conv(g: Graph) -> list[Match]:
     whose one reader is an activation leading (past identities and a dropout) to a second conv."""
     out = []
     for conv in g.nodes:
-        act = next((u for u in g.users.get(conv.name, []) if act_kind(u) in LINEAR_ACTS), None)
-        if not _is_module(conv, "conv2d") or act is None:
+        if not _is_module(conv, "conv2d"):
+            continue
+        before, act = act_reader(g, conv, LINEAR_ACTS)
+        if act is None:
             continue
         passed, nxt = past_identities(g, act)
         drop = nxt if nxt is not None and nxt.op == "dropout" else None
         passed2, conv2 = past_identities(g, drop) if drop is not None else ([], nxt)
         if not _is_module(conv2, "conv2d"):
             continue  # a conv and its activation alone: no op takes them without a second conv
-        m = Match(f"conv_{act_kind(act)}{'_dropout' if drop is not None else ''}_conv", [conv, act], False, "",
-                  inputs=conv.inputs[:1], outputs=[conv2])
+        m = Match(f"conv_{act_kind(act)}{'_dropout' if drop is not None else ''}_conv", [conv, *before, act], False,
+                  "", inputs=conv.inputs[:1], outputs=[conv2])
         m.nodes += [*passed, *([drop] if drop is not None else []), *passed2, conv2]
         m.params = {"conv1": conv.obj, "act": act_module(act), "dropout": _dropout_module(drop), "conv2": conv2.obj}
-        m.reason = (_consumer_reason(g, conv, act) or _op_support("FusedConvActDropoutConv", *m.params.values())
+        m.reason = (_consumer_reason(g, conv, m.nodes[1]) or _op_support("FusedConvActDropoutConv", *m.params.values())
                     or _common_checks(g, m.nodes))
         m.ok = not m.reason
         out.append(m)

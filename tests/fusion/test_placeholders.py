@@ -1,5 +1,6 @@
 """``nn.Identity`` placeholders inside a chain (timm's ``drop_block`` between BN and act, an Mlp's ``norm``
-between dropout and fc2, a gated MLP's ``norm`` before ``down``) are looked past: the chain fuses with the
+between dropout and fc2, a ConvMlp's ``norm`` between fc1 and act, a gated MLP's ``norm`` before ``down``) are
+looked past: the chain fuses with the
 identity among its modules, by every route, and matches eager. An identity read twice ends the chain."""
 
 from __future__ import annotations
@@ -35,6 +36,31 @@ class ConvBlock(nn.Module):  # timm's ResNet block start: conv -> bn -> drop_blo
 
     def forward(self, x):
         return self.out(self.aa(self.act(self.drop_block(self.bn(self.conv(x))))))
+
+
+class ConvMlp(nn.Module):  # timm's ConvMlp: fc1 -> norm (Identity) -> act -> drop -> fc2, 1x1 convs
+    def __init__(self, c=6):
+        super().__init__()
+        self.fc1, self.norm, self.act = nn.Conv2d(c, 3 * c, 1), nn.Identity(), nn.GELU()
+        self.drop, self.fc2 = nn.Dropout(0.0), nn.Conv2d(3 * c, c, 1)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.act(self.norm(self.fc1(x)))))
+
+
+class NormFirstMlp(nn.Module):  # the placeholder between a Linear and its activation, two of them in a row
+    def __init__(self, d=12):
+        super().__init__()
+        self.fc1, self.norm, self.pre, self.act = nn.Linear(d, 2 * d), nn.Identity(), nn.Identity(), nn.SiLU()
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.pre(self.norm(self.fc1(x)))))
+
+
+class InlineConvMlp(ConvMlp):  # the activation inline and a residual add: only the fx route reaches the chain
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.norm(self.fc1(x))))
 
 
 class InlineMlp(Mlp):  # the activation inline and a residual add: only the fx route reaches the chain
@@ -74,6 +100,9 @@ CASES = {
     "mlp": (Mlp, (3, 5, 12), "linear_gelu_dropout_linear", ["fc1", "act", "drop1", "norm", "fc2"], "module"),
     "conv": (ConvBlock, (2, 4, 6, 6), "conv_bn_relu", ["conv", "bn", "drop_block", "act"], "module"),
     "fx": (InlineMlp, (3, 5, 12), "linear_gelu_linear", ["fc1", "norm", "fc2"], "fx"),
+    "conv_mlp": (ConvMlp, (2, 6, 5, 7), "conv_gelu_dropout_conv", ["fc1", "norm", "act", "drop", "fc2"], "module"),
+    "norm_first": (NormFirstMlp, (3, 5, 12), "linear_silu_linear", ["fc1", "norm", "pre", "act", "fc2"], "module"),
+    "conv_mlp_fx": (InlineConvMlp, (2, 6, 5, 7), "conv_gelu_conv", ["fc1", "norm", "fc2"], "fx"),
     "gated": (GluModule, (3, 5, 12), "gated_mlp_silu", ["gate", "act", "up", "norm", "down"], "module"),
 }
 
@@ -102,6 +131,21 @@ def test_a_plan_read_back_from_json_applies_past_the_identity():
     fused = ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(plan.to_json()))
     torch.testing.assert_close(fused(x), model(x))
     assert activation_bytes(lambda: fused(x)) < activation_bytes(lambda: model(x))
+
+
+class ReadTwice(nn.Module):  # the placeholder before the activation is also read by the residual
+    def __init__(self, c=6):
+        super().__init__()
+        self.fc1, self.norm, self.act, self.fc2 = nn.Conv2d(c, c, 1), nn.Identity(), nn.GELU(), nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        h = self.norm(self.fc1(x))
+        return self.fc2(self.act(h)) + h
+
+
+def test_an_identity_before_the_activation_read_twice_is_no_chain():
+    plan = ol.fusion.analyze(ReadTwice().train(), seeded(2, 6, 5, 5))
+    assert not [d for d in plan.decisions if d.fused], [d.reason for d in plan.decisions]
 
 
 def test_an_identity_read_twice_ends_the_chain():
