@@ -193,6 +193,9 @@ class Pattern:
     min_share: float = 0.0
     # ... because of this (said in the decision of a match that saves less)
     needs: str = ""
+    # fused for time (the QKV's one GEMM): taken even where it keeps more activation bytes than eager; every
+    # other pattern is fused for memory, and a match that would keep more is declined with ``needs``
+    for_time: bool = False
 
 
 def _only(find, *names):
@@ -212,6 +215,11 @@ _LN_NEEDS = ("FusedLayerNorm rebuilds xhat from its output in backward, which co
 _CONV_MLP_NEEDS = ("the fused op drops the activation's output, which pays for its host time only where that output "
                    "is a large share of the chain's bytes (a squeeze-excitation's pooled maps are not)")
 
+# without a second Linear the op saves the activation's input and hands its output on: where the reader of that
+# output saves it as well (StarReLU squaring a ReLU's output), the pair keeps one tensor more than eager's
+_LINEAR_ACT_NEEDS = ("the fused op saves the activation's input, which pays only where the activation would save it "
+                     "too or a second Linear or a dropout joins the chain")
+
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("conv_bn_relu", find_conv_bn_relu, build_conv_bn_relu, "FusedConvBNReLU",
             "Conv2d -> BatchNorm2d -> activation [-> MaxPool2d]", "conv_bn_"),
@@ -222,10 +230,10 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("gated_mlp", blocks.find_gated_mlp, blocks.build_gated_mlp, "FusedGatedMLP",
             "act(gate(x)) * up(x) [-> Dropout] -> down (Linear x3)"),
     Pattern("linear_gelu_dropout", find_linear_gelu_dropout, build_linear_gelu_dropout, "FusedLinearGELUDropout",
-            "Linear / Conv1D -> activation [-> Dropout] [-> Linear]", "linear_"),
+            "Linear / Conv1D -> activation [-> Dropout] [-> Linear]", "linear_", needs=_LINEAR_ACT_NEEDS),
     Pattern("attention", find_attention, build_attention, "FusedAttention",
             "softmax(q @ k^T * scale + mask) -> dropout -> @ v"),
-    Pattern("qkv", find_qkv, build_qkv, "FusedQKV", "three sibling Linear layers reading one tensor"),
+    Pattern("qkv", find_qkv, build_qkv, "FusedQKV", "three sibling Linear layers reading one tensor", for_time=True),
     # the residual add before a norm first: when it cannot be rewritten, the norm alone still fuses
     Pattern("add_layer_norm", _only(blocks.find_add_norms, "add_layer_norm"), blocks.build_norm, "FusedAddLayerNorm",
             "a + b -> LayerNorm (returns both)", min_share=0.1, needs=_LN_NEEDS),

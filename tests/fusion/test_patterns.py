@@ -135,9 +135,24 @@ def test_conv_bn_activation_rows_and_the_ones_the_op_does_not_compute(act, patte
         torch.testing.assert_close(gx_got, gx_want, rtol=1e-12, atol=1e-12)
 
 
+def _attention_inputs(tokens: int = 12):
+    """q, k, v (2 x 3 heads x ``tokens`` x 4, requiring grad) and an additive mask. With more tokens than head
+    features the probabilities (tokens^2 a head) outweigh what the fused core keeps instead (its output and one
+    log-sum-exp a row): with 5 tokens it would keep more than eager, and the plan declines it (below)."""
+    return tuple(seeded(2, 3, tokens, 4, seed=i, requires_grad=True) for i in range(3)) + \
+        (seeded(2, 1, tokens, tokens, seed=3),)
+
+
+def test_an_attention_core_keeping_more_than_eager_is_declined():
+    fused, plan = ol.fusion.fuse(Attn("plain"), _attention_inputs(tokens=5))
+    (d,) = plan.decisions
+    assert not d.fused and d.reason.startswith(f"not fused: would keep {-d.saved_bytes:,} activation bytes more")
+    assert d.saved_bytes < 0
+
+
 @pytest.mark.parametrize("variant", ["plain", "div", "mT"])
 def test_attention_forms_rewrite_equivalently(variant):
-    inputs = tuple(seeded(2, 3, 5, 4, seed=i, requires_grad=True) for i in range(3)) + (seeded(2, 1, 5, 5, seed=3),)
+    inputs = _attention_inputs()
     model = Attn(variant)
     fused, plan = ol.fusion.fuse(model, inputs)
     assert plan.summary() == {"attention": {"fused": 1, "rejected": 0}}
@@ -163,7 +178,7 @@ class DropsTheWeights(nn.Module):
 
 
 def test_weights_a_region_returns_and_its_caller_drops_are_returned_by_the_fused_op():
-    inputs = tuple(seeded(2, 3, 5, 4, seed=i, requires_grad=True) for i in range(3)) + (seeded(2, 1, 5, 5, seed=3),)
+    inputs = _attention_inputs()
     model = DropsTheWeights()
     fused, plan = ol.fusion.fuse(model, inputs)
     assert plan.summary() == {"attention": {"fused": 1, "rejected": 0}}
@@ -193,7 +208,7 @@ class CastsBack(nn.Module):
 
 
 def test_probabilities_cast_back_to_the_querys_dtype_are_part_of_the_fused_core():
-    inputs = tuple(seeded(2, 3, 5, 4, seed=i, requires_grad=True) for i in range(3)) + (seeded(2, 1, 5, 5, seed=3),)
+    inputs = _attention_inputs()
     model = CastsBack()
     fused, plan = ol.fusion.fuse(model, inputs)
     (d,) = plan.decisions
