@@ -10,6 +10,7 @@ from torch import nn
 import opsnn_lab as ol
 from opsnn_lab.fusion.patterns import FAMILIES, PATTERNS, find_all, pattern_of
 from opsnn_lab.fusion.runtime import trace_runtime
+from opsnn_lab.measuring import activation_bytes
 from opsnn_lab.testing import seeded
 
 
@@ -330,6 +331,32 @@ def test_a_norm_that_would_keep_more_bytes_says_so():
     assert len(norms) == 4
     for d in norms:  # was "saves -120 of its 80 activation bytes here (under 10%)"
         assert not d.fused and d.reason.startswith("not fused: would keep 120 activation bytes more than eager's 80")
+
+
+class _StarReLUMlp(nn.Module):
+    """A MetaFormer MLP: fc1 -> StarReLU (``scale * relu(x) ** 2 + bias``, learnable scalars) -> fc2. The pow
+    saves the ReLU's output, which eager's ReLU saves too (one tensor); a fused Linear -> ReLU saves the
+    pre-activation instead and the pow still keeps the output: one hidden tensor more than eager."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc1, self.relu, self.fc2 = nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d)
+        self.scale, self.bias = nn.Parameter(torch.ones(1)), nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return self.fc2(self.scale * self.relu(self.fc1(x)) ** 2 + self.bias)
+
+
+def test_a_linear_act_pair_that_would_keep_more_bytes_is_declined():
+    torch.manual_seed(0)
+    model, x = _StarReLUMlp().train(), seeded(3, 5, 8)
+    fused, plan = ol.fusion.fuse(model, x)
+    (d,) = [d for d in plan.decisions if d.pattern == "linear_relu"]
+    hidden = 3 * 5 * 32 * 4
+    assert not d.fused and d.saved_bytes == -hidden
+    assert d.reason.startswith(f"not fused: would keep {hidden:,} activation bytes more"), d.reason
+    assert "the fused op saves the activation's input" in d.reason
+    assert activation_bytes(lambda: fused(x)) == activation_bytes(lambda: model(x))
 
 
 @pytest.mark.parametrize("norm", [nn.LayerNorm(8), nn.RMSNorm(8)])
