@@ -151,11 +151,11 @@ class Analysis:
         return f"cannot be rewritten: {why}" if why else "cannot be rewritten here"
 
     def not_worth(self, m: Match) -> str:
-        """Why a rewritable match is not worth fusing where it is ('' when it is): a pattern fused for memory
-        must not keep more activation bytes than eager, and must save its share of the chain's where it names one
-        (``Pattern.min_share``)."""
+        """Why a rewritable match is not worth fusing where it is ('' when it is): a pattern whose gain is
+        memory must save its share of the chain's activation bytes (``Pattern.min_share``), or at least not keep
+        more than eager (``Pattern.never_worse``)."""
         pat = pattern_of(m.pattern)
-        if pat.for_time or _site(m) not in self.costs:
+        if not (pat.min_share or pat.never_worse) or _site(m) not in self.costs:
             return ""
         saved, _, eager = self.costs[_site(m)]
         if saved >= 0 and (not pat.min_share or (saved > 0 and saved >= pat.min_share * eager)):
@@ -182,7 +182,7 @@ class Analysis:
                 d.fused, d.reason = False, why
                 return d
             d.route = rewritable[m.key]
-            if d.saved_bytes < 0:  # only a pattern fused for time (qkv: one GEMM) may keep more than eager does
+            if d.saved_bytes < 0:  # a pattern fused for time (qkv: one GEMM) may keep more than eager does
                 d.reason += (f"; keeps {-d.saved_bytes:,} activation bytes more than eager here: what reads its "
                              "outputs saves views of them, which keep the op's whole output buffer alive")
             route = self.routes.get(m.key) if d.route.startswith("module:") else None
