@@ -215,8 +215,10 @@ class _FusedNorm(nn.Module):
             raise ValueError(f"{name} must end with {self.normalized_shape}, got shape {tuple(x.shape)}")
         same_device(weight=self.weight, **{name: x})
 
-    def _apply_norm(self, x, residual):
-        keep_y = self._saves_output(x.dtype)
+    def _apply_norm(self, x, residual, autocast: torch.dtype | None = None):
+        # saving y pays because the op reading it saves the same tensor; under autocast a Linear reading an fp32
+        # y saves its own bf16 copy instead, so y is saved only where it already is autocast's dtype
+        keep_y = autocast in (None, x.dtype) and self._saves_output(x.dtype)
         if (not keep_y and not self._rms and not self.weight_offset and x.dtype in _ATEN_EXACT
                 and (not uses_triton(x) or forced_backend() != "triton")):
             # saving its input, an fp32/fp64 LayerNorm is aten's, on CPU and CUDA alike: run it through aten's own
@@ -246,8 +248,9 @@ class _FusedNorm(nn.Module):
 class _NormForward(_FusedNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
+        autocast = _amp.autocast_dtype(x)
         with _amp.region(x):  # under autocast: nothing cast (norms run in their input's dtype), autocast off inside
-            return self._apply_norm(x, None)
+            return self._apply_norm(x, None, autocast)
 
 
 class _AddNormForward(_FusedNorm):
@@ -257,7 +260,8 @@ class _AddNormForward(_FusedNorm):
         """``(norm(x + residual), x + residual)``."""
         self._check(x)
         self._check(residual, "residual")
-        if _amp.autocast_dtype(x) is not None and residual.dtype != x.dtype:
+        autocast = _amp.autocast_dtype(x)
+        if autocast is not None and residual.dtype != x.dtype:
             # under autocast a bf16 sublayer output meets an fp32 residual stream: eager's add widens
             wide = torch.promote_types(x.dtype, residual.dtype)
             x, residual = x.to(wide), residual.to(wide)
@@ -265,7 +269,7 @@ class _AddNormForward(_FusedNorm):
             raise ValueError(f"residual must match x's shape and dtype {tuple(x.shape)}/{x.dtype}, got "
                              f"{tuple(residual.shape)}/{residual.dtype}")
         with _amp.region(x):
-            return self._apply_norm(x, residual)
+            return self._apply_norm(x, residual, autocast)
 
 
 class _LayerNormFactory:

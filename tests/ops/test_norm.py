@@ -126,6 +126,34 @@ def test_saves_the_output_and_rstd_which_the_next_linear_shares(kind, add):
     assert activation_bytes(lambda: chain(_eager_fn(norm, add))) >= 2 * (rows * H * 4 + rows * 4)
 
 
+@pytest.mark.parametrize("kind, add", [("layer_norm", False), ("layer_norm", True), ("rms_norm", True)])
+def test_under_autocast_an_fp32_norm_saves_its_input_which_eager_shares(kind, add):
+    """Under bf16 autocast the Linear reading an fp32 y saves its own bf16 copy, so a saved y would be one tensor
+    more; the input (the residual stream's sum) is what eager's norm saves, and a scale on the stream (CAFormer's
+    ``res_scale``) saves it too. Before, the fused op saved y: 1.023x eager's bytes on caformer_s18."""
+    norm = _module(kind)
+    fused = _fused_cls(kind, add).from_modules(norm)
+    linear, gamma = nn.Linear(H, 5), nn.Parameter(torch.full((H,), 0.5))
+    inputs = _inputs((6, 10, H), torch.float32, add)
+
+    def block(norm_fn):
+        out = norm_fn(*inputs)
+        y, s = out if add else (out, inputs[0])
+        return linear(y), gamma * s
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        keys, out = _saved_storages(lambda: fused(*inputs))
+        got, want = activation_bytes(lambda: block(fused)), activation_bytes(lambda: block(_eager_fn(norm, add)))
+        fused_out, eager_out = block(fused), block(_eager_fn(norm, add))
+    y, s = (out[0], out[1]) if add else (out, inputs[0])
+    assert _storage_key(s) in keys and _storage_key(y) not in keys
+    assert got <= want, (got, want)
+    for a, b in zip(fused_out, eager_out):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert fused._saves_output(torch.float32)  # outside autocast the same op saves y (test above)
+
+
 def _saved_storages(fn):
     report = saved_tensors_report(fn)
     return {r["key"] for r in report.tensors}, report.output
