@@ -16,7 +16,8 @@ trained with the fused head + loss (``ol.ops.lm_head_loss`` on the fused model) 
 Writes build/bench/fusion_hf.json.
 
 ``--models timm``: the same columns for timm's models (``zoo.TIMM_MODELS``: ResNet, EfficientNet, MobileNet
-v2/v3, LCNet, RegNet with its ``BatchNormAct2d``, ViT), built without weights, 2x3x96x96, training. timm is
+v2/v3, LCNet, RegNet with its ``BatchNormAct2d``, ViT, InceptionNeXt's ConvMlp with its ``norm`` placeholder,
+CAFormer's StarReLU MLPs), built without weights, 2x3x96x96, training. timm is
 not a dependency (it needs torchvision); without it the command says so and returns 2.
 Writes build/bench/fusion_timm.json. ``--models torchvision``: the same for ``zoo.TORCHVISION_MODELS`` (ResNet,
 MobileNetV3, EfficientNet, RegNet, ShuffleNet, MNASNet, DenseNet, GoogLeNet, ConvNeXt), built without weights;
