@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion.graph import Graph, Node, arg
 
 __all__ = ["Match", "op_class", "act_kind", "act_module", "CONV_ACTS", "LINEAR_ACTS"]
@@ -111,6 +112,10 @@ def act_module(n: Node) -> nn.Module | None:
 
 
 def _common_checks(g: Graph, nodes: list[Node]) -> str:
+    for n in nodes:  # a module of the chain no longer computes its own output: its hooks would see the op's tensors
+        if n.kind == "module" and n.obj is not None and has_hooks(n.obj):
+            return (f"`{n.label}` has a hook of its own (forward, forward-pre or backward): fused, it would be called "
+                    "with the fused op's tensors, not the ones it sees in eager; remove the hook to fuse this chain")
     for n in nodes:
         writer = next((u for u in g.users.get(n.name, []) if u.op == "setitem"), None)
         if writer is not None:

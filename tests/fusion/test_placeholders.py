@@ -152,3 +152,31 @@ def test_an_identity_read_twice_ends_the_chain():
     plan = ol.fusion.analyze(Twice().train(), seeded(2, 4, 6, 6))
     (d,) = [d for d in plan.decisions if d.modules[:2] == ["conv", "bn"]]
     assert not d.fused and "`mid`" in d.reason
+
+
+@pytest.mark.parametrize("where", ["fc1", "act", "norm", "fc2"])
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "full_backward"])
+def test_a_chain_with_a_users_hook_on_one_of_its_modules_is_not_fused(where, kind):
+    """Fused, the chain's modules no longer compute their own outputs (the first runs the op, the rest pass its
+    result through): a user's hook on any of them would see other tensors than in eager, so the chain is
+    declined with the reason, and the hook keeps seeing what it sees in eager."""
+    torch.manual_seed(0)
+    model, x = Mlp().train(), seeded(3, 5, 12, requires_grad=True)
+    seen = []
+
+    def hook(module, *args):
+        seen.append([tuple(t.shape) for a in args for t in (a if isinstance(a, tuple) else (a,))
+                     if isinstance(t, torch.Tensor)])
+
+    getattr(getattr(model, where), f"register_{kind}_hook")(hook)
+    fused, plan = ol.fusion.fuse(model, x)
+    assert not [d for d in plan.decisions if d.fused and where in d.modules]
+    if kind != "full_backward":  # a full backward hook's own autograd nodes already end the chain at its module
+        (d,) = plan.decisions
+        assert not d.fused and d.reason.startswith(f"`{where}` has a hook of its own"), d.reason
+    for m in (model, fused):
+        seen.clear()
+        m(x).sum().backward()
+        if m is model:
+            want = list(seen)
+    assert seen == want and seen
