@@ -9,8 +9,10 @@ trace saw (``runtime.ModuleCall``), in one of three ways (``Decision.route``):
   inline between two of them may be an identity in the recorded call: a ``dropout`` with p=0 (BART's and
   Whisper's ``F.dropout(h, p=activation_dropout)`` between ``activation_fn`` and ``fc2``). It still runs, on the
   fused op's output, where it must stay an identity: each pass-through checks that it receives the tensor the
-  fused op returned (``x is`` that tensor) and raises otherwise (that dropout given p > 0 later, a call or a
-  hook the analysis did not see), so a fused result never goes on wrong.
+  fused op returned (``x is`` that tensor) and raises otherwise (that dropout given p > 0 later, a call the
+  analysis did not see), so a fused result never goes on wrong. A hook added to one of the chain's modules after
+  fusion makes the chain run unfused while it is there (``hooked``; every module its own forward, so the hook
+  sees eager's tensors), with one warning.
 * ``module:qkv`` (b) sibling Linears reading one tensor: a shared core runs one packed GEMM on the first
   call and the siblings read their slice, guarded by the input tensor's identity and ``_version``. A call
   the analysis did not see (another input, an in-place change in between, another order) runs the plain
@@ -35,6 +37,7 @@ which Inductor compiles with the rest.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -43,12 +46,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import arg
 from opsnn_lab.fusion.patterns import Match, op_name
 from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace, tensor_version
 
-__all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches", "CONSTANT"]
+__all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches", "CONSTANT", "hooked", "warn_hooked",
+           "qualified"]
 
 CONSTANT = "_opsnn_constant_"  # the prefix of a constant tensor a rewritten region's code reads from the region
 
@@ -220,12 +225,49 @@ def _defers(op: nn.Module, x) -> bool:
     return defers is not None and isinstance(x, torch.Tensor) and defers(x)
 
 
-class ChainHead(Patch):
-    """The first module of a chain: runs the fused op (or, under autocast, every step's own forward)."""
+def hooked(modules) -> nn.Module | None:
+    """The first of ``modules`` that carries a hook needing the module's own tensors (``has_hooks``), else None.
+    Reads four dicts per module (~0.1 us each) and looks closer only where one is not empty."""
+    for m in modules:
+        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) and has_hooks(m):
+            return m
+    return None
 
-    def __init__(self, host: nn.Module, op: nn.Module, steps: list[nn.Module], pattern: str, path: str = ""):
+
+def warn_hooked(patch: Patch, where: str, what: str) -> None:
+    """Say once per patch that a hook added after fusion (on module ``where``) makes ``what`` (the chain, or the
+    rewritten region) run unfused."""
+    if patch.warned:
+        return
+    patch.warned = True
+    warnings.warn(f"opsnn_lab.fusion: `{where or '<model>'}` has a hook added after {what} was fused; it runs "
+                  "unfused (each module's own forward, so the hook sees the tensors it sees in eager) while the hook "
+                  "is there, and saves no memory. Fusing again with the hook in place plans around that module",
+                  RuntimeWarning, stacklevel=4)
+
+
+def qualified(host: nn.Module, path: str, module: nn.Module) -> str:
+    """The qualified name of ``module`` inside ``host`` (itself at ``path``)."""
+    name = next((n for n, m in host.named_modules() if m is module), "")
+    return f"{path}.{name}" if path and name else (name or path)
+
+
+class ChainHead(Patch):
+    """The first module of a chain: runs the fused op (or, under autocast, every step's own forward).
+
+    A hook put on one of the chain's modules after fusion (``hooked``) would see the fused op's tensors: while
+    one is there, every module of the chain runs its own forward (``unfused``; the pass-throughs follow), with
+    a warning the first time."""
+
+    warned = False  # defaults for a patch pickled before these fields existed
+    unfused = False
+    paths: tuple[str, ...] = ()
+
+    def __init__(self, host: nn.Module, op: nn.Module, steps: list[nn.Module], pattern: str, path: str = "",
+                 paths: tuple[str, ...] = ()):
         super().__init__(host)
         self.op, self.steps, self.pattern, self.path = op, steps, pattern, path
+        self.paths = tuple(paths)  # the steps' qualified names, for the warning
         self.last = None  # weakref to the tensor the last call returned: the pass-throughs check they receive it
         # under autocast, that tensor itself until the chain's last step has run: a forward may cast it to that
         # Linear's weight dtype on the way (T5's `wo`), after which nothing else holds it
@@ -233,6 +275,14 @@ class ChainHead(Patch):
 
     @opaque_to_compile  # opaque to torch.compile: the op draws its dropout stream in Python
     def __call__(self, x):
+        hook = hooked(self.steps)
+        self.unfused = hook is not None
+        if hook is not None:
+            i = next(i for i, m in enumerate(self.steps) if m is hook)
+            warn_hooked(self, self.paths[i] if i < len(self.paths) else type(hook).__name__,
+                        f"the {self.pattern} chain at `{self.path or '<model>'}`")
+            self.last = self.held = None
+            return type(self.host).forward(self.host, x)
         if _defers(self.op, x):
             for step in self.steps:
                 x = type(step).forward(step, x)
@@ -255,6 +305,8 @@ class PassThrough(Patch):
         self.head, self.path, self.after = head, path, after  # after: an inline identity step run just before
 
     def __call__(self, x):
+        if self.head is not None and self.head.unfused:  # a hook on the chain: every module runs its own forward
+            return type(self.host).forward(self.host, x)
         if self.head is None or (not self.after and torch.compiler.is_compiling()):
             return x  # compiled: the unchecked pass-through keeps the graph whole (no inline step to guard)
         return self._check(x)
@@ -293,15 +345,23 @@ def _cast_of(x, last: torch.Tensor) -> bool:
 
 
 class WholeForward(Patch):
-    """A module whose one call computes exactly the chain."""
+    """A module whose one call computes exactly the chain. A hook put on a module inside it after fusion
+    (``hooked``) makes it run its own forward while the hook is there (the host's own hooks see the tensors
+    they see in eager either way)."""
 
-    def __init__(self, host: nn.Module, op: nn.Module, pattern: str):
+    warned = False
+
+    def __init__(self, host: nn.Module, op: nn.Module, pattern: str, path: str = ""):
         super().__init__(host)
-        self.op, self.pattern = op, pattern
+        self.op, self.pattern, self.path = op, pattern, path
+        self.inner = [m for m in host.modules() if m is not host]
 
     @opaque_to_compile
     def __call__(self, x):
-        if _defers(self.op, x):
+        hook = hooked(self.__dict__.get("inner", ()))
+        if hook is not None:
+            warn_hooked(self, qualified(self.host, self.path, hook), f"the {self.pattern} chain at `{self.path}`")
+        if hook is not None or _defers(self.op, x):
             return type(self.host).forward(self.host, x)
         self._sync(self.op)
         return self.op(x)
@@ -404,12 +464,13 @@ def install(model: nn.Module, route: Route, op: nn.Module, pattern: str) -> None
         if isinstance(mod.__dict__.get("forward"), Patch):
             raise ValueError(f"module {route.carriers[mods.index(mod)]!r} is already rewritten by another chain")
     if route.kind == "chain":
-        head = mods[0].__dict__["forward"] = ChainHead(mods[0], op, mods, pattern, route.carriers[0])
+        head = mods[0].__dict__["forward"] = ChainHead(mods[0], op, mods, pattern, route.carriers[0],
+                                                           route.carriers)
         after = route.after or ("",) * len(mods)
         for mod, path, inline in zip(mods[1:], route.carriers[1:], after[1:]):
             mod.__dict__["forward"] = PassThrough(mod, head, path, inline)
     elif route.kind == "whole":
-        mods[0].__dict__["forward"] = WholeForward(mods[0], op, pattern)
+        mods[0].__dict__["forward"] = WholeForward(mods[0], op, pattern, route.carriers[0])
     elif route.kind == "qkv":
         core = QKVCore(op, route.first)
         for i, mod in enumerate(mods):

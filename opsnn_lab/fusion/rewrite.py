@@ -22,10 +22,9 @@ import torch
 from torch import fx, nn
 
 from opsnn_lab._checks import check_type
-from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
-from opsnn_lab.fusion.patch import CONSTANT, Patch, Route, inline_after, install, revert
+from opsnn_lab.fusion.patch import CONSTANT, Patch, Route, hooked, inline_after, install, qualified, revert, warn_hooked
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.patterns_blocks import norm_verdicts
 from opsnn_lab.fusion.plan import Decision, FusionPlan
@@ -125,8 +124,12 @@ class FxForward(Patch):
     the original returns (a Hugging Face ``ModelOutput``), which fx's code returns as a plain dict, is rebuilt.
     """
 
-    def __init__(self, host: nn.Module, variants: dict, concrete: dict):
+    warned = False  # defaults for a region pickled before these fields existed
+    path = ""
+
+    def __init__(self, host: nn.Module, variants: dict, concrete: dict, path: str = ""):
         super().__init__(host)
+        self.path = path  # the region's qualified name, for the warning a hook added later brings
         # a tuple argument the code was specialised for is a list in a plan from JSON
         self.variants = variants
         self.concrete = {k: tuple(v) if isinstance(v, list) else v for k, v in concrete.items()}
@@ -172,7 +175,9 @@ class FxForward(Patch):
 
     def __call__(self, *args, **kwargs):
         gm = self.variants.get(self.host.training)
-        if gm is not None and any(has_hooks(m) for m in self.inlined.get(self.host.training, ())):
+        hook = None if gm is None else hooked(self.inlined.get(self.host.training, ()))
+        if hook is not None:
+            warn_hooked(self, qualified(self.host, self.path, hook), f"the region `{self.path or '<model>'}`")
             gm = None
         if not self.host.training and not torch.is_grad_enabled():
             gm = None  # inference: nothing is saved for a backward, and the original may take a fast path
@@ -271,7 +276,7 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
         gm.graph.lint()
         gm.recompile()
         variants[training] = gm
-    region.__dict__["forward"] = FxForward(region, variants, route["concrete"])
+    region.__dict__["forward"] = FxForward(region, variants, route["concrete"], path)
     return done
 
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import io
+import warnings
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import opsnn_lab as ol
+from opsnn_lab.bench import activation_bytes
 from opsnn_lab.fusion.patch import ChainHead, PassThrough, QKVMember, WholeForward
 from opsnn_lab.testing import seeded
 
@@ -231,8 +234,9 @@ def test_a_shared_module_with_a_call_outside_the_chain_says_how_to_fuse_the_chai
         "changes every call; to fuse this call site alone, `<model>`.forward must be traceable (the fx rewrite "
         "goes call by call) or call opsnn_lab.ops.FusedLinearGELUDropoutLinear there"), d.reason
     # and why it is not: fx's own error, with the model's line that stopped it
+    line = inspect.getsourcelines(Untraceable.forward)[1] + 1
     assert d.reason.endswith("nor can fx trace `<model>` (TraceError: symbolically traced variables cannot be used as "
-                             "inputs to control flow at test_module_rewrite.py:224 `if x.sum() > -1e9:`)"), d.reason
+                             f"inputs to control flow at test_module_rewrite.py:{line} `if x.sum() > -1e9:`)"), d.reason
 
 
 @pytest.mark.parametrize("traceable", [False, True])
@@ -272,6 +276,49 @@ def test_hooks_outside_chains_fire_and_signature_is_kept():
     fused.attn.register_forward_pre_hook(lambda m, a, kw: seen.append("attn"), with_kwargs=True)
     fused(X, swap=False, scale=2.0)
     assert seen == ["attn", (3, 5, 3)]
+
+
+def _recorder(seen: list):
+    def hook(module, *args):
+        seen.append([t.detach().clone() for a in args for t in (a if isinstance(a, tuple) else (a,))
+                     if isinstance(t, torch.Tensor)])
+    return hook
+
+
+@pytest.mark.parametrize("where", ["chain.fc1", "chain.act", "chain.drop", "chain.fc2", "inline.fc1", "inline.fc2"])
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "full_backward"])
+def test_a_hook_added_after_fusion_runs_its_chain_unfused_while_it_is_there(where, kind):
+    """Fused, the chain's first module runs the whole op and the others pass its result on (a whole-module route
+    calls none of them): a hook added afterwards would see the fused op's tensors, or never fire. While it is
+    there, the chain's modules run their own forwards, with one warning; removed, the chain runs fused again."""
+    torch.manual_seed(0)
+    model = Net().train()
+    fused, plan = _fused(model)
+    head = "chain.fc1" if where.startswith("chain") else "inline"
+    assert any(where.startswith(d.modules[0].rpartition(".")[0]) for d in plan.fused)
+    eager_bytes, fused_bytes = (activation_bytes(lambda m=m: m(X)) for m in (model, fused))
+    assert fused_bytes < eager_bytes
+    want, got = [], []
+    getattr(model.get_submodule(where), f"register_{kind}_hook")(_recorder(want))
+    handle = getattr(fused.get_submodule(where), f"register_{kind}_hook")(_recorder(got))
+    with pytest.warns(RuntimeWarning, match=rf"`{where}` has a hook added after the \S+ chain at `{head}` was fused"):
+        _same(model, fused, X)
+    assert got and len(got) == len(want)
+    for g, w in zip(got, want):
+        assert [t.shape for t in g] == [t.shape for t in w]
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # said once per chain
+        _same(model, fused, X)
+        assert fused_bytes < activation_bytes(lambda: fused(X)) <= eager_bytes  # the other chains still fused
+    handle.remove()
+    got.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _same(model, fused, X)
+        assert activation_bytes(lambda: fused(X)) == fused_bytes
+    assert not got
 
 
 def test_state_dict_round_trips_deepcopy_save_load_and_to():
