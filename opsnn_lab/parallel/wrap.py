@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from opsnn_lab._checks import check_choice, check_type
+from opsnn_lab._hooks import passive
 
 __all__ = ["layer_units", "shardable_units", "follow_owners", "wrap_model", "PARALLEL"]
 
@@ -95,7 +96,9 @@ def follow_owners(model: nn.Module) -> int:
             for sub, name, owner, oname in links:
                 sub._parameters[name] = owner._parameters[oname]
 
-        slot.register_forward_pre_hook(sync)
+        # passive: it relinks the op's parameters and needs no tensor of the module's own, so a chain head carrying
+        # it still runs its fused op (fusion.patch.hooked)
+        slot.register_forward_pre_hook(passive(sync))
         count += len(links)
     return count
 
