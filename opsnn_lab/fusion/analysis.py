@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
 
@@ -107,10 +108,12 @@ class Analysis:
             if self.why_not or self.shared else []
         self.rewritable: dict[tuple, str] = {k: r.label for k, r in self.routes.items()}  # match key -> route
         self.fx_routes: dict[tuple, str] = {}  # match key -> fx region, for keys a module patch does not carry
+        self.fx_params: dict[tuple, dict] = {}  # match key -> what its op is built with in that region's code
         for r in self.regions:
             if r.route == "fx":
                 for m in wanted(r.graph):
                     self.fx_routes.setdefault(m.key, f"fx:{r.path or '<model>'}")
+                    self.fx_params.setdefault(m.key, {k: v for k, v in m.params.items() if _plain(v)})
         for k, label in self.fx_routes.items():
             self.rewritable.setdefault(k, label)
         for k in self.why_not:  # an SDPA call inside a forward fx cannot trace: redirected at the call (patch.py)
@@ -128,9 +131,18 @@ class Analysis:
         self.costs: dict[tuple, tuple[int, int, int]] = {}  # match site -> saved, traffic, eager bytes
         for m in viable:
             if m.key in self.rewritable:
-                self.costs[_site(m)] = self.cost.site(m)
+                self.costs[_site(m)] = self.cost.site(self._as_rewritten(m))
         self.trace.tensors.clear()  # activations (and the autograd graph holding them) are no longer needed
         self.trace.output = None
+
+    def _as_rewritten(self, m: Match) -> Match:
+        """``m`` with what its op is built with where it will run: a region's code may need a variant the run-time
+        record does not show (eager attention code returns its probabilities beside the output: the op returns
+        them too, and saves neither its output nor the row statistics then), so the cost is that variant's."""
+        if not self.rewritable[m.key].startswith("fx:"):
+            return m
+        extra = {k: v for k, v in self.fx_params.get(m.key, {}).items() if k not in m.params}
+        return dataclasses.replace(m, params={**m.params, **extra}) if extra else m
 
     def _sdpa_host(self, m: Match) -> Region | None:
         """The region of the module whose forward, which fx cannot trace, makes ``m``'s one
