@@ -177,6 +177,10 @@ def test_weights_a_region_returns_and_its_caller_drops_are_returned_by_the_fused
     assert plan.summary() == {"attention": {"fused": 1, "rejected": 0}}
     (op,) = [m.op for m in fused.modules() if type(getattr(m, "op", None)).__name__ == "FusedAttention"]
     assert op.return_probs
+    # costed as that variant, which saves neither its output nor the row statistics (the probabilities are
+    # recomputed in backward), so the plan's figure is what a step saves (the SDPA variant's cost left them in)
+    eager, fused_bytes = (activation_bytes(lambda m=m: m(*inputs)) for m in (model, fused))
+    assert plan.saved_bytes == eager - fused_bytes > 0
     torch.testing.assert_close(fused(*inputs), model(*inputs), atol=1e-5, rtol=1e-5)
     grads = [torch.autograd.grad(m(*inputs).sum(), inputs[:3]) for m in (model, fused)]
     for a, b in zip(*grads):
