@@ -145,8 +145,7 @@ class CostModel:
         mods = copy.deepcopy(mods, graph_free_memo(*mods.values()))  # one memo:
         m = dataclasses.replace(m, params={**m.params, **mods})  # a module shared by two params stays shared
         op = self.build(m).train()
-        xs = [self.trace.tensors[i].detach().clone().requires_grad_(self.trace.tensors[i].requires_grad)
-              for i in m.inputs]
+        xs = [_copy_of(self.trace.tensors[i]) for i in m.inputs]
         params = {_storage_key(t) for mod in m.params.values() if isinstance(mod, torch.nn.Module)
                   for t in [*mod.parameters(), *mod.buffers()]} | {_storage_key(p) for p in op.parameters()}
         seen: dict = {}
@@ -211,6 +210,20 @@ class CostModel:
             return 4 * (x.nbytes if x is not None else 0)
         outs = {o.name for o in m.outputs}
         return 4 * sum(n.nbytes for n in m.nodes if n.name not in outs)
+
+
+def _copy_of(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (a broadcast dimension stays one), so the op takes the path it takes in the
+    model: an attention core reading ``v`` as a strided view of the QKV output copies it there and keeps the
+    copy, where a contiguous clone would be kept as it is (and counted as that whole output)."""
+    grad, t = t.requires_grad, t.detach()
+    try:
+        base = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
+        copy = torch.empty_strided(base.shape, base.stride(), dtype=t.dtype, device=t.device).copy_(base)
+        copy = copy.expand(t.shape)
+    except RuntimeError:  # strides that overlap otherwise: a dense copy
+        copy = t.clone()
+    return copy.requires_grad_(grad)
 
 
 # Shape ops whose result may be a view of their input or a copy, depending on its strides.

@@ -355,6 +355,35 @@ def test_a_linear_act_pair_that_would_keep_more_bytes_is_declined():
     assert activation_bytes(lambda: fused(x)) == activation_bytes(lambda: model(x))
 
 
+class ChannelsFirstAttention(nn.Module):
+    """Visformer's attention: a 1x1 conv makes q, k and v as views of one (B, 3, heads, d, N) output permuted to
+    (B, heads, N, d), so each has its tokens, not its features, contiguous."""
+
+    def __init__(self, dim=24, heads=3):
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Conv2d(dim, 3 * dim, 1, bias=False)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(x).reshape(b, 3, self.heads, c // self.heads, -1).permute(1, 0, 2, 4, 3).unbind(0)
+        attn = ((q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5).softmax(dim=-1)
+        return (attn @ v).permute(0, 1, 3, 2).reshape(b, -1, h, w)
+
+
+def test_an_attention_core_reading_strided_views_is_costed_as_it_runs():
+    """The cost model ran the op on contiguous clones of q, k and v, where SDPA takes its flash path and keeps
+    them as they are; in the model it gets the strided views, takes its math path and keeps copies (as eager
+    does). Counted as the views' whole output, the plan said the model kept 6,144 bytes more than it does."""
+    torch.manual_seed(0)
+    model, x = ChannelsFirstAttention().train(), seeded(2, 24, 4, 4, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model, x)
+    (d,) = [d for d in plan.decisions if d.pattern == "attention"]
+    assert d.fused
+    eager, fused_bytes = (activation_bytes(lambda m=m: m(x)) for m in (model, fused))
+    assert plan.saved_bytes == d.saved_bytes == eager - fused_bytes
+    torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("norm", [nn.LayerNorm(8), nn.RMSNorm(8)])
 def test_a_norm_whose_output_is_written_in_place_saves_its_input(norm):
     """An ``inplace=True`` activation after the norm (timm's EfficientViT head): the output a fused norm would keep
