@@ -194,10 +194,8 @@ class Pattern:
     # ... because of this (said in the decision of a match that saves less)
     needs: str = ""
     # declined, with ``needs``, where the match's measured cost says it keeps more activation bytes than eager.
-    # Not for qkv (fused for time: one GEMM), nor for the attention core, whose cost in isolation counts the mask
-    # every layer shares once per chain: a few-token core reads as keeping more while the whole model saves
-    # (GPT-NeoX, Phi-3, StableLM at 8 tokens: 0.699 / 0.558 / 0.624 of eager's bytes fused, 0.758 / 0.597 / 0.668
-    # with their cores declined)
+    # Not for qkv (fused for time: one GEMM). An attention core's cost counts a mask every layer shares once per
+    # chain, so a core that saves less than that mask reads as keeping more (a few tokens, and only then)
     never_worse: bool = False
 
 
@@ -223,6 +221,11 @@ _CONV_MLP_NEEDS = ("the fused op drops the activation's output, which pays for i
 _LINEAR_ACT_NEEDS = ("the fused op saves the activation's input, which pays only where the activation would save it "
                      "too or a second Linear or a dropout joins the chain")
 
+# the fused core saves its inputs and, without dropout, its output and a statistic per row where eager saves the
+# T x T probabilities: with fewer keys than the head's width (or attention across a few layers' outputs) that is more
+_ATTENTION_NEEDS = ("the fused core keeps its output and a statistic per query (or recomputes the probabilities) in "
+                    "place of eager's probabilities, which pays only where there are more keys than the head's width")
+
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("conv_bn_relu", find_conv_bn_relu, build_conv_bn_relu, "FusedConvBNReLU",
             "Conv2d -> BatchNorm2d -> activation [-> MaxPool2d]", "conv_bn_"),
@@ -236,7 +239,7 @@ PATTERNS: tuple[Pattern, ...] = (
             "Linear / Conv1D -> activation [-> Dropout] [-> Linear]", "linear_", needs=_LINEAR_ACT_NEEDS,
             never_worse=True),
     Pattern("attention", find_attention, build_attention, "FusedAttention",
-            "softmax(q @ k^T * scale + mask) -> dropout -> @ v"),
+            "softmax(q @ k^T * scale + mask) -> dropout -> @ v", needs=_ATTENTION_NEEDS, never_worse=True),
     Pattern("qkv", find_qkv, build_qkv, "FusedQKV", "three sibling Linear layers reading one tensor"),
     # the residual add before a norm first: when it cannot be rewritten, the norm alone still fuses
     Pattern("add_layer_norm", _only(blocks.find_add_norms, "add_layer_norm"), blocks.build_norm, "FusedAddLayerNorm",

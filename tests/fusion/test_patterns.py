@@ -384,6 +384,23 @@ def test_an_attention_core_reading_strided_views_is_costed_as_it_runs():
     torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+def test_an_attention_core_that_would_keep_more_bytes_is_declined():
+    """Two tokens, heads 4 wide: eager keeps 2 x 2 probabilities a head, the fused core its 2 x 4 output, a row
+    statistic and the mask (a model input nothing else saves). Fused before: the model kept 176 bytes more."""
+    inputs = _attention_inputs(tokens=2)
+    model = Attn("plain")
+    fused, plan = ol.fusion.fuse(model, inputs)
+    (d,) = [d for d in plan.decisions if d.pattern == "attention"]
+    probs, out, stats, mask = 2 * 3 * 2 * 2 * 4, 2 * 3 * 2 * 4 * 4, 2 * 3 * 2 * 4, 2 * 2 * 2 * 4
+    assert not d.fused and d.saved_bytes == probs - out - stats - mask == -176
+    assert d.reason.startswith("not fused: would keep 176 activation bytes more"), d.reason
+    assert "more keys than the head's width" in d.reason
+    assert activation_bytes(lambda: fused(*inputs)) == activation_bytes(lambda: model(*inputs))
+    fused, plan = ol.fusion.fuse(model, _attention_inputs())  # 12 tokens: the probabilities outweigh it
+    (d,) = plan.decisions
+    assert d.fused and d.saved_bytes > 0
+
+
 @pytest.mark.parametrize("norm", [nn.LayerNorm(8), nn.RMSNorm(8)])
 def test_a_norm_whose_output_is_written_in_place_saves_its_input(norm):
     """An ``inplace=True`` activation after the norm (timm's EfficientViT head): the output a fused norm would keep
