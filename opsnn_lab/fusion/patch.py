@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from opsnn_lab._hooks import has_hooks
+from opsnn_lab._hooks import hooks_in_effect
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import arg
 from opsnn_lab.fusion.patterns import Match, op_name
@@ -225,19 +225,24 @@ def _defers(op: nn.Module, x) -> bool:
     return defers is not None and isinstance(x, torch.Tensor) and defers(x)
 
 
-def hooked(modules) -> nn.Module | None:
-    """The first of ``modules`` that carries a hook needing the module's own tensors (``has_hooks``), else None.
-    Reads four dicts per module (~0.1 us each) and looks closer only where one is not empty."""
+def hooked(modules) -> tuple[nn.Module | None, str]:
+    """The first of ``modules`` with a hook that needs the module's own call now, and what kind
+    (``_hooks.hooks_in_effect``: "user", or "capture" for Hugging Face's output capture in a call that collects it);
+    ``(None, '')`` when none has. Reads four dicts per module (~0.1 us each) and looks closer only where one is
+    not empty."""
     for m in modules:
-        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) and has_hooks(m):
-            return m
-    return None
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            kind = hooks_in_effect(m)
+            if kind:
+                return m, kind
+    return None, ""
 
 
-def warn_hooked(patch: Patch, where: str, what: str) -> None:
+def warn_hooked(patch: Patch, where: str, what: str, kind: str = "user") -> None:
     """Say once per patch that a hook added after fusion (on module ``where``) makes ``what`` (the chain, or the
-    rewritten region) run unfused."""
-    if patch.warned:
+    rewritten region) run unfused. Not for Hugging Face's output capture: a call asking for hidden states or
+    attentions runs unfused, the others fused, as the user would want."""
+    if patch.warned or kind != "user":
         return
     patch.warned = True
     warnings.warn(f"opsnn_lab.fusion: `{where or '<model>'}` has a hook added after {what} was fused; it runs "
@@ -275,12 +280,12 @@ class ChainHead(Patch):
 
     @opaque_to_compile  # opaque to torch.compile: the op draws its dropout stream in Python
     def __call__(self, x):
-        hook = hooked(self.steps)
+        hook, kind = hooked(self.steps)
         self.unfused = hook is not None
         if hook is not None:
             i = next(i for i, m in enumerate(self.steps) if m is hook)
             warn_hooked(self, self.paths[i] if i < len(self.paths) else type(hook).__name__,
-                        f"the {self.pattern} chain at `{self.path or '<model>'}`")
+                        f"the {self.pattern} chain at `{self.path or '<model>'}`", kind)
             self.last = self.held = None
             return type(self.host).forward(self.host, x)
         if _defers(self.op, x):
@@ -358,9 +363,9 @@ class WholeForward(Patch):
 
     @opaque_to_compile
     def __call__(self, x):
-        hook = hooked(self.__dict__.get("inner", ()))
+        hook, kind = hooked(self.__dict__.get("inner", ()))
         if hook is not None:
-            warn_hooked(self, qualified(self.host, self.path, hook), f"the {self.pattern} chain at `{self.path}`")
+            warn_hooked(self, qualified(self.host, self.path, hook), f"the {self.pattern} chain at `{self.path}`", kind)
         if hook is not None or _defers(self.op, x):
             return type(self.host).forward(self.host, x)
         self._sync(self.op)

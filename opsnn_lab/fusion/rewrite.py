@@ -175,9 +175,9 @@ class FxForward(Patch):
 
     def __call__(self, *args, **kwargs):
         gm = self.variants.get(self.host.training)
-        hook = None if gm is None else hooked(self.inlined.get(self.host.training, ()))
+        hook, kind = (None, "") if gm is None else hooked(self.inlined.get(self.host.training, ()))
         if hook is not None:
-            warn_hooked(self, qualified(self.host, self.path, hook), f"the region `{self.path or '<model>'}`")
+            warn_hooked(self, qualified(self.host, self.path, hook), f"the region `{self.path or '<model>'}`", kind)
             gm = None
         if not self.host.training and not torch.is_grad_enabled():
             gm = None  # inference: nothing is saved for a backward, and the original may take a fast path

@@ -14,6 +14,7 @@ from torch import nn
 import opsnn_lab as ol
 from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion.rewrite import FxForward
+from opsnn_lab.measuring import activation_bytes
 from opsnn_lab.testing import AroundRegion, seeded
 
 
@@ -146,6 +147,41 @@ def test_hugging_face_hidden_states_and_attentions_from_a_fused_model_and_nothin
             for t_a, t_b in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
                 torch.testing.assert_close(t_b, t_a, rtol=1e-12, atol=1e-12, msg=key)
             assert len(a if isinstance(a, tuple) else (a,)) == len(b if isinstance(b, tuple) else (b,)), key
+
+
+def test_hugging_face_capture_hooks_left_after_a_call_asking_for_attentions_keep_the_regions_fused():
+    """A call asking for attentions installs Hugging Face's capturing hooks for good, among them on the decoder
+    layer's `encoder_attn`, which a decoder alone (BartForCausalLM) never calls, so the layer's fx code does not
+    call it either: that region then ran its original forward on every later call (silently; with the hook check,
+    with a warning). The hooks record only in a call that collects: that call runs the original and records, every
+    other one the fused code, without a word."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.BartForCausalLM(cfg).double().train()
+    ids = {"input_ids": torch.randint(3, 64, (2, 7))}
+    fused, plan = ol.fusion.fuse(model, ids)
+    layer = fused.model.decoder.layers[0]
+    assert any(d.route == "fx:model.decoder.layers.0" for d in plan.fused)
+    assert layer.encoder_attn in layer.__dict__["forward"].inlined[True]
+    fused_bytes = activation_bytes(lambda: fused(**ids).logits)
+    assert fused_bytes < activation_bytes(lambda: model(**ids).logits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        kw = {"output_hidden_states": True, "output_attentions": True}
+        want, got = model(**ids, **kw), fused(**ids, **kw)
+        assert has_hooks(layer.encoder_attn)  # installed by that call, and kept
+        for key in ("logits", "attentions", "hidden_states"):
+            a, b = want[key], got[key]
+            assert len(a if isinstance(a, tuple) else (a,)) == len(b if isinstance(b, tuple) else (b,)), key
+            for t_a, t_b in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+                torch.testing.assert_close(t_b, t_a, rtol=1e-12, atol=1e-12, msg=key)
+        assert activation_bytes(lambda: fused(**ids).logits) == fused_bytes
+        torch.testing.assert_close(fused(**ids).logits, model(**ids).logits, rtol=1e-12, atol=1e-12)
 
 
 class CachingBlock(Block):
