@@ -207,6 +207,17 @@ def _cast_operands(cast, q, k, v, mask):
     return (*cast(q, k, v), mask)
 
 
+def _fused_kernel_layout(query, key, value):
+    """q, k and v with their features contiguous where there are more keys than v's width: SDPA's fused kernels
+    take only such operands, and the math path it falls back to for strided ones (q, k, v as views of one QKV
+    output with the tokens contiguous: Visformer) saves the T x T probabilities, as eager code does, where the
+    fused kernels save the output and a statistic per query. The copies are those the math path makes anyway.
+    With fewer keys than that the probabilities are the smaller tensor to keep: the operands go as they are."""
+    if key.shape[-2] <= value.shape[-1] or (query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1):
+        return query, key, value
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+
+
 def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, offset,
                   return_probs=False, fp32_softmax=False):
     if is_causal:
@@ -225,6 +236,7 @@ def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
             # as autocast casts it for SDPA: torch < 2.9 (and some GPU kernels) refuse a float mask of another dtype
             attn_mask = attn_mask.to(query.dtype)
+        query, key, value = _fused_kernel_layout(query, key, value)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
     batch = _broadcast(query.shape[:-2], key.shape[:-2])
     if math.prod(batch) * query.shape[-2] * key.shape[-2] > rng.MAX_NUMEL:

@@ -127,6 +127,34 @@ def test_no_t_by_t_tensor_saved():
         assert fused_bytes < txt < eager_bytes, (p, fused_bytes, eager_bytes)
 
 
+@pytest.mark.parametrize("tokens, fused_kernel", [(24, True), (6, False)])
+def test_strided_features_take_the_fused_kernel_where_the_probabilities_are_larger(tokens, fused_kernel):
+    """q, k, v as views of one (B, 3, heads, d, T) output permuted to (B, heads, T, d) (Visformer's channels-first
+    attention): SDPA's math path, which saves the T x T probabilities as eager does, until the op hands it
+    operands with contiguous features. With fewer keys than features the probabilities are the smaller tensor:
+    the operands then go as they are."""
+    b, h, d = 2, 3, 8
+    qkv = seeded(b, 3 * h * d, tokens, seed=1, requires_grad=True)
+    mask = seeded(b, 1, tokens, tokens, seed=2)
+
+    def views():
+        return (qkv * 1).reshape(b, 3, h, d, tokens).permute(1, 0, 2, 4, 3).unbind(0)
+
+    op = FusedAttention()
+    assert views()[0].stride(-1) != 1
+    out, grads = _fwd_bwd(lambda x: op(*views(), mask), (qkv,))
+    ref, ref_grads = _fwd_bwd(lambda x: _eager(*views(), mask), (qkv,))
+    assert_close_dtype(out, ref)
+    assert_close_dtype(grads[0], ref_grads[0])
+    fused_bytes = activation_bytes(lambda: op(*views(), mask))
+    eager_bytes = activation_bytes(lambda: _eager(*views(), mask))
+    probs, outs = b * h * tokens * tokens * 4, b * h * tokens * d * 4
+    if fused_kernel:  # the probabilities replaced by the output, a statistic per query and the mask SDPA keeps
+        assert fused_bytes == eager_bytes - probs + outs + b * h * tokens * 4 + mask.numel() * 4 < eager_bytes
+    else:
+        assert fused_bytes == eager_bytes
+
+
 def test_dropout_steps_and_reproducibility():
     q, k, v, mask = _inputs()
     att = FusedAttention(dropout_p=0.5, seed=9)
