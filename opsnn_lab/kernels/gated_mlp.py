@@ -7,6 +7,10 @@ packed gradient ``[dg | du]`` (M, 2I) that the one backward GEMM consumes, and o
 ``out`` that the down projection's weight gradient needs. Activations and their derivatives are the ones
 of ``gelu_dropout`` (``ACTS``). Element ``(i, j)`` of the (M, I) product uses dropout counter
 ``offset + i * I + j`` (see ``rng``); ``p = 0`` skips the mask.
+
+``gated_product_fwd`` / ``gated_product_bwd`` run the same kernels on two separate tensors ``gate`` and ``up``
+(no dropout): the product of a gated MLP whose projections are not plain Linears (low-rank adapters, quantised
+layers), where nothing but ``act(gate) * up`` can be fused.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-__all__ = ["gated_act_fwd", "gated_act_bwd", "gated_act_fwd_reference", "gated_act_bwd_reference"]
+__all__ = ["gated_act_fwd", "gated_act_bwd", "gated_act_fwd_reference", "gated_act_bwd_reference",
+           "gated_product_fwd", "gated_product_bwd", "gated_product_fwd_reference", "gated_product_bwd_reference"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _TILE_N = 1024  # product columns per program (the row is tiled so I is unbounded)
@@ -84,10 +89,13 @@ if triton is not None:
 
     @triton.jit
     def _gated_act_fwd_kernel(
-        GU,  # pointer to the (M, 2N) packed [gate | up] pre-activations
-        OUT,  # pointer to the (M, N) output, dropout(act(gate) * up)
+        G,  # pointer to the (M, N) gate pre-activations (row stride SG; the packed [gate | up]: its first half)
+        U,  # pointer to the (M, N) up projection (row stride SU; packed: the second half)
+        OUT,  # pointer to the (M, N) contiguous output, dropout(act(gate) * up)
+        SG,  # row stride of G (2N when packed)
+        SU,  # row stride of U
         M,  # rows
-        N,  # product columns (half of GU's)
+        N,  # product columns
         OFFSET,  # dropout counter of element (0, 0)
         S1,  # seed word 1 (rng.seed_keys)
         S2,  # seed word 2
@@ -104,8 +112,8 @@ if triton is not None:
         for r in range(ROWS):
             row = tl.program_id(0).to(tl.int64) * ROWS + r
             m = cmask & (cols * 0 + row < M)  # block-shaped: a scalar row mask is not a valid load mask
-            g = tl.load(GU + row * 2 * N + cols, mask=m, other=0.0).to(tl.float32)
-            u = tl.load(GU + row * 2 * N + N + cols, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(G + row * SG + cols, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(U + row * SU + cols, mask=m, other=0.0).to(tl.float32)
             a, _ = act_value_and_grad(g, ACT)
             y = a * u
             if DROPOUT:
@@ -115,10 +123,15 @@ if triton is not None:
 
     @triton.jit
     def _gated_act_bwd_kernel(
-        GRAD,  # pointer to the (M, N) upstream gradient of the output
-        GU,  # pointer to the (M, 2N) saved packed pre-activations
-        GRAD_GU,  # pointer to the (M, 2N) packed gradient [d gate | d up] (output)
-        OUT,  # pointer to the (M, N) recomputed forward output (unused unless WANT_OUT)
+        GRAD,  # pointer to the (M, N) contiguous upstream gradient of the output
+        G,  # pointer to the saved (M, N) gate pre-activations, row stride SG
+        U,  # pointer to the saved (M, N) up projection, row stride SU
+        DG,  # pointer to the (M, N) gradient of gate (output), row stride SD (packed: [d gate | d up], 2N)
+        DU,  # pointer to the (M, N) gradient of up (output), row stride SD
+        OUT,  # pointer to the (M, N) contiguous recomputed forward output (unused unless WANT_OUT)
+        SG,  # row stride of G
+        SU,  # row stride of U
+        SD,  # row stride of DG and DU
         M,  # rows
         N,  # product columns
         OFFSET,  # dropout counter of element (0, 0)
@@ -138,16 +151,15 @@ if triton is not None:
         for r in range(ROWS):
             row = tl.program_id(0).to(tl.int64) * ROWS + r
             m = cmask & (cols * 0 + row < M)  # block-shaped: a scalar row mask is not a valid load mask
-            packed = row * 2 * N + cols
-            g = tl.load(GU + packed, mask=m, other=0.0).to(tl.float32)
-            u = tl.load(GU + packed + N, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(G + row * SG + cols, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(U + row * SU + cols, mask=m, other=0.0).to(tl.float32)
             d = tl.load(GRAD + row * N + cols, mask=m, other=0.0).to(tl.float32)
             a, da = act_value_and_grad(g, ACT)
             if DROPOUT:
                 keep = dropout_keep(OFFSET + row * N + cols, S1, S2, THRESHOLD)
                 d = tl.where(keep, d * SCALE, 0.0)
-            tl.store(GRAD_GU + packed, (d * u * da).to(GRAD_GU.dtype.element_ty), mask=m)
-            tl.store(GRAD_GU + packed + N, (d * a).to(GRAD_GU.dtype.element_ty), mask=m)
+            tl.store(DG + row * SD + cols, (d * u * da).to(DG.dtype.element_ty), mask=m)
+            tl.store(DU + row * SD + cols, (d * a).to(DU.dtype.element_ty), mask=m)
             if WANT_OUT:
                 y = a * u
                 if DROPOUT:
@@ -187,8 +199,9 @@ def gated_act_fwd(gu, act, p=0.0, seed=0, offset=0):
     out = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
     if out.numel():
         grid, block_n, warps = _launch(m, i)
-        _gated_act_fwd_kernel[grid](gu, out, m, i, *_rng_args(p, seed, offset), ACT=ACTS.index(act), DROPOUT=p > 0,
-                                    ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
+        g, u = _halves(gu)
+        _gated_act_fwd_kernel[grid](g, u, out, 2 * i, 2 * i, m, i, *_rng_args(p, seed, offset), ACT=ACTS.index(act),
+                                    DROPOUT=p > 0, ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
     return out
 
 
@@ -210,7 +223,75 @@ def gated_act_bwd(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out=False):
     out = torch.empty_like(grad_out) if want_out else None
     if grad_out.numel():
         grid, block_n, warps = _launch(m, i)
-        _gated_act_bwd_kernel[grid](grad_out, gu, grad_gu, out if want_out else grad_out, m, i,
+        (g, u), (dg, du) = _halves(gu), _halves(grad_gu)
+        _gated_act_bwd_kernel[grid](grad_out, g, u, dg, du, out if want_out else grad_out, 2 * i, 2 * i, 2 * i, m, i,
                                     *_rng_args(p, seed, offset), ACT=ACTS.index(act), DROPOUT=p > 0,
                                     WANT_OUT=want_out, ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
     return grad_gu, out
+
+
+# --------------------------------------------------------------------------- the product of two tensors
+# ``act(gate) * up`` where gate and up are two tensors of one shape, however they were computed (projections that
+# are not one Linear: low-rank adapters, quantised layers, experts). The kernels above read them through their row
+# strides; a tensor whose rows are not evenly strided is copied for the call.
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as (M, N) rows of its last dim, unit column stride: a view where one exists, else a copy."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] <= 1 else t2.contiguous()
+
+
+def _check_pair(gate, up, act):
+    check_tensor("gate", gate, dtypes=_FLOATS)
+    check_tensor("up", up, dtypes=(gate.dtype,), device=gate.device)
+    if up.shape != gate.shape:
+        raise ValueError(f"up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+    check_choice("act", act, ACTS)
+
+
+def gated_product_fwd_reference(gate, up, act):
+    """Torch path: ``act(gate) * up`` in gate's dtype (fp16/bf16: computed in fp32, rounded once)."""
+    low = gate.dtype in (torch.float16, torch.bfloat16)
+    a = act_forward(gate.float() if low else gate, act)
+    return a.mul_(up).to(gate.dtype)
+
+
+def gated_product_bwd_reference(grad_out, gate, up, act):
+    """Torch path: ``(d gate, d up)`` of ``act(gate) * up``, the activation recomputed from ``gate``."""
+    low = gate.dtype in (torch.float16, torch.bfloat16)
+    g, u, d = (gate.float(), up.float(), grad_out.float()) if low else (gate, up, grad_out)
+    a = act_forward(g, act)
+    return act_backward(d * u, g, act).to(gate.dtype), a.mul_(d).to(gate.dtype)
+
+
+def gated_product_fwd(gate, up, act):
+    """``act(gate) * up`` for two float tensors of one shape, dtype and device. Returns a new tensor of that shape
+    (contiguous from the kernel; the torch path keeps eager's memory format). ``act`` in ``ACTS``."""
+    _check_pair(gate, up, act)
+    if backend_for(gate) != "triton":
+        return gated_product_fwd_reference(gate, up, act)
+    g, u = _rows(gate), _rows(up)
+    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        grid, block_n, warps = _launch(*g.shape)
+        _gated_act_fwd_kernel[grid](g, u, out, g.stride(0), u.stride(0), *g.shape, *_rng_args(0.0, 0, 0),
+                                    ACT=ACTS.index(act), DROPOUT=False, ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
+    return out.view(gate.shape)
+
+
+def gated_product_bwd(grad_out, gate, up, act):
+    """Gradient of ``gated_product_fwd``: ``(d gate, d up)``, each of gate's shape and dtype, recomputing
+    ``act(gate)`` from the saved ``gate`` (nothing but gate and up is read)."""
+    _check_pair(gate, up, act)
+    check_tensor("grad_out", grad_out, dtypes=(gate.dtype,), device=gate.device)
+    if grad_out.shape != gate.shape:
+        raise ValueError(f"grad_out must have gate's shape {tuple(gate.shape)}, got {tuple(grad_out.shape)}")
+    if backend_for(gate) != "triton":
+        return gated_product_bwd_reference(grad_out, gate, up, act)
+    g, u, d = _rows(gate), _rows(up), grad_out.reshape(-1, gate.shape[-1] if gate.dim() else 1).contiguous()
+    dg, du = (torch.empty(g.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
+    if d.numel():
+        grid, block_n, warps = _launch(*g.shape)
+        _gated_act_bwd_kernel[grid](d, g, u, dg, du, d, g.stride(0), u.stride(0), g.shape[1], *g.shape,
+                                    *_rng_args(0.0, 0, 0), ACT=ACTS.index(act), DROPOUT=False, WANT_OUT=False,
+                                    ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
+    return dg.view(gate.shape), du.view(gate.shape)
