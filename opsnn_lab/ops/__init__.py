@@ -13,6 +13,7 @@ _EXPORTS = {
     "FusedLinearActDropoutLinear": "linear_gelu_dropout",
     "FusedGatedMLP": "gated_mlp",
     "FusedPackedGatedMLP": "gated_mlp",
+    "FusedGatedProduct": "gated_product",
     "FusedConvBNReLU": "conv_bn_relu",
     "FusedConvBNAct": "conv_bn_relu",
     "FusedConvActDropoutConv": "conv_mlp",
