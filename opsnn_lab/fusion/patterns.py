@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from opsnn_lab.fusion import patterns_blocks as blocks
+from opsnn_lab.fusion import patterns_gated as gated
 from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, Probed, canonical_module, is_transposed_linear
 from opsnn_lab.fusion.match import (
     CONV_ACTS,
@@ -221,6 +222,10 @@ _CONV_MLP_NEEDS = ("the fused op drops the activation's output, which pays for i
 _LINEAR_ACT_NEEDS = ("the fused op saves the activation's input, which pays only where the activation would save it "
                      "too or a second Linear or a dropout joins the chain")
 
+# eager keeps act(gate) only where the activation saves its input (a ReLU keeps its output, which the product reads)
+_PRODUCT_NEEDS = ("the fused product drops act(gate), which pays only where the activation saves its input "
+                  "(GELU, SiLU) and nothing else keeps its output")
+
 # the fused core saves its inputs and, without dropout, its output and a statistic per row where eager saves the
 # T x T probabilities: with fewer keys than the head's width (or attention across a few layers' outputs) that is more
 _ATTENTION_NEEDS = ("the fused core keeps its output and a statistic per query (or recomputes the probabilities) in "
@@ -233,8 +238,11 @@ PATTERNS: tuple[Pattern, ...] = (
             "Conv2d -> activation [-> Dropout] -> Conv2d (a channels-first MLP)", "conv_", min_share=0.25,
             needs=_CONV_MLP_NEEDS),
     # before linear_<act>: its gate -> act pair is part of the gated MLP
-    Pattern("gated_mlp", blocks.find_gated_mlp, blocks.build_gated_mlp, "FusedGatedMLP",
+    Pattern("gated_mlp", gated.find_gated_mlp, gated.build_gated_mlp, "FusedGatedMLP",
             "act(gate(x)) * up(x) [-> Dropout] -> down (Linear x3)"),
+    # what stays of a gated MLP whose projections are not Linears (adapters, quantised layers): the product alone
+    Pattern("gated_product", gated.find_gated_products, gated.build_gated_product, "FusedGatedProduct",
+            "act(gate) * up, projections of any kind", min_share=0.1, needs=_PRODUCT_NEEDS),
     Pattern("linear_gelu_dropout", find_linear_gelu_dropout, build_linear_gelu_dropout, "FusedLinearGELUDropout",
             "Linear / Conv1D -> activation [-> Dropout] [-> Linear]", "linear_", needs=_LINEAR_ACT_NEEDS,
             never_worse=True),

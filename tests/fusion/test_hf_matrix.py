@@ -28,15 +28,19 @@ CANDIDATES = {
     "roberta": {"linear_gelu_linear": 2, "qkv": 2, "add_layer_norm": 5, "layer_norm": 5},
     "gpt2": {"linear_gelu_tanh_linear": 2,  # c_attn is one Conv1D already: no QKV triple
              "add_layer_norm": 4, "layer_norm": 5, "linear_cross_entropy": 1},
-    "llama": {"gated_mlp_silu": 2, "linear_silu": 2, "qkv": 2,  # GQA: k/v narrower than q
+    # the fallbacks of a fused gated MLP (linear_<act>, gated_product) are candidates it overlaps
+    "llama": {"gated_mlp_silu": 2, "linear_silu": 2, "gated_product_silu": 2,
+              "qkv": 2,  # GQA: k/v narrower than q
               "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
     "phi3": {"gated_mlp_silu": 2,  # gate_up_proj: one Linear split by chunk; qkv_proj is one GEMM already
+             "gated_product_silu": 2,
              "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
     "falcon": {"linear_gelu_linear": 2,  # dense_h_to_4h / dense_4h_to_h are FalconLinear (x @ W.T + b)
                "add_layer_norm": 2, "layer_norm": 3, "linear_cross_entropy": 1},
     "bloom": {"linear_gelu_tanh_linear": 2,  # BloomGelu: tanh-GELU written out, named by its probe
               "add_layer_norm": 4, "layer_norm": 6, "linear_cross_entropy": 1},
-    "t5": {"gated_mlp_gelu_tanh": 4, "linear_gelu_tanh": 4, "qkv": 6,  # cross-attention k/v read the encoder
+    "t5": {"gated_mlp_gelu_tanh": 4, "linear_gelu_tanh": 4, "gated_product_gelu_tanh": 4,
+           "qkv": 6,  # cross-attention k/v read the encoder
            "add_rms_norm": 10, "rms_norm": 12, "linear_cross_entropy": 1},
     "resnet": {"conv_bn_relu_maxpool": 1, "conv_bn_relu": 5},
     # its squeeze-excitations (conv -> SiLU -> conv on pooled 1 x 1 maps) are candidates, declined as not worth it

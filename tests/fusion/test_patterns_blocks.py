@@ -80,7 +80,7 @@ def test_gated_mlp_fuses_whole_module(make, pattern):
     model = make()
     x = seeded(3, 5, 12)
     fused, plan = ol.fusion.fuse(model, x)
-    (d,) = [d for d in plan.decisions if d.pattern.startswith("gated")]
+    (d,) = [d for d in plan.decisions if d.pattern.startswith("gated_mlp")]
     assert d.pattern == pattern and d.fused and d.route == "module:whole" and "FusedGatedMLP" in d.reason
     assert d.saved_bytes > 0 and d.saved_bytes == _measured_saving(model, fused, x)  # the cost model's entry
     assert plan.summary().get(pattern.replace("gated_mlp", "linear"), {}).get("fused", 0) == 0
@@ -104,14 +104,14 @@ def test_gated_mlp_refusals_name_the_computation():
 
     torch.manual_seed(0)
     x = seeded(2, 12)
-    (d,) = [d for d in ol.fusion.analyze(Leaky(), x).decisions if d.pattern.startswith("gated")]
+    (d,) = [d for d in ol.fusion.analyze(Leaky(), x).decisions if d.pattern.startswith("gated_mlp")]
     assert not d.fused and "also read by" in d.reason
     model = Extra()
     fused, plan = ol.fusion.fuse(model, x)  # the chain is inline code in a traceable forward: the fx route
-    (d,) = [d for d in plan.decisions if d.pattern.startswith("gated")]
+    (d,) = [d for d in plan.decisions if d.pattern.startswith("gated_mlp")]
     assert d.fused and d.route == "fx:<model>"
     _same(model, fused, x)
-    (d,) = [d for d in ol.fusion.analyze(Untraceable(), x).decisions if d.pattern.startswith("gated")]
+    (d,) = [d for d in ol.fusion.analyze(Untraceable(), x).decisions if d.pattern.startswith("gated_mlp")]
     assert not d.fused and "`<model>` also computes sum, gt, mul around the chain" in d.reason
 
 
@@ -133,7 +133,7 @@ def test_packed_gate_up_projection_fuses_and_keeps_its_weight(bias):
     model = PackedGLU(bias=bias)
     x = seeded(3, 5, 12)
     fused, plan = ol.fusion.fuse(model, x)
-    (d,) = [d for d in plan.decisions if d.pattern.startswith("gated")]
+    (d,) = [d for d in plan.decisions if d.pattern.startswith("gated_mlp")]
     assert d.pattern == "gated_mlp_silu" and d.fused and d.route == "module:whole", d.reason
     assert d.saved_bytes > 0 and d.saved_bytes == _measured_saving(model, fused, x)
     assert list(fused.state_dict()) == list(model.state_dict())
@@ -148,7 +148,7 @@ class PackedInline(PackedGLU):  # the chain plus an op in one traceable forward:
 @pytest.mark.parametrize("make", [PackedGLU, PackedInline])
 def test_packed_gate_up_with_the_gate_second_is_refused_with_the_reason(make):
     (d,) = [d for d in ol.fusion.analyze(make(up_first=True), seeded(2, 12)).decisions
-            if d.pattern.startswith("gated")]
+            if d.pattern.startswith("gated_mlp")]
     assert not d.fused and "the activated half is the second of `gate_up_proj`'s output" in d.reason
 
 
@@ -156,7 +156,7 @@ def test_packed_gate_up_inline_in_traceable_code_fuses_through_fx():
     torch.manual_seed(0)
     model, x = PackedInline(bias=True), seeded(3, 5, 12)
     fused, plan = ol.fusion.fuse(model, x)
-    (d,) = [d for d in plan.decisions if d.pattern.startswith("gated")]
+    (d,) = [d for d in plan.decisions if d.pattern.startswith("gated_mlp")]
     assert d.fused and d.route == "fx:<model>", d.reason
     _same(model, fused, x)
 
