@@ -7,6 +7,10 @@ Rows (names follow the fusion pattern names):
 * ``gated_mlp_gelu``: T5 v1.1's gated-gelu (``gelu_new`` = tanh GELU, dropout before ``wo``), same widths.
 * ``gated_mlp_silu[packed]``: Phi-3's MLP, one ``gate_up_proj`` Linear split by ``chunk(2, -1)``
   (``FusedGatedMLP.from_packed``), the same widths.
+* ``gated_product_silu[lora]``: Llama's MLP under LoRA fine-tuning: each projection a frozen Linear plus a
+  rank-16 update, ``base(x) + B(A(x)) * scale``, as peft builds it; the projections are not Linears, so only
+  ``act(gate) * up`` fuses (``FusedGatedProduct``). Eager saves x, the gate, act(gate), up and the product;
+  fused drops act(gate): ``(H + 3I) / (H + 4I)`` = 0.77 at these widths, by construction.
 * ``linear_gelu_tanh_linear[gpt2]``: GPT-2's MLP, Conv1D -> ``NewGELUActivation`` -> Conv1D, BERT-base widths.
 * ``linear_quick_gelu_linear``: CLIP's MLP (QuickGELU written as in Hugging Face), BERT-base widths.
 * ``linear_silu_dropout_linear``: nn.Linear -> SiLU -> Dropout -> nn.Linear, BERT-base widths.
@@ -25,7 +29,8 @@ from torch import nn
 
 __all__ = ["CHAINS", "build_chains", "LLAMA_FULL"]
 
-CHAINS = ("gated_mlp_silu", "gated_mlp_gelu", "gated_mlp_silu[packed]", "linear_gelu_tanh_linear[gpt2]",
+CHAINS = ("gated_mlp_silu", "gated_mlp_gelu", "gated_mlp_silu[packed]", "gated_product_silu[lora]",
+          "linear_gelu_tanh_linear[gpt2]",
           "linear_quick_gelu_linear", "linear_silu_dropout_linear")
 LLAMA_FULL = dict(hidden=1024, inter=2816)  # Llama-7B's 4096 / 11008 scaled by 1/4
 TARGETS = {"bytes_fused_vs_eager[gated_mlp_*]": 0.67, "bytes_fused_vs_compile[gated_mlp_*]": 1.0}
@@ -85,6 +90,42 @@ class PackedGatedMLP(nn.Module):
         return self.down_proj(up * self.activation_fn(gate))
 
 
+class LowRankLinear(nn.Module):
+    """peft's LoRA layer on a Linear: ``base(x) + lora_B(lora_A(x)) * scaling``, the base frozen."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 16):
+        super().__init__()
+        self.base_layer = nn.Linear(n_in, n_out, bias=False).requires_grad_(False)
+        self.lora_A, self.lora_B = nn.Linear(n_in, rank, bias=False), nn.Linear(rank, n_out, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.02)  # peft starts it at zero; a trained adapter is not
+        self.scaling = 2.0
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+class AdapterGatedMLP(nn.Module):
+    """``LlamaMLP`` with LoRA on its three projections; ``product`` (the fused op) in place of ``act(g) * u``."""
+
+    def __init__(self, hidden: int, inter: int, act: nn.Module, product: nn.Module | None = None):
+        super().__init__()
+        self.gate_proj, self.up_proj = LowRankLinear(hidden, inter), LowRankLinear(hidden, inter)
+        self.down_proj, self.act_fn, self.product = LowRankLinear(inter, hidden), act, product
+
+    @classmethod
+    def sharing(cls, other: AdapterGatedMLP, product: nn.Module) -> AdapterGatedMLP:
+        """The same projections (shared, not copied) with ``product`` computing ``act(g) * u``."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.gate_proj, new.up_proj, new.down_proj = other.gate_proj, other.up_proj, other.down_proj
+        new.act_fn, new.product = other.act_fn, product
+        return new
+
+    def forward(self, x):
+        g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act_fn(g) * u if self.product is None else self.product(g, u))
+
+
 def _gated_dims(s: dict) -> tuple[int, int]:
     # full run: Llama-7B-like widths; quick run: the CI-sized widths it was given
     return (LLAMA_FULL["hidden"], LLAMA_FULL["inter"]) if s["hidden"] >= 768 else (s["hidden"], s["inter"])
@@ -95,7 +136,10 @@ def _gated(name, s, device, dtype, act, p):
     from opsnn_lab.bench.ops import Chain
 
     hidden, inter = _gated_dims(s)
-    if name.endswith("[packed]"):
+    if name.endswith("[lora]"):
+        eager = AdapterGatedMLP(hidden, inter, act).to(device, dtype)
+        fused = AdapterGatedMLP.sharing(eager, ops.FusedGatedProduct.from_modules(act))
+    elif name.endswith("[packed]"):
         eager = PackedGatedMLP(hidden, inter, act).to(device, dtype)
         fused = ops.FusedGatedMLP.from_packed(eager.gate_up_proj, eager.down_proj, act, register=False)
     else:
@@ -125,6 +169,7 @@ def build_chains(shapes: dict, device, dtype, wanted) -> list:
         "gated_mlp_silu": lambda: _gated("gated_mlp_silu", shapes, device, dtype, nn.SiLU(), 0.0),
         "gated_mlp_gelu": lambda: _gated("gated_mlp_gelu", shapes, device, dtype, NewGELUActivation(), p),
         "gated_mlp_silu[packed]": lambda: _gated("gated_mlp_silu[packed]", shapes, device, dtype, nn.SiLU(), 0.0),
+        "gated_product_silu[lora]": lambda: _gated("gated_product_silu[lora]", shapes, device, dtype, nn.SiLU(), 0.0),
         "linear_gelu_tanh_linear[gpt2]": lambda: _two_layer(
             "linear_gelu_tanh_linear[gpt2]", shapes, device, dtype, Conv1D(i, h), NewGELUActivation(), 0.0,
             Conv1D(h, i)),

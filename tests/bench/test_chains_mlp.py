@@ -16,8 +16,8 @@ def test_full_gated_rows_use_llama_like_widths():
     assert chains_mlp._gated_dims(ops.QUICK) == (ops.QUICK["hidden"], ops.QUICK["inter"])
 
 
-@pytest.mark.parametrize("name", ["gated_mlp_silu", "gated_mlp_silu[packed]", "linear_gelu_tanh_linear[gpt2]",
-                                  "linear_quick_gelu_linear"])
+@pytest.mark.parametrize("name", ["gated_mlp_silu", "gated_mlp_silu[packed]", "gated_product_silu[lora]",
+                                  "linear_gelu_tanh_linear[gpt2]", "linear_quick_gelu_linear"])
 def test_fused_side_computes_the_eager_side(name):
     (chain,) = chains_mlp.build_chains(ops.QUICK, "cpu", torch.float32, [name])  # p = 0 rows: no masks to align
     x = chain.inputs[0]
@@ -33,6 +33,17 @@ def test_gated_rows_meet_the_bytes_target(name):
     fused = activation_bytes(lambda: chain.fused(*chain.inputs))
     eager = activation_bytes(lambda: chain.eager(*chain.inputs))
     assert fused / eager <= chains_mlp.TARGETS["bytes_fused_vs_eager[gated_mlp_*]"]
+
+
+def test_lora_row_shares_its_projections_and_drops_one_tensor():
+    (chain,) = chains_mlp.build_chains(ops.QUICK, "cpu", torch.float32, ["gated_product_silu[lora]"])
+    assert [p for p in chain.fused.parameters()] == [p for p in chain.eager.parameters()]
+    assert chain.eager.product is None and chain.fused.product is not None
+    h, i = chains_mlp._gated_dims(ops.QUICK)
+    tokens = chain.inputs[0].numel() // h
+    fused = activation_bytes(lambda: chain.fused(*chain.inputs))
+    eager = activation_bytes(lambda: chain.eager(*chain.inputs))
+    assert eager - fused == tokens * i * 4  # act(gate): (H + 3I) / (H + 4I) of eager, plus the rank-16 pieces
 
 
 def test_conv1d_stand_in_is_the_hugging_face_layer():
