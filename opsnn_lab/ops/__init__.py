@@ -20,6 +20,7 @@ _EXPORTS = {
     "FusedQKV": "qkv",
     "FusedAttention": "attention",
     "Dropout": "dropout",
+    "FusedDropoutLinear": "dropout_linear",
     "FusedLayerNorm": "norm",
     "FusedRMSNorm": "norm",
     "FusedAddLayerNorm": "norm",
