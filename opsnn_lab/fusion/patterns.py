@@ -246,6 +246,9 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("linear_gelu_dropout", find_linear_gelu_dropout, build_linear_gelu_dropout, "FusedLinearGELUDropout",
             "Linear / Conv1D -> activation [-> Dropout] [-> Linear]", "linear_", needs=_LINEAR_ACT_NEEDS,
             never_worse=True),
+    # after the MLP rows, which take a dropout between their activation and second Linear
+    Pattern("dropout_linear", blocks.find_dropout_linears, blocks.build_dropout_linear, "FusedDropoutLinear",
+            "Dropout -> Linear (LoRA's lora_A(lora_dropout(x)), a head after its dropout)"),
     Pattern("attention", find_attention, build_attention, "FusedAttention",
             "softmax(q @ k^T * scale + mask) -> dropout -> @ v", needs=_ATTENTION_NEEDS, never_worse=True),
     Pattern("qkv", find_qkv, build_qkv, "FusedQKV", "three sibling Linear layers reading one tensor"),

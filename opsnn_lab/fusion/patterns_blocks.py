@@ -19,14 +19,16 @@ from opsnn_lab.fusion.graph import Graph, Node, arg
 from opsnn_lab.fusion.match import (
     Match,
     _common_checks,
+    _dropout_module,
     _is_module,
     _op_support,
     inplace_writer,
     op_class,
+    past_identities,
 )
 
-__all__ = ["find_norms", "find_add_norms", "norm_verdicts", "find_linear_cross_entropy", "build_norm",
-           "build_linear_cross_entropy"]
+__all__ = ["find_norms", "find_add_norms", "norm_verdicts", "find_dropout_linears", "find_linear_cross_entropy",
+           "build_norm", "build_dropout_linear", "build_linear_cross_entropy", "inplace_reason"]
 
 
 # --------------------------------------------------------------------------- LayerNorm / RMSNorm
@@ -274,6 +276,40 @@ def _build_norm(m: Match) -> nn.Module:
     weight = getattr(norm, "weight", None) if "shape" not in p else None  # a norm without parameters: its size
     return cls(weight, bias, p["eps"], p.get("shape"), weight_offset=p["offset"], save_output=keep_y).train(
         norm.training)
+
+
+# --------------------------------------------------------------------------- Linear(Dropout(x))
+def find_dropout_linears(g: Graph) -> list[Match]:
+    """``linear(dropout(x))`` where only the Linear reads the dropped copy: LoRA's ``lora_A(lora_dropout(x))``
+    (peft), a classifier after its dropout. The fused op saves x and regenerates the mask."""
+    from opsnn_lab.fusion.patterns_attention import functional_stream
+
+    out = []
+    for drop in g.nodes:
+        if drop.op != "dropout" or not drop.inputs or not arg(drop, 2, "training", True):
+            continue
+        module = _dropout_module(drop)
+        passed, lin = past_identities(g, drop)
+        if not _is_module(lin, "linear") or not isinstance(module, nn.Module) or not getattr(module, "p", 0.0) > 0:
+            continue  # p = 0 (peft's default adapter): an identity, nothing to save
+        m = Match("dropout_linear", [drop, *passed, lin], False, "", inputs=drop.inputs[:1], outputs=[lin],
+                  params={"dropout": module, "linear": lin.obj})
+        if drop.kind == "function":
+            m.params["rng_name"] = functional_stream(g, drop)
+        m.reason = (_op_support("FusedDropoutLinear", module, lin.obj) or inplace_reason(g, lin)
+                    or _common_checks(g, m.nodes))
+        m.ok = not m.reason
+        out.append(m)
+    return out
+
+
+def inplace_reason(g: Graph, node: Node) -> str:
+    writer = inplace_writer(g, node)
+    return f"the output of `{node.label}` is modified in place by `{writer.label}`" if writer is not None else ""
+
+
+def build_dropout_linear(m: Match) -> nn.Module:
+    return op_class("FusedDropoutLinear").from_modules(m.params["dropout"], m.params["linear"], register=False)
 
 
 # --------------------------------------------------------------------------- vocabulary head -> cross-entropy

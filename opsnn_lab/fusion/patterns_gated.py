@@ -21,10 +21,10 @@ from opsnn_lab.fusion.match import (
     _op_support,
     act_kind,
     act_module,
-    inplace_writer,
     op_class,
     past_identities,
 )
+from opsnn_lab.fusion.patterns_blocks import inplace_reason
 
 __all__ = ["find_gated_mlp", "find_gated_products", "build_gated_mlp", "build_gated_product", "GatedProduct"]
 
@@ -170,11 +170,6 @@ def find_gated_products(g: Graph) -> list[Match]:
         m.ok = not m.reason
         out.append(m)
     return out
-
-
-def inplace_reason(g: Graph, node: Node) -> str:
-    writer = inplace_writer(g, node)
-    return f"the product is modified in place by `{writer.label}`" if writer is not None else ""
 
 
 class GatedProduct(nn.Module):

@@ -100,3 +100,12 @@ def test_linear_projections_keep_the_whole_gated_mlp():
     (whole,) = [d for d in plan.fused if d.pattern.startswith("gated_mlp")]
     (product,) = _product(plan)
     assert whole.pattern == "gated_mlp_silu" and not product.fused and "overlaps the fused gated_mlp" in product.reason
+
+
+def test_variant_names_switch_the_row():
+    torch.manual_seed(0)
+    x = seeded(4, 12)
+    (d,) = _product(ol.fusion.analyze(AdapterMLP(), x, patterns=["gated_product_silu"]))
+    assert d.fused
+    with pytest.raises(ValueError, match="patterns"):
+        ol.fusion.analyze(AdapterMLP(), x, patterns=["gated_product_tanh"])

@@ -1,5 +1,6 @@
-"""LoRA fine-tuning (peft) of a Llama-style decoder: the adapters' gated products, norms and attention fuse, the
-plan's bytes are what a step saves, and every trainable gradient is eager's, with and without LoRA dropout."""
+"""LoRA fine-tuning (peft) of a Llama-style decoder: the adapters' dropouts (each ``lora_A(lora_dropout(x))``)
+and gated products fuse with the norms and attention, the plan's bytes are what a step saves, and every trainable
+gradient is eager's: with ``make_reproducible`` the fused dropouts draw the masks the unfused model draws."""
 
 from __future__ import annotations
 
@@ -30,28 +31,30 @@ def _lora_llama(dropout: float, attn: str):
 
 
 def _step(model, ids):
-    torch.manual_seed(5)  # LoRA dropout: the same masks in both runs
+    ol.consistency.make_reproducible(model, 3)  # counter masks named by module path: the same in both models
     out = model(ids, labels=ids)
     model.zero_grad(set_to_none=True)
     out.loss.backward()
     return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("dropout, attn", [(0.0, "eager"), (0.1, "sdpa")])
-def test_lora_llama_fuses_its_gated_products_with_eager_gradients(dropout, attn):
+@pytest.mark.parametrize("dropout, attn, n_dropout", [(0.0, "eager", 0), (0.1, "sdpa", 14)])
+def test_lora_llama_fuses_its_adapters_with_eager_gradients(dropout, attn, n_dropout):
     model = _lora_llama(dropout, attn)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     fused, plan = ol.fusion.fuse(copy.deepcopy(model), ids)
-    products = [d for d in plan.fused if d.pattern == "gated_product_silu"]
-    assert len(products) == 2, plan  # one per layer: the adapters hide the Linears the whole gated MLP needs
-    assert not [d for d in plan.fused if d.pattern.startswith("gated_mlp")]
+    summary = plan.summary()
+    # one product per layer (the adapters hide the Linears the whole gated MLP needs), one dropout per adapter
+    assert summary["gated_product_silu"]["fused"] == 2 and not [d for d in plan.fused if d.pattern == "gated_mlp"]
+    assert summary.get("dropout_linear", {}).get("fused", 0) == n_dropout
 
     def forward(m):
         def run():
-            torch.manual_seed(5)
+            torch.manual_seed(3)  # eager's nn.Dropout: a mask and a dropped copy per adapter, as in training
             return m(ids).logits
         return run
-    assert activation_bytes(forward(model)) - activation_bytes(forward(fused)) == plan.saved_bytes > 0
+    eager_bytes, fused_bytes = activation_bytes(forward(model)), activation_bytes(forward(fused))
+    assert eager_bytes - fused_bytes == plan.saved_bytes > 0
     loss, grads = _step(model, ids)
     fused_loss, fused_grads = _step(fused, ids)
     torch.testing.assert_close(fused_loss, loss, atol=1e-6, rtol=1e-6)
