@@ -11,6 +11,10 @@ Rows (names follow the fusion pattern names):
   rank-16 update, ``base(x) + B(A(x)) * scale``, as peft builds it; the projections are not Linears, so only
   ``act(gate) * up`` fuses (``FusedGatedProduct``). Eager saves x, the gate, act(gate), up and the product;
   fused drops act(gate): ``(H + 3I) / (H + 4I)`` = 0.77 at these widths, by construction.
+* ``dropout_linear[lora_qkv]``: Llama's q, k and v projections under LoRA with ``lora_dropout=0.05`` (peft's
+  usual setting), rank 16, hidden 1024: each adapter drops x with a dropout of its own, so eager keeps three
+  dropped copies and three masks (a bool each on GPU, a float noise tensor on CPU); ``FusedDropoutLinear`` keeps
+  x once and regenerates each mask: 1/6 of eager's bytes on CPU, 4/15 with bool masks.
 * ``linear_gelu_tanh_linear[gpt2]``: GPT-2's MLP, Conv1D -> ``NewGELUActivation`` -> Conv1D, BERT-base widths.
 * ``linear_quick_gelu_linear``: CLIP's MLP (QuickGELU written as in Hugging Face), BERT-base widths.
 * ``linear_silu_dropout_linear``: nn.Linear -> SiLU -> Dropout -> nn.Linear, BERT-base widths.
@@ -30,7 +34,7 @@ from torch import nn
 __all__ = ["CHAINS", "build_chains", "LLAMA_FULL"]
 
 CHAINS = ("gated_mlp_silu", "gated_mlp_gelu", "gated_mlp_silu[packed]", "gated_product_silu[lora]",
-          "linear_gelu_tanh_linear[gpt2]",
+          "dropout_linear[lora_qkv]", "linear_gelu_tanh_linear[gpt2]",
           "linear_quick_gelu_linear", "linear_silu_dropout_linear")
 LLAMA_FULL = dict(hidden=1024, inter=2816)  # Llama-7B's 4096 / 11008 scaled by 1/4
 TARGETS = {"bytes_fused_vs_eager[gated_mlp_*]": 0.67, "bytes_fused_vs_compile[gated_mlp_*]": 1.0}
@@ -91,17 +95,42 @@ class PackedGatedMLP(nn.Module):
 
 
 class LowRankLinear(nn.Module):
-    """peft's LoRA layer on a Linear: ``base(x) + lora_B(lora_A(x)) * scaling``, the base frozen."""
+    """peft's LoRA layer on a Linear: ``base(x) + lora_B(lora_A(lora_dropout(x))) * scaling``, the base frozen
+    (``lora_dropout`` an ``nn.Identity`` at ``p = 0``, as peft builds it)."""
 
-    def __init__(self, n_in: int, n_out: int, rank: int = 16):
+    def __init__(self, n_in: int, n_out: int, rank: int = 16, p: float = 0.0):
         super().__init__()
         self.base_layer = nn.Linear(n_in, n_out, bias=False).requires_grad_(False)
         self.lora_A, self.lora_B = nn.Linear(n_in, rank, bias=False), nn.Linear(rank, n_out, bias=False)
         nn.init.normal_(self.lora_B.weight, std=0.02)  # peft starts it at zero; a trained adapter is not
-        self.scaling = 2.0
+        self.lora_dropout = nn.Dropout(p) if p > 0 else nn.Identity()
+        self.scaling, self.lora_in = 2.0, None
+
+    def fused_twin(self) -> LowRankLinear:
+        """The same layers (shared, not copied) with ``FusedDropoutLinear`` computing ``lora_A(lora_dropout(x))``."""
+        from opsnn_lab import ops
+
+        twin = LowRankLinear.__new__(LowRankLinear)
+        nn.Module.__init__(twin)
+        twin.base_layer, twin.lora_A, twin.lora_B = self.base_layer, self.lora_A, self.lora_B
+        twin.lora_dropout, twin.scaling = self.lora_dropout, self.scaling
+        twin.lora_in = ops.FusedDropoutLinear.from_modules(self.lora_dropout, self.lora_A, register=False)
+        return twin
 
     def forward(self, x):
-        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+        a = self.lora_A(self.lora_dropout(x)) if self.lora_in is None else self.lora_in(x)
+        return self.base_layer(x) + self.lora_B(a) * self.scaling
+
+
+class AdapterQKV(nn.Module):
+    """Llama's q, k and v projections under LoRA with ``lora_dropout=p``: three adapters reading one x."""
+
+    def __init__(self, hidden: int, p: float, projections=None):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = projections or [LowRankLinear(hidden, hidden, p=p) for _ in range(3)]
+
+    def forward(self, x):
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
 
 
 class AdapterGatedMLP(nn.Module):
@@ -136,6 +165,11 @@ def _gated(name, s, device, dtype, act, p):
     from opsnn_lab.bench.ops import Chain
 
     hidden, inter = _gated_dims(s)
+    if name == "dropout_linear[lora_qkv]":
+        eager = AdapterQKV(hidden, 0.05).to(device, dtype)
+        fused = AdapterQKV(hidden, 0.05, [p.fused_twin() for p in (eager.q_proj, eager.k_proj, eager.v_proj)])
+        x = torch.randn(s["batch"], s["tokens"], hidden, device=device, dtype=dtype, requires_grad=True)
+        return Chain(name, eager, fused, (x,), note=f"hidden {hidden}, rank 16, lora_dropout 0.05")
     if name.endswith("[lora]"):
         eager = AdapterGatedMLP(hidden, inter, act).to(device, dtype)
         fused = AdapterGatedMLP.sharing(eager, ops.FusedGatedProduct.from_modules(act))
@@ -170,6 +204,7 @@ def build_chains(shapes: dict, device, dtype, wanted) -> list:
         "gated_mlp_gelu": lambda: _gated("gated_mlp_gelu", shapes, device, dtype, NewGELUActivation(), p),
         "gated_mlp_silu[packed]": lambda: _gated("gated_mlp_silu[packed]", shapes, device, dtype, nn.SiLU(), 0.0),
         "gated_product_silu[lora]": lambda: _gated("gated_product_silu[lora]", shapes, device, dtype, nn.SiLU(), 0.0),
+        "dropout_linear[lora_qkv]": lambda: _gated("dropout_linear[lora_qkv]", shapes, device, dtype, None, 0.0),
         "linear_gelu_tanh_linear[gpt2]": lambda: _two_layer(
             "linear_gelu_tanh_linear[gpt2]", shapes, device, dtype, Conv1D(i, h), NewGELUActivation(), 0.0,
             Conv1D(h, i)),

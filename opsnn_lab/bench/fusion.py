@@ -21,7 +21,9 @@ CAFormer's StarReLU MLPs), built without weights, 2x3x96x96, training. timm is
 not a dependency (it needs torchvision); without it the command says so and returns 2.
 Writes build/bench/fusion_timm.json. ``--models torchvision``: the same for ``zoo.TORCHVISION_MODELS`` (ResNet,
 MobileNetV3, EfficientNet, RegNet, ShuffleNet, MNASNet, DenseNet, GoogLeNet, ConvNeXt), built without weights;
-writes build/bench/fusion_torchvision.json.
+writes build/bench/fusion_torchvision.json. ``--models peft``: a Llama-style decoder (hidden 256, 4 layers,
+2x256 tokens) under LoRA fine-tuning with peft (``zoo.PEFT_MODELS``: r=16 on every projection, ``lora_dropout``
+0 or 0.05, SDPA or the eager attention) and without adapters; writes build/bench/fusion_peft.json.
 """
 
 from __future__ import annotations
@@ -183,6 +185,7 @@ _LIBRARIES = {  # --models name -> (models, builder name in zoo, what to say whe
              "for your torch first, or pip may replace your torch)"),
     "torchvision": ("TORCHVISION_MODELS", "build_torchvision", "install the torchvision built for your torch "
                     "(pip may otherwise replace your torch)"),
+    "peft": ("PEFT_MODELS", "build_peft", "pip install peft"),
 }
 
 
@@ -222,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="directory for fusion.json (default build/bench)")
     p.add_argument("--models", choices=("embedded", "hf", *_LIBRARIES), default="embedded",
                    help="hf: the Hugging Face model matrix (tiny configs) and HF BERT-base analysis time; "
-                        "timm / torchvision: their CNNs (and timm's ViT) from their configs (needs the library)")
+                        "timm / torchvision: their CNNs (and timm's ViT) from their configs; peft: a Llama-style "
+                        "decoder under LoRA fine-tuning (each needs the library)")
     p.add_argument("--no-base", action="store_true", help="with --models hf: skip the BERT-base timing")
     p.add_argument("--no-lm", action="store_true",
                    help="with --models hf: skip the Llama-style decoder trained with the fused head + loss")

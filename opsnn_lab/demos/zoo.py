@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 __all__ = ["MODELS", "build", "training_loss", "EXPECTED", "TIMM_MODELS", "build_timm", "TORCHVISION_MODELS",
-           "build_torchvision"]
+           "build_torchvision", "PEFT_MODELS", "build_peft"]
 
 _TEXT = ("bert", "roberta", "gpt2", "llama")
 
@@ -179,3 +179,32 @@ def build_torchvision(name: str, batch: int = 2, size: int = 96) -> tuple[nn.Mod
     extra = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
     model = torchvision.models.get_model(name, weights=None, num_classes=10, **extra)
     return model, (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)),)
+
+
+# LoRA fine-tuning with peft (not a dependency): a Llama-style decoder with adapters on every projection, as the
+# common recipes set them (r=16, alpha 32, every attention and MLP Linear), with and without lora_dropout, SDPA or
+# the eager attention; "llama_no_adapters" is the same decoder trained in full, for comparison.
+PEFT_MODELS = ("llama_no_adapters", "lora_llama", "lora_llama_dropout", "lora_llama_dropout_eager_attention")
+_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_peft(name: str, batch: int = 2, seq: int = 256) -> tuple[nn.Module, tuple]:
+    """A ``LlamaForCausalLM`` (hidden 256, intermediate 688, 4 layers, GQA 8/4, vocabulary 1024) from a config, with
+    peft's LoRA adapters (``get_peft_model``) unless ``name`` is ``llama_no_adapters``; token ids as input."""
+    import transformers
+
+    if name not in PEFT_MODELS:
+        raise ValueError(f"name must be one of {PEFT_MODELS}, got {name!r}")
+    attn = "eager" if name.endswith("eager_attention") else "sdpa"
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                                   num_key_value_heads=4, vocab_size=1024, attn_implementation=attn)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    if name != "llama_no_adapters":
+        import peft
+
+        lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=_LORA_TARGETS,
+                               lora_dropout=0.05 if "dropout" in name else 0.0)
+        model = peft.get_peft_model(model, lora)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return model.train(), (ids,)

@@ -46,6 +46,19 @@ def test_lora_row_shares_its_projections_and_drops_one_tensor():
     assert eager - fused == tokens * i * 4  # act(gate): (H + 3I) / (H + 4I) of eager, plus the rank-16 pieces
 
 
+def test_lora_qkv_row_keeps_x_once_for_three_dropped_adapters():
+    (chain,) = chains_mlp.build_chains(ops.QUICK, "cpu", torch.float32, ["dropout_linear[lora_qkv]"])
+    assert [p for p in chain.fused.parameters()] == [p for p in chain.eager.parameters()]
+    x = chain.inputs[0]
+    h, rank = x.shape[-1], 16
+    fused = activation_bytes(lambda: chain.fused(x))
+    eager = activation_bytes(lambda: chain.eager(x))
+    assert fused == x.numel() * 4 + 3 * x.numel() // h * rank * 4  # x once, and each lora_A output for lora_B
+    assert eager >= 3 * x.numel() * (4 + 1)  # three dropped copies and three masks
+    chain.eager.eval(), chain.fused.eval()
+    assert_close_dtype(chain.fused(x), chain.eager(x))  # no dropout: the same projections
+
+
 def test_conv1d_stand_in_is_the_hugging_face_layer():
     conv = chains_mlp.Conv1D(5, 3)
     x = torch.randn(2, 4, 3)

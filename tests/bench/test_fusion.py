@@ -44,7 +44,8 @@ def test_fusion_bench_hf_matrix(tmp_path, capsys):
     assert "activation fused/eager" in out and "EfficientNet activation bytes fused/eager" in out
 
 
-@pytest.mark.parametrize("library, hint", [("timm", "pip install timm"), ("torchvision", "built for your torch")])
+@pytest.mark.parametrize("library, hint", [("timm", "pip install timm"), ("torchvision", "built for your torch"),
+                                           ("peft", "pip install peft")])
 def test_fusion_bench_says_clearly_when_a_model_library_is_missing(tmp_path, capsys, monkeypatch, library, hint):
     monkeypatch.setitem(sys.modules, library, None)  # import raises ImportError
     assert fusion.main(["--models", library, "--out", str(tmp_path)]) == 2
@@ -81,6 +82,23 @@ def test_fusion_bench_torchvision_rows_from_the_library_builder(tmp_path, capsys
         assert row["summary"] == {"conv_bn_hardswish": {"fused": 1, "rejected": 0}}
         assert 0 < row["activation fused/eager"] < 1
     assert "mobilenet_v3_small" in capsys.readouterr().out
+
+
+def test_fusion_bench_peft_rows(tmp_path, monkeypatch):
+    """LoRA rows (peft is a dev dependency): every adapter's dropout and every gated product fuse."""
+    pytest.importorskip("peft")
+    import functools
+
+    from opsnn_lab.demos import zoo
+
+    monkeypatch.setattr(zoo, "PEFT_MODELS", ("lora_llama", "lora_llama_dropout"))
+    monkeypatch.setattr(zoo, "build_peft", functools.partial(zoo.build_peft, seq=16))
+    assert fusion.main(["--models", "peft", "--out", str(tmp_path)]) == 0
+    rows = {r["model"]: r for r in json.loads((tmp_path / "fusion_peft.json").read_text())["rows"]}
+    plain, dropped = rows["lora_llama"]["summary"], rows["lora_llama_dropout"]["summary"]
+    assert plain["gated_product_silu"] == dropped["gated_product_silu"] == {"fused": 4, "rejected": 0}
+    assert "dropout_linear" not in plain and dropped["dropout_linear"] == {"fused": 28, "rejected": 0}  # 7 a layer
+    assert rows["lora_llama_dropout"]["activation fused/eager"] < rows["lora_llama"]["activation fused/eager"] < 1
 
 
 @pytest.mark.slow
