@@ -69,6 +69,10 @@ def test_module_chain_and_inline_dropout_fuse_with_the_planned_bytes_and_eager_g
         assert d.saved_bytes == measured > 0
         for a, b in zip(_steps(model, x), _steps(fused, x), strict=True):
             torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+        model.eval(), fused.eval()  # eval: the Linear alone, through the op (the module itself passes it on)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-6)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-6)
 
 
 def test_no_candidate_without_a_mask_and_refusals_name_the_reason():
