@@ -1,10 +1,12 @@
 """Fuse one model of every timm family (the smallest each module registers) and check it against eager.
 
 timm is not a dependency of opsnn_lab: install it beside (``pip install timm``; it needs torchvision built for
-your torch). For each model: built without weights, 10 classes, no dropout or drop path; one training step of
-the fused model and of the original (the logits and every parameter gradient of a fixed random projection of
-them), then eval and ``inference_mode``, and the fused model pickled. The same records and line as
-``hf_sweep.py``; a model that fails without opsnn_lab ("build", "eager") is reported as such.
+your torch). For each model: built without weights, 10 classes, no dropout or drop path (a dropout a model keeps
+whatever it is given, Swin-v2-cr's meta MLP, draws the same counter masks on both sides: each runs under
+``ol.consistency.make_reproducible``); one training step of the fused model and of the original (the logits and
+every parameter gradient of a fixed random projection of them), then eval and ``inference_mode``, and the fused
+model pickled. The same records and line as ``hf_sweep.py``; a model that fails without opsnn_lab ("build",
+"eager") is reported as such.
 
     python scripts/timm_sweep.py                        # float64: errors are rounding (<= 1e-10)
     python scripts/timm_sweep.py --models resnet18,vit_tiny_patch16_224 --dtype float32
@@ -121,6 +123,8 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=
             r["stage"] = "eager"
             _outs(model, x)
         fused = S.fuse_recorded(model, (x,), r)
+        for m in (model, fused):  # one mask for a dropout the model keeps, fused or not
+            ol.consistency.make_reproducible(m, 0)
         r["stage"] = "train"
         (outs_a, g_a), (outs_b, g_b) = (_train_step(m, x) for m in (model, fused))
         r["out_err"], r["grad_err"] = S._rel(outs_b, outs_a), S._rel(g_b, g_a, S.largest_finite(g_a))
