@@ -128,3 +128,16 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="x"):  # input check before the draw: nothing advanced
         op(torch.zeros(3, 12))
     assert op.rng_step == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_matches_eager_with_the_same_mask(dtype):
+    lin = _linear(1024, 16, dtype=dtype).cuda()  # a LoRA lora_A at Llama width / 4
+    x = seeded(512, 1024, seed=8, dtype=dtype, device="cuda").requires_grad_(True)
+    out, grads = run_fwd_bwd(FusedDropoutLinear(lin, 0.05, seed=11), [x], _params(lin))
+    ref, ref_grads = run_fwd_bwd(_eager(lin, 0.05), [x], _params(lin))
+    assert_close_dtype(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert_close_dtype(g, r)
