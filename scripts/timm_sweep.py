@@ -1,12 +1,11 @@
 """Fuse one model of every timm family (the smallest each module registers) and check it against eager.
 
 timm is not a dependency of opsnn_lab: install it beside (``pip install timm``; it needs torchvision built for
-your torch). For each model: built without weights, 10 classes, no dropout or drop path (a dropout a model keeps
-whatever it is given, Swin-v2-cr's meta MLP, draws the same counter masks on both sides: each runs under
-``ol.consistency.make_reproducible``); one training step of the fused model and of the original (the logits and
-every parameter gradient of a fixed random projection of them), then eval and ``inference_mode``, and the fused
-model pickled. The same records and line as ``hf_sweep.py``; a model that fails without opsnn_lab ("build",
-"eager") is reported as such.
+your torch). For each model: built without weights, 10 classes, no dropout or drop path (an ``nn.Dropout`` a model
+keeps whatever it is given, Swin-v2-cr's meta MLP, is set to p = 0 after the build); one training step of the
+fused model and of the original (the logits and every parameter gradient of a fixed random projection of them),
+then eval and ``inference_mode``, and the fused model pickled. The same records and line as ``hf_sweep.py``; a
+model that fails without opsnn_lab ("build", "eager") is reported as such.
 
     python scripts/timm_sweep.py                        # float64: errors are rounding (<= 1e-10)
     python scripts/timm_sweep.py --models resnet18,vit_tiny_patch16_224 --dtype float32
@@ -95,6 +94,15 @@ def _create(timm, name: str, **size):
                 del kwargs[k]
 
 
+def _without_dropout(model, x):
+    """``model`` with every ``nn.Dropout`` at p = 0: both sides then compute the same thing in training (the fused
+    ops draw counter masks, eager draws torch's). Drop path stays off through the builder's ``drop_path_rate``."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model, x
+
+
 def _outs(model, x):
     torch.manual_seed(123)
     return [t for t in ol.fusion.runtime.flatten_tensors(model(x)) if t.is_floating_point()]
@@ -113,18 +121,16 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         r["stage"] = "build"
-        model, x = build(name, dtype)
+        model, x = _without_dropout(*build(name, dtype))
         r["stage"] = "eager"
         try:
             _outs(model, x)
         except Exception:  # noqa: BLE001 - too small for it (takes img_size, yet fixes a grid): its own size
             r["stage"] = "build"
-            model, x = build(name, dtype, small=False)
+            model, x = _without_dropout(*build(name, dtype, small=False))
             r["stage"] = "eager"
             _outs(model, x)
         fused = S.fuse_recorded(model, (x,), r)
-        for m in (model, fused):  # one mask for a dropout the model keeps, fused or not
-            ol.consistency.make_reproducible(m, 0)
         r["stage"] = "train"
         (outs_a, g_a), (outs_b, g_b) = (_train_step(m, x) for m in (model, fused))
         r["out_err"], r["grad_err"] = S._rel(outs_b, outs_a), S._rel(g_b, g_a, S.largest_finite(g_a))
