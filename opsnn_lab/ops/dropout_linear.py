@@ -14,6 +14,8 @@ states (``lora_dropout=0.05`` is the common setting) where the fused ops keep th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,9 +23,15 @@ from torch import nn
 from opsnn_lab._checks import check_linear_input, check_range, check_type
 from opsnn_lab.kernels import rng
 from opsnn_lab.ops import _amp
-from opsnn_lab.ops.dropout import CounterRNG, Dropout, apply_mask
+from opsnn_lab.ops.dropout import CounterRNG, Dropout, _scale, apply_mask
 
 __all__ = ["FusedDropoutLinear", "DropoutLinearFunction"]
+
+
+def _masked(keep, scale, t, *_rng):
+    """``t * keep * scale`` as ``dropout_mul`` computes it (the same bits), with a mask made once."""
+    out = torch.mul(t, keep)
+    return out if scale == 1.0 else out.mul_(scale)
 
 
 class DropoutLinearFunction(torch.autograd.Function):
@@ -44,10 +52,15 @@ class DropoutLinearFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         g2 = grad.reshape(-1, weight.shape[0])
         grad_x = grad_w = grad_b = None
+        drop = apply_mask
+        if need[0] and need[1] and not rng.fuses_dropout_mul(x):  # one mask for both (the torch path makes it)
+            p, seed, offset = ctx.rng
+            keep = rng.dropout_mask(seed, offset, x.shape, p, x.device, dtype=x.dtype)
+            drop = functools.partial(_masked, keep, _scale(p))
         if need[0]:
-            grad_x = apply_mask(g2 @ weight, *ctx.rng).view(x.shape)
+            grad_x = drop((g2 @ weight).view(x.shape), *ctx.rng)
         if need[1]:
-            grad_w = g2.t() @ apply_mask(x, *ctx.rng).reshape(-1, weight.shape[1])
+            grad_w = g2.t() @ drop(x, *ctx.rng).reshape(-1, weight.shape[1])
         if need[2] and ctx.has_bias:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, None, None, None
