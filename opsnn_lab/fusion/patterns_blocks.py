@@ -26,6 +26,7 @@ from opsnn_lab.fusion.match import (
     op_class,
     past_identities,
 )
+from opsnn_lab.fusion.patterns_attention import functional_stream
 
 __all__ = ["find_norms", "find_add_norms", "norm_verdicts", "find_dropout_linears", "find_linear_cross_entropy",
            "build_norm", "build_dropout_linear", "build_linear_cross_entropy", "inplace_reason"]
@@ -282,8 +283,6 @@ def _build_norm(m: Match) -> nn.Module:
 def find_dropout_linears(g: Graph) -> list[Match]:
     """``linear(dropout(x))`` where only the Linear reads the dropped copy: LoRA's ``lora_A(lora_dropout(x))``
     (peft), a classifier after its dropout. The fused op saves x and regenerates the mask."""
-    from opsnn_lab.fusion.patterns_attention import functional_stream
-
     out = []
     for drop in g.nodes:
         if drop.op != "dropout" or not drop.inputs or not arg(drop, 2, "training", True):

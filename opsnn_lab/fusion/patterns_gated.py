@@ -28,6 +28,7 @@ from opsnn_lab.fusion.patterns_blocks import inplace_reason
 
 __all__ = ["find_gated_mlp", "find_gated_products", "build_gated_mlp", "build_gated_product", "GatedProduct"]
 
+
 def _positions(g: Graph) -> dict[str, int]:
     pos = g.memo.get("positions")
     if pos is None or len(pos) != len(g.nodes):

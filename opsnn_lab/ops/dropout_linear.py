@@ -115,11 +115,11 @@ class FusedDropoutLinear(CounterRNG, nn.Module):
         with _amp.region(x) as cast:
             x, w, b = cast(x, lin.weight, lin.bias)
             check_linear_input(x, lin, weight=w)
+            if self.p > 0.0 and x.numel() > rng.MAX_NUMEL:  # checked before the draw: nothing advances
+                raise ValueError(f"x has {x.numel()} elements; one dropout draw supports at most 2**32")
             seed, offset = self.next_draw(x)
             if self.p == 0.0:
                 return F.linear(x, w, b)
-            if x.numel() > rng.MAX_NUMEL:
-                raise ValueError(f"x has {x.numel()} elements; one dropout draw supports at most 2**32")
             return DropoutLinearFunction.apply(x, w, b, self.p, seed, offset)
 
     def extra_repr(self) -> str:

@@ -127,6 +127,8 @@ def test_bad_arguments_name_the_argument():
         op([0.0] * 13)
     with pytest.raises(ValueError, match="x"):  # input check before the draw: nothing advanced
         op(torch.zeros(3, 12))
+    with pytest.raises(ValueError, match="2\\*\\*32"):  # more elements than one draw numbers (a free view)
+        op(torch.zeros(1, 13).expand(2**29, 13))
     assert op.rng_step == 0
 
 
