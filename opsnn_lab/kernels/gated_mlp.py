@@ -52,12 +52,24 @@ def _keep(p, seed, offset, shape, like):
 
 
 # --------------------------------------------------------------------------- torch reference
+def gated_product_fwd_reference(gate, up, act):
+    """Torch path: ``act(gate) * up`` in gate's dtype (fp16/bf16: computed in fp32, rounded once)."""
+    low = gate.dtype in (torch.float16, torch.bfloat16)
+    a = act_forward(gate.float() if low else gate, act)
+    return a.mul_(up).to(gate.dtype)
+
+
+def gated_product_bwd_reference(grad_out, gate, up, act):
+    """Torch path: ``(d gate, d up)`` of ``act(gate) * up``, the activation recomputed from ``gate``."""
+    low = gate.dtype in (torch.float16, torch.bfloat16)
+    g, u, d = (gate.float(), up.float(), grad_out.float()) if low else (gate, up, grad_out)
+    a = act_forward(g, act)
+    return act_backward(d * u, g, act).to(gate.dtype), a.mul_(d).to(gate.dtype)
+
+
 def gated_act_fwd_reference(gu, act, p=0.0, seed=0, offset=0):
     """Torch path: ``dropout(act(gate) * up)`` (M, I) from the packed (M, 2I) ``gu``."""
-    g, u = _halves(gu)
-    low = gu.dtype in (torch.float16, torch.bfloat16)
-    a = act_forward(g.float() if low else g, act)  # low precision: one rounding at the end
-    out = a.mul_(u).to(gu.dtype)
+    out = gated_product_fwd_reference(*_halves(gu), act)
     keep = _keep(p, seed, offset, out.shape, out)
     return out if keep is None else out.mul_(keep).mul_(_scale(p))
 
@@ -177,6 +189,26 @@ def _rng_args(p, seed, offset):
     return offset, s1, s2, keep_threshold(p), _scale(p)
 
 
+def _fwd(g, u, out, act, p=0.0, seed=0, offset=0):
+    """Launch the forward kernel on (M, N) ``g`` and ``u`` of unit column stride (rows as their views stride them)."""
+    if out.numel():
+        grid, block_n, warps = _launch(*g.shape)
+        _gated_act_fwd_kernel[grid](g, u, out, g.stride(0), u.stride(0), *g.shape, *_rng_args(p, seed, offset),
+                                    ACT=ACTS.index(act), DROPOUT=p > 0, ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
+    return out
+
+
+def _bwd(grad, g, u, dg, du, out, act, p=0.0, seed=0, offset=0):
+    """Launch the backward kernel: contiguous (M, N) ``grad`` (and ``out`` when not None), ``dg`` / ``du`` of one
+    row stride (the halves of one packed buffer, or two tensors)."""
+    if grad.numel():
+        grid, block_n, warps = _launch(*g.shape)
+        _gated_act_bwd_kernel[grid](grad, g, u, dg, du, grad if out is None else out, g.stride(0), u.stride(0),
+                                    dg.stride(0), *g.shape, *_rng_args(p, seed, offset), ACT=ACTS.index(act),
+                                    DROPOUT=p > 0, WANT_OUT=out is not None, ROWS=_ROWS, BLOCK_N=block_n,
+                                    num_warps=warps)
+
+
 def _check(gu, act, p):
     check_tensor("gu", gu, dtypes=_FLOATS, dim=2)
     if gu.shape[1] % 2:
@@ -195,14 +227,8 @@ def gated_act_fwd(gu, act, p=0.0, seed=0, offset=0):
     gu = gu.contiguous()
     if backend_for(gu) != "triton":
         return gated_act_fwd_reference(gu, act, p, seed, offset)
-    m, i = gu.shape[0], gu.shape[1] // 2
-    out = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
-    if out.numel():
-        grid, block_n, warps = _launch(m, i)
-        g, u = _halves(gu)
-        _gated_act_fwd_kernel[grid](g, u, out, 2 * i, 2 * i, m, i, *_rng_args(p, seed, offset), ACT=ACTS.index(act),
-                                    DROPOUT=p > 0, ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
-    return out
+    out = torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype, device=gu.device)
+    return _fwd(*_halves(gu), out, act, p, seed, offset)
 
 
 def gated_act_bwd(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out=False):
@@ -218,15 +244,9 @@ def gated_act_bwd(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out=False):
     if backend_for(gu) != "triton":
         return gated_act_bwd_reference(grad_out, gu, act, p, seed, offset, want_out)
     gu, grad_out = gu.contiguous(), grad_out.contiguous()
-    m, i = grad_out.shape
     grad_gu = torch.empty_like(gu)
     out = torch.empty_like(grad_out) if want_out else None
-    if grad_out.numel():
-        grid, block_n, warps = _launch(m, i)
-        (g, u), (dg, du) = _halves(gu), _halves(grad_gu)
-        _gated_act_bwd_kernel[grid](grad_out, g, u, dg, du, out if want_out else grad_out, 2 * i, 2 * i, 2 * i, m, i,
-                                    *_rng_args(p, seed, offset), ACT=ACTS.index(act), DROPOUT=p > 0,
-                                    WANT_OUT=want_out, ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
+    _bwd(grad_out, *_halves(gu), *_halves(grad_gu), out, act, p, seed, offset)
     return grad_gu, out
 
 
@@ -244,23 +264,9 @@ def _check_pair(gate, up, act):
     check_tensor("gate", gate, dtypes=_FLOATS)
     check_tensor("up", up, dtypes=(gate.dtype,), device=gate.device)
     if up.shape != gate.shape:
-        raise ValueError(f"up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+        raise ValueError(f"up must have gate's shape {tuple(gate.shape)} (the product does not broadcast), "
+                         f"got {tuple(up.shape)}")
     check_choice("act", act, ACTS)
-
-
-def gated_product_fwd_reference(gate, up, act):
-    """Torch path: ``act(gate) * up`` in gate's dtype (fp16/bf16: computed in fp32, rounded once)."""
-    low = gate.dtype in (torch.float16, torch.bfloat16)
-    a = act_forward(gate.float() if low else gate, act)
-    return a.mul_(up).to(gate.dtype)
-
-
-def gated_product_bwd_reference(grad_out, gate, up, act):
-    """Torch path: ``(d gate, d up)`` of ``act(gate) * up``, the activation recomputed from ``gate``."""
-    low = gate.dtype in (torch.float16, torch.bfloat16)
-    g, u, d = (gate.float(), up.float(), grad_out.float()) if low else (gate, up, grad_out)
-    a = act_forward(g, act)
-    return act_backward(d * u, g, act).to(gate.dtype), a.mul_(d).to(gate.dtype)
 
 
 def gated_product_fwd(gate, up, act):
@@ -270,12 +276,7 @@ def gated_product_fwd(gate, up, act):
     if backend_for(gate) != "triton":
         return gated_product_fwd_reference(gate, up, act)
     g, u = _rows(gate), _rows(up)
-    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
-    if out.numel():
-        grid, block_n, warps = _launch(*g.shape)
-        _gated_act_fwd_kernel[grid](g, u, out, g.stride(0), u.stride(0), *g.shape, *_rng_args(0.0, 0, 0),
-                                    ACT=ACTS.index(act), DROPOUT=False, ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
-    return out.view(gate.shape)
+    return _fwd(g, u, torch.empty(g.shape, dtype=gate.dtype, device=gate.device), act).view(gate.shape)
 
 
 def gated_product_bwd(grad_out, gate, up, act):
@@ -289,9 +290,5 @@ def gated_product_bwd(grad_out, gate, up, act):
         return gated_product_bwd_reference(grad_out, gate, up, act)
     g, u, d = _rows(gate), _rows(up), grad_out.reshape(-1, gate.shape[-1] if gate.dim() else 1).contiguous()
     dg, du = (torch.empty(g.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
-    if d.numel():
-        grid, block_n, warps = _launch(*g.shape)
-        _gated_act_bwd_kernel[grid](d, g, u, dg, du, d, g.stride(0), u.stride(0), g.shape[1], *g.shape,
-                                    *_rng_args(0.0, 0, 0), ACT=ACTS.index(act), DROPOUT=False, WANT_OUT=False,
-                                    ROWS=_ROWS, BLOCK_N=block_n, num_warps=warps)
+    _bwd(d, g, u, dg, du, None, act)
     return dg.view(gate.shape), du.view(gate.shape)

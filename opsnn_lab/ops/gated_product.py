@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_choice, check_tensor
+from opsnn_lab._checks import check_choice
 from opsnn_lab.kernels.gated_mlp import gated_product_bwd, gated_product_fwd
 from opsnn_lab.ops import _mlp_parts as parts
 
@@ -33,9 +33,10 @@ class GatedProductFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, act):
+        out = gated_product_fwd(gate, up, act)  # checks first: a bad argument is named before anything is saved
         ctx.act = act
         ctx.save_for_backward(gate, up)
-        return gated_product_fwd(gate, up, act)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -71,12 +72,7 @@ class FusedGatedProduct(nn.Module):
         return cls(name)
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        check_tensor("gate", gate, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
-        check_tensor("up", up, dtypes=(gate.dtype,), device=gate.device)
-        if up.shape != gate.shape:
-            raise ValueError(f"up must have gate's shape {tuple(gate.shape)} (the product does not broadcast), "
-                             f"got {tuple(up.shape)}")
-        return GatedProductFunction.apply(gate, up, self.act)
+        return GatedProductFunction.apply(gate, up, self.act)  # gated_product_fwd checks both, naming them
 
     def extra_repr(self) -> str:
         return f"act={self.act!r}"
