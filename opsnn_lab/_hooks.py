@@ -32,7 +32,12 @@ def passive(hook):
 def has_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has forward, forward-pre or backward hooks of its own, opsnn_lab's passive ones aside
     (fx code inlining its forward would skip them)."""
-    return any(not getattr(h, "opsnn_passive", False) for k in _HOOK_DICTS for h in getattr(module, k, {}).values())
+    return next(_own_hooks(module), None) is not None
+
+
+def _own_hooks(module: nn.Module):
+    """``module``'s forward, forward-pre and backward hooks, opsnn_lab's passive ones left out."""
+    return (h for k in _HOOK_DICTS for h in getattr(module, k, {}).values() if not getattr(h, "opsnn_passive", False))
 
 
 _HF_CAPTURE_MODULE = "transformers.utils.output_capturing"
@@ -64,13 +69,10 @@ def hooks_in_effect(module: nn.Module) -> str:
     "capture" (only Hugging Face's output capture, in a call that collects what it records), '' (none: no hooks,
     opsnn_lab's passive ones, Hugging Face's capture in a call that collects nothing of it)."""
     found = ""
-    for k in _HOOK_DICTS:
-        for h in getattr(module, k, {}).values():
-            if getattr(h, "opsnn_passive", False):
-                continue
-            capture, key = _capture_key(h)
-            if not capture:
-                return "user"
-            if _collecting(key):
-                found = "capture"
+    for h in _own_hooks(module):
+        capture, key = _capture_key(h)
+        if not capture:
+            return "user"
+        if _collecting(key):
+            found = "capture"
     return found

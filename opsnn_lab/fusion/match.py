@@ -10,7 +10,8 @@ from torch import nn
 from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion.graph import Graph, Node, arg
 
-__all__ = ["Match", "op_class", "act_kind", "act_module", "CONV_ACTS", "LINEAR_ACTS"]
+__all__ = ["Match", "op_class", "act_kind", "act_module", "inplace_writer", "inplace_reason", "CONV_ACTS",
+           "LINEAR_ACTS"]
 
 
 @dataclass
@@ -135,6 +136,12 @@ def _common_checks(g: Graph, nodes: list[Node]) -> str:
 def inplace_writer(g: Graph, node: Node) -> Node | None:
     """A reader of ``node``'s output that writes into it (``relu_``, ``+=``, an ``inplace=True`` activation)."""
     return next((u for u in g.users.get(node.name, []) if u.inplace and u.inputs[:1] == [node.name]), None)
+
+
+def inplace_reason(g: Graph, node: Node) -> str:
+    """Why a chain ending in ``node`` cannot be fused when a reader writes into its output ('' when none does)."""
+    writer = inplace_writer(g, node)
+    return f"the output of `{node.label}` is modified in place by `{writer.label}`" if writer is not None else ""
 
 
 def _is_module(n: Node | None, op: str) -> bool:

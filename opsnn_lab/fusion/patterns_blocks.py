@@ -22,6 +22,7 @@ from opsnn_lab.fusion.match import (
     _dropout_module,
     _is_module,
     _op_support,
+    inplace_reason,
     inplace_writer,
     op_class,
     past_identities,
@@ -29,7 +30,7 @@ from opsnn_lab.fusion.match import (
 from opsnn_lab.fusion.patterns_attention import functional_stream
 
 __all__ = ["find_norms", "find_add_norms", "norm_verdicts", "find_dropout_linears", "find_linear_cross_entropy",
-           "build_norm", "build_dropout_linear", "build_linear_cross_entropy", "inplace_reason"]
+           "build_norm", "build_dropout_linear", "build_linear_cross_entropy"]
 
 
 # --------------------------------------------------------------------------- LayerNorm / RMSNorm
@@ -300,11 +301,6 @@ def find_dropout_linears(g: Graph) -> list[Match]:
         m.ok = not m.reason
         out.append(m)
     return out
-
-
-def inplace_reason(g: Graph, node: Node) -> str:
-    writer = inplace_writer(g, node)
-    return f"the output of `{node.label}` is modified in place by `{writer.label}`" if writer is not None else ""
 
 
 def build_dropout_linear(m: Match) -> nn.Module:

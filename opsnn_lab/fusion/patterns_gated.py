@@ -21,10 +21,10 @@ from opsnn_lab.fusion.match import (
     _op_support,
     act_kind,
     act_module,
+    inplace_reason,
     op_class,
     past_identities,
 )
-from opsnn_lab.fusion.patterns_blocks import inplace_reason
 
 __all__ = ["find_gated_mlp", "find_gated_products", "build_gated_mlp", "build_gated_product", "GatedProduct"]
 
