@@ -26,6 +26,7 @@ same modules, sharing their parameters.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -104,18 +105,7 @@ class LowRankLinear(nn.Module):
         self.lora_A, self.lora_B = nn.Linear(n_in, rank, bias=False), nn.Linear(rank, n_out, bias=False)
         nn.init.normal_(self.lora_B.weight, std=0.02)  # peft starts it at zero; a trained adapter is not
         self.lora_dropout = nn.Dropout(p) if p > 0 else nn.Identity()
-        self.scaling, self.lora_in = 2.0, None
-
-    def fused_twin(self) -> LowRankLinear:
-        """The same layers (shared, not copied) with ``FusedDropoutLinear`` computing ``lora_A(lora_dropout(x))``."""
-        from opsnn_lab import ops
-
-        twin = LowRankLinear.__new__(LowRankLinear)
-        nn.Module.__init__(twin)
-        twin.base_layer, twin.lora_A, twin.lora_B = self.base_layer, self.lora_A, self.lora_B
-        twin.lora_dropout, twin.scaling = self.lora_dropout, self.scaling
-        twin.lora_in = ops.FusedDropoutLinear.from_modules(self.lora_dropout, self.lora_A, register=False)
-        return twin
+        self.scaling, self.lora_in = 2.0, None  # lora_in: the fused twin's FusedDropoutLinear (see _sharing)
 
     def forward(self, x):
         a = self.lora_A(self.lora_dropout(x)) if self.lora_in is None else self.lora_in(x)
@@ -141,18 +131,20 @@ class AdapterGatedMLP(nn.Module):
         self.gate_proj, self.up_proj = LowRankLinear(hidden, inter), LowRankLinear(hidden, inter)
         self.down_proj, self.act_fn, self.product = LowRankLinear(inter, hidden), act, product
 
-    @classmethod
-    def sharing(cls, other: AdapterGatedMLP, product: nn.Module) -> AdapterGatedMLP:
-        """The same projections (shared, not copied) with ``product`` computing ``act(g) * u``."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.gate_proj, new.up_proj, new.down_proj = other.gate_proj, other.up_proj, other.down_proj
-        new.act_fn, new.product = other.act_fn, product
-        return new
-
     def forward(self, x):
         g, u = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.act_fn(g) * u if self.product is None else self.product(g, u))
+
+
+def _sharing(module: nn.Module, **replaced) -> nn.Module:
+    """A shallow twin of ``module``: the same submodules and parameters (shared, not copied) in its own module
+    dicts, with ``replaced`` set on it alone (the fused side of a row whose eager side is ``module``)."""
+    twin = copy.copy(module)
+    for d in ("_modules", "_parameters", "_buffers"):
+        setattr(twin, d, dict(getattr(module, d)))
+    for name, value in replaced.items():
+        setattr(twin, name, value)
+    return twin
 
 
 def _gated_dims(s: dict) -> tuple[int, int]:
@@ -165,14 +157,9 @@ def _gated(name, s, device, dtype, act, p):
     from opsnn_lab.bench.ops import Chain
 
     hidden, inter = _gated_dims(s)
-    if name == "dropout_linear[lora_qkv]":
-        eager = AdapterQKV(hidden, 0.05).to(device, dtype)
-        fused = AdapterQKV(hidden, 0.05, [p.fused_twin() for p in (eager.q_proj, eager.k_proj, eager.v_proj)])
-        x = torch.randn(s["batch"], s["tokens"], hidden, device=device, dtype=dtype, requires_grad=True)
-        return Chain(name, eager, fused, (x,), note=f"hidden {hidden}, rank 16, lora_dropout 0.05")
     if name.endswith("[lora]"):
         eager = AdapterGatedMLP(hidden, inter, act).to(device, dtype)
-        fused = AdapterGatedMLP.sharing(eager, ops.FusedGatedProduct.from_modules(act))
+        fused = _sharing(eager, product=ops.FusedGatedProduct.from_modules(act))
     elif name.endswith("[packed]"):
         eager = PackedGatedMLP(hidden, inter, act).to(device, dtype)
         fused = ops.FusedGatedMLP.from_packed(eager.gate_up_proj, eager.down_proj, act, register=False)
@@ -182,6 +169,19 @@ def _gated(name, s, device, dtype, act, p):
                                                eager.dropout, register=False)
     x = torch.randn(s["batch"], s["tokens"], hidden, device=device, dtype=dtype, requires_grad=True)
     return Chain(name, eager, fused, (x,), note=f"hidden {hidden}, intermediate {inter}")
+
+
+def _lora_qkv(name, s, device, dtype):
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    hidden = _gated_dims(s)[0]
+    eager = AdapterQKV(hidden, 0.05).to(device, dtype)
+    fused = AdapterQKV(hidden, 0.05, [
+        _sharing(p, lora_in=ops.FusedDropoutLinear.from_modules(p.lora_dropout, p.lora_A, register=False))
+        for p in (eager.q_proj, eager.k_proj, eager.v_proj)])
+    x = torch.randn(s["batch"], s["tokens"], hidden, device=device, dtype=dtype, requires_grad=True)
+    return Chain(name, eager, fused, (x,), note=f"hidden {hidden}, rank 16, lora_dropout 0.05")
 
 
 def _two_layer(name, s, device, dtype, first, act, p, second):
@@ -204,7 +204,7 @@ def build_chains(shapes: dict, device, dtype, wanted) -> list:
         "gated_mlp_gelu": lambda: _gated("gated_mlp_gelu", shapes, device, dtype, NewGELUActivation(), p),
         "gated_mlp_silu[packed]": lambda: _gated("gated_mlp_silu[packed]", shapes, device, dtype, nn.SiLU(), 0.0),
         "gated_product_silu[lora]": lambda: _gated("gated_product_silu[lora]", shapes, device, dtype, nn.SiLU(), 0.0),
-        "dropout_linear[lora_qkv]": lambda: _gated("dropout_linear[lora_qkv]", shapes, device, dtype, None, 0.0),
+        "dropout_linear[lora_qkv]": lambda: _lora_qkv("dropout_linear[lora_qkv]", shapes, device, dtype),
         "linear_gelu_tanh_linear[gpt2]": lambda: _two_layer(
             "linear_gelu_tanh_linear[gpt2]", shapes, device, dtype, Conv1D(i, h), NewGELUActivation(), 0.0,
             Conv1D(h, i)),
