@@ -25,19 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from opsnn_lab._randomness import CHANNEL_DROPOUTS, DROPOUTS, LIKE, SAMPLERS
 from opsnn_lab.ops.attention import SDPA_ARGS
 
 __all__ = ["FunctionalRandomness"]
 
-_DROPOUTS = {F.dropout, torch.dropout} | ({torch.Tensor.dropout} if hasattr(torch.Tensor, "dropout") else set())
-_CHANNEL_DROPOUTS = {F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}  # -> spatial dims of a batched input
-# random functions that take ``generator=``; the first tensor argument (if any) gives the device
-_SAMPLERS = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.multinomial,
-             torch.normal, torch.poisson, torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_,
-             torch.Tensor.exponential_, torch.Tensor.random_, torch.Tensor.geometric_, torch.Tensor.log_normal_,
-             torch.Tensor.cauchy_, torch.Tensor.bernoulli}
-_LIKE = {torch.rand_like: torch.rand, torch.randn_like: torch.randn,  # drawn as the factory (generator=)
-         torch.randint_like: torch.randint}
 _KINDS_DROPOUT = "dropout"
 
 
@@ -64,14 +56,29 @@ class FunctionalRandomness(TorchFunctionMode):
     the seed its forward counterpart took (``state.replay_seed``), found by its position in torch's global
     generator, which the checkpoint restored."""
 
+    keys_random_calls = True  # how opsnn_lab._randomness finds the running forward's mode
+
     def __init__(self, state, replay: bool = False):
         super().__init__()
         self.state = state  # seed_pool._ReproducibleState: functional_seed(kind) names the stream
         self.replay = replay
 
-    def _seed(self, kind: str) -> int | None:
+    def seed_at(self, path: str, kind: str) -> int | None:
+        """The seed of the next ``kind`` call of the module at ``path`` (``"<root>"``: the model): a fused op
+        drawing in place of the call it absorbed (``_randomness.functional_seed``)."""
+        return self._seed(kind, path)
+
+    def enter(self, path: str) -> None:
+        """A region's fx code is about to make a random call inline for its submodule at ``path`` (from the
+        region): the call is keyed by that submodule, as its own call would be (``_randomness.enter_module``)."""
+        self.state.enter_inlined(path)
+
+    def exit(self) -> None:
+        self.state.pop()
+
+    def _seed(self, kind: str, path: str | None = None) -> int | None:
         if not self.replay:
-            return self.state.functional_seed(kind)
+            return self.state.functional_seed(kind, path)
         seed = self.state.replay_seed()
         if seed is None and kind == _KINDS_DROPOUT:
             raise RuntimeError(
@@ -82,13 +89,13 @@ class FunctionalRandomness(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _DROPOUTS:
+        if func in DROPOUTS:
             return self._dropout(func, args, kwargs)
-        if func in _CHANNEL_DROPOUTS:
+        if func in CHANNEL_DROPOUTS:
             return self._channel_dropout(func, args, kwargs)
         if func is F.scaled_dot_product_attention:
             return self._attention(args, kwargs)
-        if (func in _SAMPLERS or func in _LIKE) and kwargs.get("generator") is None:
+        if (func in SAMPLERS or func in LIKE) and kwargs.get("generator") is None:
             return self._sample(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -97,7 +104,7 @@ class FunctionalRandomness(TorchFunctionMode):
         kwargs = {k: v for k, v in kwargs.items() if k != "generator"}  # an explicit generator=None
         if seed is None:  # a replay that matches no draw of the forward: as torch would
             return func(*args, **kwargs)
-        if func in _LIKE:
+        if func in LIKE:
             x, rest = args[0], args[1:]
             dtype, device = kwargs.get("dtype") or x.dtype, torch.device(kwargs.get("device") or x.device)
             gen = torch.Generator(device=device).manual_seed(seed)
@@ -105,7 +112,7 @@ class FunctionalRandomness(TorchFunctionMode):
                 low, high = (0, rest[0]) if len(rest) == 1 else rest[:2]
                 low, high = kwargs.get("low", low), kwargs.get("high", high)
                 return torch.randint(low, high, x.shape, generator=gen, dtype=dtype, device=device)
-            return _LIKE[func](x.shape, generator=gen, dtype=dtype, device=device)
+            return LIKE[func](x.shape, generator=gen, dtype=dtype, device=device)
         device = _device(args, kwargs)
         return func(*args, **kwargs, generator=torch.Generator(device=device).manual_seed(seed))
 
@@ -133,7 +140,7 @@ class FunctionalRandomness(TorchFunctionMode):
         seed = self._seed(_KINDS_DROPOUT)
         if p == 0.0:
             return x
-        lead = 2 if x.dim() == _CHANNEL_DROPOUTS[func] + 2 else 1  # batched: (N, C, ...); else (C, ...)
+        lead = 2 if x.dim() == CHANNEL_DROPOUTS[func] + 2 else 1  # batched: (N, C, ...); else (C, ...)
         keep = rng.dropout_mask(seed, 0, x.shape[:lead], p, x.device, dtype=x.dtype)
         out = x * keep.view(*x.shape[:lead], *([1] * (x.dim() - lead))) * (0.0 if p >= 1 else 1.0 / (1.0 - p))
         return x.copy_(out) if bound.get("inplace", False) else out

@@ -19,7 +19,10 @@ a mask that depends only on ``(seed, module name, step, element offset)``:
   ``TorchFunctionMode`` installed for the duration of each training forward and keyed by the module
   that made the call plus its call index within that module's forward:
   ``"<module path>:dropout.<i>"`` (``"<root>"`` stands for the model itself); so are channel dropouts,
-  SDPA's dropout and every other random torch call (drop path), see ``consistency.functional``.
+  SDPA's dropout and every other random torch call (drop path), see ``consistency.functional``. In a fused
+  model the keys are the unfused model's: a fused op that absorbed such a call draws that call's key each time it
+  runs (the module's next index, however often the module runs in a forward), and a random call that a fused
+  region's fx code makes inline for a submodule is keyed by that submodule (``opsnn_lab._randomness``).
 
 torch's own generators: during a training forward the CPU generator (and the CUDA generator of each device
 the model lives on) is seeded from (seed, step) and the caller's states are put back afterwards, so draws the
@@ -175,7 +178,6 @@ class _ReproducibleState:
         self.logs: collections.deque = collections.deque(maxlen=_KEPT_FORWARDS)  # newest first
         self.warned: set[str] = set()
         self.handles: list = []
-        self.claims: dict | None = None  # functional call indices fused ops draw for (see functional_seed)
 
     def __deepcopy__(self, memo):
         """A copy of the model (``copy.deepcopy``, ``ol.fusion.apply``) carries its own state: its hooks are
@@ -190,7 +192,6 @@ class _ReproducibleState:
         new.local = _ForwardScope()
         new.logs, new.warned = collections.deque(maxlen=_KEPT_FORWARDS), set()
         new.handles = copy.deepcopy(self.handles, memo)
-        new.claims = None  # the copy may be rewritten (ol.fusion.apply): found again on its first draw
         return new
 
     # -- hooks (bound methods, so a deep copy of the model calls its own state) -----------------
@@ -255,31 +256,19 @@ class _ReproducibleState:
                     "controls: those draws are not reproducible (draw them with torch, or from "
                     "ol.consistency.SeedPool(seed).generator(name, step))", RuntimeWarning, stacklevel=3)
 
-    def functional_seed(self, kind: str = "dropout") -> int:
-        """The seed of the next ``kind`` call (``dropout`` or ``random``) of the innermost running module:
-        ``"<module path>:<kind>.<i>"`` at this step; each kind counts its calls apart, so a new random op
-        never shifts a dropout's key. An index a fused op drew for in this forward (it absorbed that call:
-        ``op.rng_name``) is skipped, so the module's other calls keep the keys they have in the unfused model; one
-        whose op did not run (a guard sent the region to its original forward, which makes the call) is not."""
-        path = self.local.stack[-1] if self.local.stack else ROOT
+    def functional_seed(self, kind: str = "dropout", path: str | None = None) -> int:
+        """The seed of the next ``kind`` call (``dropout`` or ``random``) of the module at ``path`` (default: the
+        innermost running module): ``"<module path>:<kind>.<i>"`` at this step; each kind counts its calls apart,
+        so a new random op never shifts a dropout's key. A fused op that absorbed a functional call draws here in
+        its place, under that call's module path, so the module's calls keep the keys and indices they have in the
+        unfused model, however often the module runs in a forward."""
+        if not path:
+            path = self.local.stack[-1] if self.local.stack else ROOT
         calls = self.local.calls.get((path, kind), 0)
         self.local.calls[(path, kind)] = calls + 1
-        ops = self._claims().get((path, kind))
-        index = calls if not ops else _unclaimed({i for i, op in ops.items() if op.rng_step > 0}, calls)
-        seed = self.pool.seed_for(f"{path}:{kind}.{index}", self.step)
+        seed = self.pool.seed_for(f"{path}:{kind}.{calls}", self.step)
         self.local.log[position()] = seed  # for a checkpoint that recomputes this call (replay_seed)
         return seed
-
-    def _claims(self) -> dict:
-        """``{(module path, "dropout"): {index: op}}``: the model's fused ops that draw in place of a functional
-        call (their ``rng_step`` counts their draws since ``begin_forward`` reset it)."""
-        if self.claims is None:
-            model, self.claims = self.model_ref(), {}
-            for name, op in counter_streams(model) if model is not None else ():
-                path, sep, key = name.rpartition(":")
-                if sep and key.startswith("dropout.") and key[len("dropout."):].isdigit():
-                    self.claims.setdefault((path, "dropout"), {})[int(key[len("dropout."):])] = op
-        return self.claims
 
     def replay_seed(self) -> int | None:
         """The seed a recomputed functional call took in its forward, found by its position in torch's global
@@ -310,22 +299,16 @@ class _ReproducibleState:
         self.local.replay_mode = FunctionalRandomness(self, replay=True)
         self.local.replay_mode.__enter__()
 
+    def enter_inlined(self, path: str) -> None:
+        """``push`` for a submodule a region's fx code runs inline: ``path`` is from the region, the innermost
+        running module (the region's own hooks pushed it)."""
+        top = self.local.stack[-1] if self.local.stack else ROOT
+        self.push(path if top == ROOT else f"{top}.{path}")
+
     def pop(self) -> None:
         stack = self.local.stack
         if stack is not None and len(stack) > 1:
             stack.pop()
-
-
-def _unclaimed(claimed, n: int) -> int:
-    """The ``n``-th (from 0) index not in ``claimed``."""
-    if not claimed:
-        return n
-    index = -1
-    for _ in range(n + 1):
-        index += 1
-        while index in claimed:
-            index += 1
-    return index
 
 
 def _fused_op(module: nn.Module):

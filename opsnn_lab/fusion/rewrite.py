@@ -16,12 +16,14 @@ import copy
 import dataclasses
 import inspect
 import operator
+import types
 import warnings
 
 import torch
 from torch import fx, nn
 
 from opsnn_lab._checks import check_type
+from opsnn_lab._randomness import draws_random, enter_module, exit_module
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
 from opsnn_lab.fusion.patch import CONSTANT, Patch, Route, hooked, inline_after, install, qualified, revert, warn_hooked
@@ -40,7 +42,7 @@ from opsnn_lab.fusion.regions import (
 )
 from opsnn_lab.fusion.runtime import graph_free_memo, own_dtypes
 from opsnn_lab.fusion.specialise import GUARDS, SpecialisationMiss, writes_in_place
-from opsnn_lab.fusion.tracer import kwargs_values
+from opsnn_lab.fusion.tracer import apply_function, kwargs_values
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert", "REWRITE_FAILED"]
 
@@ -273,11 +275,46 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
             done += training
         _eliminate_dead_code(gm.graph)
         _keep_constants(gm, region, training)
+        _name_inlined_draws(gm.graph)
         gm.graph.lint()
         gm.recompile()
         variants[training] = gm
     region.__dict__["forward"] = FxForward(region, variants, route["concrete"], path)
     return done
+
+
+def _name_inlined_draws(graph) -> None:
+    """Key each random call the code makes inline for a submodule (a drop path, an inline ``F.dropout``) by that
+    submodule, as its own call is keyed in the model left alone: ``make_reproducible`` names a call by the module
+    running it, and the module the code runs inline has no call of its own (``_randomness.enter_module``). The
+    fused ops draw under the name of the call they absorbed themselves (``ops.dropout.CounterRNG.next_draw``)."""
+    for node in list(graph.nodes):
+        stack = node.meta.get("nn_module_stack")
+        if not stack or not (draws_random(node.op, node.target) or _runs_model_code(node)):
+            continue
+        # a traced value as an argument (the call's first input, else the code's first): fx records the call when
+        # it traces the code again (to unpickle it), where a call of constants alone would just run
+        after = node.all_input_nodes[:1] or [n for n in graph.nodes if n.op == "placeholder"][:1]
+        with graph.inserting_before(node):
+            # fx names a module's second call ``path@1``
+            graph.call_function(enter_module, (next(reversed(stack)).partition("@")[0], *after))
+        with graph.inserting_after(node):
+            graph.call_function(exit_module, (node,))
+
+
+def _runs_model_code(node) -> bool:
+    """A call that runs the model's own Python as it is (an autowrapped helper, a custom autograd Function), which
+    may draw (torchvision's ``stochastic_depth``, which fx cannot trace, is such a helper)."""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target is apply_function:
+        return True
+    home = (getattr(target, "__module__", None) or "").partition(".")[0]
+    return isinstance(target, types.FunctionType) and home not in _LIBRARY_CODE
+
+
+_LIBRARY_CODE = frozenset({"torch", "opsnn_lab", "operator", "builtins", "math"})  # they draw nothing of the model's
 
 
 def _keep_constants(gm, region: nn.Module, training: bool) -> None:

@@ -42,6 +42,7 @@ import torch.fx as fx
 from torch import nn
 
 from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
+from opsnn_lab._randomness import enter_module, exit_module
 from opsnn_lab.fusion.graph import is_leaf_module
 from opsnn_lab.fusion.specialise import (
     Answers,
@@ -158,7 +159,9 @@ class _Tracer(fx.Tracer):
     proxy_buffer_attributes = True
 
     def __init__(self, autowrap_functions=(), tensor_facts=None, leaves=(), example=None, answers=None, held=None):
-        super().__init__(autowrap_functions=autowrap_functions)
+        # the rewrite's keying calls (rewrite._name_inlined_draws) stay calls when fx traces the rewritten code
+        # again: it does so to unpickle a region (this class is the GraphModule's ``_tracer_cls``)
+        super().__init__(autowrap_functions=(*autowrap_functions, enter_module, exit_module))
         self.held = dict(held or {})  # tuple arguments the code sees as constants (fx's own would flatten them)
         self.example, self.given = example, answers
         self.answers: Answers | None = None
@@ -280,8 +283,9 @@ _APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod every cust
 
 @contextlib.contextmanager
 def _tracing_patches(tracer: _Tracer):
-    """While ``tracer`` traces: ``SomeFunction.apply`` on traced values makes one ``apply_function`` node, and
-    ``torch.finfo`` / ``torch.iinfo`` of a traced dtype take the example's (guarded)."""
+    """While ``tracer`` traces: ``SomeFunction.apply`` on traced values makes one ``apply_function`` node,
+    ``torch.finfo`` / ``torch.iinfo`` of a traced dtype take the example's (guarded), and a random factory of plain
+    sizes is a call of the code (``_FACTORIES``)."""
     def apply(cls, *args, **kwargs):
         proxies = []
         fx.node.map_aggregate((args, kwargs), lambda a: proxies.append(a) if isinstance(a, fx.Proxy) else None)
@@ -298,16 +302,32 @@ def _tracing_patches(tracer: _Tracer):
             return real() if type is None else real(type)
         return of
 
+    def drawn(real):
+        def factory(*args, **kwargs):
+            proxies = []
+            fx.node.map_aggregate((args, kwargs), lambda a: proxies.append(a) if isinstance(a, fx.Proxy) else None)
+            if proxies or kwargs.get("generator") is not None:
+                return real(*args, **kwargs)
+            return tracer.create_proxy("call_function", real, args, kwargs)
+        return factory
+
     torch.autograd.Function.apply = classmethod(apply)
     torch.finfo, torch.iinfo = info(_FINFO), info(_IINFO)
+    for name, real in _FACTORIES.items():
+        setattr(torch, name, drawn(real))
     try:
         yield
     finally:
         torch.autograd.Function.apply = _APPLY
         torch.finfo, torch.iinfo = _FINFO, _IINFO
+        for name, real in _FACTORIES.items():
+            setattr(torch, name, real)
 
 
 _FINFO, _IINFO = torch.finfo, torch.iinfo
+# random factories called with plain sizes only (``torch.rand(8)``): fx would run them once, while it traces, and
+# the code would replay that one draw as a constant at every call; each is one call of the traced code instead
+_FACTORIES = {name: getattr(torch, name) for name in ("rand", "randn", "randint", "randperm")}
 
 
 def _hidden_function(m: nn.Module, tracer: fx.Tracer) -> bool:

@@ -11,6 +11,9 @@ Every fused op with dropout shares the counter-RNG contract of ``CounterRNG``:
   ``torch.manual_seed`` makes a freshly built model reproducible, as with ``nn.Dropout``.
 * The seed and step are plain attributes, not state_dict entries: fusing or swapping dropout modules
   never changes a model's state_dict keys.
+* A fused op that absorbed an inline ``F.dropout`` (``rng_name`` ``"<module path>:dropout.<i>"``) draws, inside a
+  ``make_reproducible`` training forward, the seed that forward gives that module's next functional dropout, with
+  offset 0, as the call it replaces would; elsewhere it draws from its own counter.
 
 The backward regenerates the mask from (seed, offset) instead of keeping eager dropout's bool mask
 (1 byte per element).
@@ -33,6 +36,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_range, check_tensor, check_type
+from opsnn_lab._randomness import functional_seed
 from opsnn_lab.kernels import rng
 
 __all__ = ["CounterRNG", "Dropout", "DropoutFunction"]
@@ -99,6 +103,11 @@ class CounterRNG:
         """``(seed, offset)`` for this training-mode call on input ``x``; advances ``rng_step``, except in a
         checkpoint's recomputation, which replays the draw of the forward it recomputes. A module sharing
         another's stream (``share_rng``) draws from that one."""
+        name = self.__dict__.get("rng_name")
+        if name and ":" in name:  # it absorbed an inline F.dropout: under make_reproducible, that call's seed
+            seed = functional_seed(name)
+            if seed is not None:
+                return seed, 0
         if x is not None and not getattr(self, "p", 1.0) > 0:
             x = None  # no mask to replay: the draw only keeps the step count, and a fingerprint costs ~5 us
         leader = self.__dict__.get("_rng_leader")

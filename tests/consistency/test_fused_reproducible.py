@@ -6,6 +6,7 @@ no stream, and a deep copy of a prepared model drives its own streams."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -160,9 +161,80 @@ def test_a_functional_call_after_an_absorbed_one_keeps_its_index_and_its_mask():
     torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-6)  # F.dropout: "block:dropout.1" in both
 
 
-def test_unclaimed_indices_skip_the_claimed_ones():
-    from opsnn_lab.consistency.seed_pool import _unclaimed
+class Shared(AroundRegion):
+    """``Draws`` called twice a forward (ALBERT's shared layer), a region of its own: its second call's functional
+    draws are the module's "dropout.2" and "dropout.3", fused or not."""
 
-    assert [_unclaimed(set(), n) for n in range(3)] == [0, 1, 2]
-    assert [_unclaimed({0}, n) for n in range(3)] == [1, 2, 3]
-    assert [_unclaimed({1, 2}, n) for n in range(3)] == [0, 3, 4]
+    def forward(self, x):
+        return super().forward(self.block(x))
+
+
+def test_a_module_called_twice_draws_each_calls_masks_where_a_fused_op_absorbed_one_of_its_calls():
+    torch.manual_seed(0)
+    plain, x = Shared(Draws()).train(), torch.randn(2, 6, 16)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(plain), (x,))
+    # one decision per call; the op both run draws under make_reproducible at the module's next call index
+    assert [d.params["rng_name"] for d in plan.fused if d.pattern == "attention"] == ["block:dropout.0",
+                                                                                      "block:dropout.2"]
+    for m in (plain, fused):
+        make_reproducible(m, 9)
+    for (out, grads), (want, want_grads) in zip(_steps(fused, x), _steps(plain, x)):
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)  # 3e-2 apart when the op kept its own counter
+        for k, g in want_grads.items():
+            torch.testing.assert_close(grads[k], g, atol=1e-5 * g.abs().max().item() + 1e-7, rtol=1e-4, msg=k)
+
+
+def stochastic_depth(x, p, training):
+    """Per-sample drop path written as a helper fx cannot trace (its argument check), as torchvision's is."""
+    if not torch.is_tensor(x):
+        raise TypeError("x must be a tensor")
+    if not training:
+        return x
+    return x * torch.empty(x.shape[0], 1, 1, 1, dtype=x.dtype).bernoulli_(1 - p) / (1 - p)
+
+
+class DropPath(nn.Module):
+    def __init__(self, p, helper: bool):
+        super().__init__()
+        self.p, self.helper = p, helper
+
+    def forward(self, x):
+        if self.helper:
+            return stochastic_depth(x, self.p, self.training)
+        return x * x.new_empty(x.shape[0], 1, 1, 1).bernoulli_(1 - self.p) / (1 - self.p) if self.training else x
+
+
+class Residual(nn.Module):
+    """Conv -> BN -> inline F.relu (fused through the region's fx code, which runs ``drop_path``'s forward inline),
+    the drop path called twice a forward."""
+
+    def __init__(self, helper: bool):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 1)
+        self.drop_path = DropPath(0.5, helper)
+
+    def forward(self, x):
+        x = x + self.drop_path(self.conv2(nn.functional.relu(self.bn(self.conv(x)))))
+        return x + self.drop_path(x.tanh())
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["inline", "opaque_helper"])
+@pytest.mark.parametrize("order", ["fuse_first", "seed_first"])
+def test_a_random_call_a_region_runs_inline_is_keyed_by_its_submodule(helper, order):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Residual(helper), Residual(helper)).double().train(), torch.randn(8, 4, 6, 6).double()
+    eager = make_reproducible(copy.deepcopy(model), seed=5)
+    if order == "seed_first":
+        make_reproducible(model, seed=5)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    if order == "fuse_first":  # the code's keying calls are importable functions: a pickled model keeps them
+        fused = pickle.loads(pickle.dumps(fused))
+    make_reproducible(fused, seed=5)
+    inlined = fused[0].__dict__["forward"].inlined[True]  # each block is a region; its drop path runs inline
+    assert plan.summary()["conv_bn_relu"]["fused"] == 2 and fused[0].drop_path in inlined
+    for (out, grads), (want, want_grads) in zip(_steps(fused, x), _steps(eager, x)):  # 5.8 apart unkeyed
+        torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+        for k, g in want_grads.items():
+            torch.testing.assert_close(grads[k], g, atol=1e-12, rtol=1e-10, msg=k)
+

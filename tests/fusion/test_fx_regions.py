@@ -892,3 +892,28 @@ def test_a_buffer_the_forward_updates_in_place_moves_in_the_fused_model_as_in_ea
         _same(model, fused, x)
     # before buffers were traced values the update ran once, at trace time, and the traced code had none
     assert int(fused.block.calls) == int(model.block.calls) == start + 3
+
+
+class Noisy(nn.Module):
+    """Conv -> BN -> inline ReLU (fused through fx code) plus noise drawn from plain sizes (``torch.rand(4, 1, 1)``):
+    fx runs such a call once while it traces, and the code would replay that draw at every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return nn.functional.relu(self.bn(self.conv(x))) + torch.rand(4, 1, 1) + torch.randn(1, dtype=x.dtype)
+
+
+def test_a_random_factory_of_plain_sizes_draws_again_at_every_call_of_the_fused_code():
+    torch.manual_seed(0)
+    model, x = AroundRegion(Noisy()).train(), seeded(2, 4, 5, 5)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert plan.summary()["conv_bn_relu"]["fused"] == 1 and isinstance(fused.block.__dict__["forward"], FxForward)
+    assert not torch.equal(fused(x), fused(x))  # a fresh draw each call, as the model's own code makes
+    eager = ol.consistency.make_reproducible(AroundRegion(Noisy()), 4)  # ... and the unfused model's draws
+    eager.load_state_dict(model.state_dict())
+    ol.consistency.make_reproducible(fused, 4)
+    for _ in range(2):
+        torch.testing.assert_close(fused(x), eager(x), rtol=1e-5, atol=1e-6)
