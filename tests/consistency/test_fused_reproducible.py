@@ -238,3 +238,32 @@ def test_a_random_call_a_region_runs_inline_is_keyed_by_its_submodule(helper, or
         for k, g in want_grads.items():
             torch.testing.assert_close(grads[k], g, atol=1e-12, rtol=1e-10, msg=k)
 
+
+class InlineMLP(nn.Module):
+    """Bart's feed-forward: fc1 -> act -> inline F.dropout -> fc2, then another inline F.dropout of the same module
+    (the residual's); a 1x1-conv twin for channels-first blocks."""
+
+    def __init__(self, conv: bool):
+        super().__init__()
+        make = (lambda i, o: nn.Conv2d(i, o, 1)) if conv else nn.Linear
+        self.fc1, self.act, self.fc2 = make(8, 16), nn.GELU(), make(16, 8)
+
+    def forward(self, x):
+        h = nn.functional.dropout(self.act(self.fc1(x)), 0.3, self.training)
+        return x + nn.functional.dropout(self.fc2(h), 0.2, self.training)
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+def test_an_absorbed_inline_dropout_between_two_layers_draws_its_calls_mask(conv):
+    torch.manual_seed(0)
+    plain = AroundRegion(InlineMLP(conv)).train()
+    x = torch.randn(4, 8, 3, 3) if conv else torch.randn(4, 6, 8)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(plain), (x,))
+    (mlp,) = [d for d in plan.fused if d.pattern.endswith(("dropout_linear", "dropout_conv"))]
+    assert mlp.params["rng_name"] == "block:dropout.0"
+    for m in (plain, fused):
+        make_reproducible(m, 2)
+    for (out, grads), (want, want_grads) in zip(_steps(fused, x), _steps(plain, x)):  # 1.1 apart unnamed
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        for k, g in want_grads.items():
+            torch.testing.assert_close(grads[k], g, atol=1e-5 * g.abs().max().item() + 1e-7, rtol=1e-4, msg=k)
