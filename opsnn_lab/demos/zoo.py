@@ -72,6 +72,13 @@ def _hf(name, size, dropout, batch, seq):
                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
         cfg = _dropouts(cfg, ("attention_dropout",), dropout)
         return T.LlamaForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
+    if name == "mixtral":  # a mixture of experts (4, top 2), run by transformers' grouped-GEMM experts forward
+        cfg = T.MixtralConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=64, max_position_embeddings=40,
+                              num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
+                              pad_token_id=0)
+        cfg = _dropouts(cfg, ("attention_dropout",), dropout)
+        return T.MixtralForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
     if name == "phi3":  # one gate_up_proj Linear split by chunk, one qkv_proj: the packed forms
         cfg = T.Phi3Config(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=40,
@@ -121,7 +128,7 @@ def _embedded(name, size, dropout, batch, seq):
     return ResNet(ResNetConfig()), (_images(batch)["pixel_values"],)
 
 
-MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "phi3": _hf, "falcon": _hf,
+MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "mixtral": _hf, "phi3": _hf, "falcon": _hf,
           "bloom": _hf, "t5": _hf, "resnet": _hf,
           "efficientnet": _hf, "mobilenet_v2": _hf, "convnext": _hf, "encoder": _embedded, "cnn": _embedded}
 

@@ -32,6 +32,7 @@ import contextlib
 import copy
 import importlib
 import inspect
+import operator
 import os
 import sys
 import traceback
@@ -86,6 +87,11 @@ class _Proxy(fx.Proxy):
 
     def __len__(self) -> int:
         return self.tracer.length(self)
+
+    def __setitem__(self, key, value) -> None:
+        """``x[i] = v`` is one call of the code (fx's proxy has no item assignment; the grouped mixture-of-experts
+        forward restores its token order so: ``inv_perm[perm] = arange``); the rewrite keeps it, a write."""
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
 
 class _InputProxy(_Proxy):

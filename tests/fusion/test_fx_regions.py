@@ -4,6 +4,7 @@ and the hooks of the submodules whose forwards its code runs inline."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 import warnings
 
@@ -917,3 +918,36 @@ def test_a_random_factory_of_plain_sizes_draws_again_at_every_call_of_the_fused_
     ol.consistency.make_reproducible(fused, 4)
     for _ in range(2):
         torch.testing.assert_close(fused(x), eager(x), rtol=1e-5, atol=1e-6)
+
+
+class Reorder(nn.Module):
+    """Conv -> BN -> inline ReLU, then rows put back in order by item assignment (``inv[perm] = arange``, as the
+    grouped mixture-of-experts forward restores its token order): fx's proxy has no item assignment."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = nn.functional.relu(self.bn(self.conv(x)))
+        perm = y.flatten(1).sum(1).argsort()
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return y[perm][inv] * 2
+
+
+def test_item_assignment_is_one_call_of_the_traced_code_and_is_kept():
+    torch.manual_seed(0)
+    model, x = AroundRegion(Reorder()).double().train(), seeded(5, 4, 6, 6, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    assert plan.summary()["conv_bn_relu"]["fused"] == 1 and isinstance(fused.block.__dict__["forward"], FxForward)
+    code = fused.block.__dict__["forward"].variants[True].code
+    assert "setitem" in code  # the write survives dead-code elimination: its result is None, its effect is not
+    x2 = seeded(7, 4, 6, 6, dtype=torch.float64)  # another batch: another permutation, computed at run time
+    for inp in (x, x2):
+        got, want = fused(inp), model(inp)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        g_got = torch.autograd.grad(got.square().sum(), list(fused.parameters()))
+        g_want = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+        for a, b in zip(g_got, g_want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -153,3 +153,27 @@ def test_family_fuses_and_matches_eager(name):
             _same(_run(fused, inputs, **extra), _run(model, inputs, **extra))
         with torch.inference_mode():
             _same(_run(fused, inputs), _run(model, inputs))
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])
+def test_mixture_of_experts_fuses_the_gated_product_of_the_experts_forward_that_runs(impl):
+    # transformers' experts run config._experts_implementation's forward (grouped_mm by default): their wrapper picks
+    # it as the tracer runs it, and the code traces (item assignment included); each block's act(gate) * up fuses.
+    # The per-expert loop ("eager") cannot be traced
+    from opsnn_lab.measuring import activation_bytes
+
+    model, inputs = _build("mixtral")
+    model.config._experts_implementation = impl  # the experts hold the model's config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused, plan = ol.fusion.fuse(model, inputs)
+    decisions = [d for d in plan.decisions if d.pattern == "gated_product_silu"]
+    if impl == "eager":  # one candidate per expert the loop ran
+        assert decisions and not any(d.fused for d in decisions)
+        assert all("for expert_idx in" in d.reason for d in decisions), decisions[0].reason
+        return
+    assert len(decisions) == 2 and all(d.fused for d in decisions), [d.reason for d in decisions]  # one a layer
+    outs = [_run(m, inputs) for m in (model, fused)]
+    _same(outs[1], outs[0])
+    measured = activation_bytes(lambda: _run(model, inputs)) - activation_bytes(lambda: _run(fused, inputs))
+    assert sum(d.saved_bytes for d in plan.decisions if d.fused) == measured > 0

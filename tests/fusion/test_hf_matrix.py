@@ -32,6 +32,8 @@ CANDIDATES = {
     "llama": {"gated_mlp_silu": 2, "linear_silu": 2, "gated_product_silu": 2,
               "qkv": 2,  # GQA: k/v narrower than q
               "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
+    # the experts run transformers' grouped-GEMM forward (traced: wrappers.handed_to); a gated product each layer
+    "mixtral": {"gated_product_silu": 2, "qkv": 2, "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
     "phi3": {"gated_mlp_silu": 2,  # gate_up_proj: one Linear split by chunk; qkv_proj is one GEMM already
              "gated_product_silu": 2,
              "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
