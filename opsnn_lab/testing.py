@@ -9,7 +9,8 @@
 * ``threads(n)`` -- run a block with ``n`` intra-op threads (the count is restored after it).
 * ``projected_loss(outputs)`` -- a fixed random projection of every output: no symmetry cancels it.
 * ``eager_without_dropout(config)`` -- a Hugging Face config with every dropout 0 and eager attention, so a
-  fused and an unfused model compare in train mode.
+  fused and an unfused model compare in train mode; ``eager_with_dropout(config, p)``: every dropout ``p`` (the two
+  compare under ``ol.consistency.make_reproducible``).
 * ``AroundRegion(block)`` -- a model fx cannot trace whole around ``block``, which is then the region the fusion
   rewrites with fx (the form for code only fx can fuse: inline adds, norms, attention).
 """
@@ -41,6 +42,7 @@ __all__ = [
     "threads",
     "projected_loss",
     "eager_without_dropout",
+    "eager_with_dropout",
     "AroundRegion",
 ]
 
@@ -128,13 +130,21 @@ def eager_without_dropout(config):
     """``config`` (a Hugging Face ``PretrainedConfig``), changed in place and returned: every dropout probability
     (float, or one per stage in a list) 0, in its sub-configs too, and eager attention (the softmax written out,
     so the attention chain is visible to ``ol.fusion``)."""
+    return eager_with_dropout(config, 0.0)
+
+
+def eager_with_dropout(config, p: float):
+    """``eager_without_dropout`` with every dropout and drop-path probability ``p`` instead (a layer drop stays 0:
+    it skips whole layers, and a tiny model has two): the inline ``F.dropout`` calls, attention dropouts and
+    stochastic depths a config controls all draw, as in training."""
     for k, v in list(vars(config).items()):
+        rate = 0.0 if "layerdrop" in k.lower() else p
         if "drop" in k.lower() and isinstance(v, float):
-            setattr(config, k, 0.0)
+            setattr(config, k, rate)
         elif "drop" in k.lower() and isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
-            setattr(config, k, [0.0] * len(v))
+            setattr(config, k, [rate] * len(v))
         elif hasattr(v, "to_dict") and hasattr(v, "model_type"):
-            eager_without_dropout(v)
+            eager_with_dropout(v, p)
     config._attn_implementation = "eager"
     return config
 

@@ -1,6 +1,8 @@
 """Reproducible dropout and the consistency checker on many Hugging Face architectures, fused and not.
 
-Per model (built as ``hf_sweep.py`` builds it, then every ``nn.Dropout`` at p = 0.1): ``make_reproducible``;
+Per model (built as ``hf_sweep.py`` builds it with every dropout and drop-path probability of its config 0.1, the
+inline ``F.dropout`` calls and stochastic depths included, then every ``nn.Dropout`` at p = 0.1, as some hardcode
+theirs): ``make_reproducible``;
 two identical training steps under one ``ConsistencyChecker``, each from the same buffers (the second must agree
 with the first op by op, or the report names where not); then the fused model against
 the unfused one under the same seed (outputs and every parameter gradient, relative), and the fused model
@@ -42,7 +44,7 @@ def check(name: str, r: dict, strict: bool = False, memory_limit=None) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, inputs = S.build_running(name, torch.float32, r)
+        model, inputs = S.build_running(name, torch.float32, r, dropout=DROPOUT)
         drops = [m for m in model.modules() if isinstance(m, nn.Dropout)]
         for m in drops:
             m.p = DROPOUT

@@ -31,7 +31,7 @@ from tqdm import tqdm
 import opsnn_lab as ol
 from opsnn_lab.fusion.rewrite import REWRITE_FAILED
 from opsnn_lab.fusion.runtime import flatten_tensors
-from opsnn_lab.testing import eager_without_dropout, projected_loss
+from opsnn_lab.testing import eager_with_dropout, projected_loss
 
 V = 100
 TEXT_SIZES = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -96,7 +96,8 @@ def _model_class(name: str, suffixes):
     raise AttributeError(f"transformers {T.__version__} has no {name}{{{','.join(suffixes)}}}")
 
 
-def build(name: str, dtype: torch.dtype, layers: int | None = None):
+def build(name: str, dtype: torch.dtype, layers: int | None = None, dropout: float = 0.0):
+    """The model and its inputs, every dropout of its config ``dropout`` (0: compared with eager as it is)."""
     g = torch.Generator().manual_seed(0)
     if name not in VIT_LIKE + VISION_DEFAULT:  # a text model (any name not listed as vision)
         cls = _model_class(name, ("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "LMHeadModel", "Model"))
@@ -105,7 +106,7 @@ def build(name: str, dtype: torch.dtype, layers: int | None = None):
         sizes = TEXT_SIZES if layers is None else {**TEXT_SIZES, "num_hidden_layers": layers, "n_layer": layers,
                                                    "num_layers": layers, "n_layers": layers}
         fixes = CONFIG_FIXES.get(name, {})
-        cfg = eager_without_dropout(cfg_cls(**{**{k: v for k, v in sizes.items() if k in params}, **fixes}))
+        cfg = eager_with_dropout(cfg_cls(**{**{k: v for k, v in sizes.items() if k in params}, **fixes}), dropout)
         cfg.decoder_start_token_id = getattr(cfg, "decoder_start_token_id", None) or 0
         if hasattr(cfg, "rotary_dim"):
             cfg.rotary_dim = 4
@@ -118,7 +119,7 @@ def build(name: str, dtype: torch.dtype, layers: int | None = None):
     else:
         vision = name in ("Siglip",)
         cfg_cls = getattr(T, name + ("VisionConfig" if vision else "Config"))
-        cfg = eager_without_dropout(cfg_cls(**VIT_SIZES) if name in VIT_LIKE else cfg_cls())
+        cfg = eager_with_dropout(cfg_cls(**VIT_SIZES) if name in VIT_LIKE else cfg_cls(), dropout)
         cls = getattr(T, name + "VisionModel") if vision else _model_class(name, ("ForImageClassification", "Model"))
         size = cfg.image_size if isinstance(getattr(cfg, "image_size", None), int) else 224
         size = size if name in FULL_SIZE or size <= 64 else 64
@@ -157,12 +158,12 @@ def largest_finite(tensors) -> float:
     return max((float(t[t.isfinite()].abs().max()) for t in tensors if t.isfinite().any()), default=0.0)
 
 
-def build_running(name: str, dtype: torch.dtype, r: dict):
+def build_running(name: str, dtype: torch.dtype, r: dict, dropout: float = 0.0):
     """``build`` and one eager forward (stages "build", "eager"). A hybrid whose first layers are all linear
     attention or state-space layers (Jamba, Kimi-Linear: the mask helper finds no attention layer) is built again
     with 8 layers, which brings one in; ``r["layers"]`` says so."""
     r["stage"] = "build"
-    model, inputs = build(name, dtype)
+    model, inputs = build(name, dtype, dropout=dropout)
     r["stage"] = "eager"
     try:
         _run(model, inputs)
@@ -170,7 +171,7 @@ def build_running(name: str, dtype: torch.dtype, r: dict):
         if "Attention layers" not in str(exc):
             raise
         r["stage"], r["layers"] = "build", 8
-        model, inputs = build(name, dtype, layers=8)
+        model, inputs = build(name, dtype, layers=8, dropout=dropout)
         r["stage"] = "eager"
         _run(model, inputs)
     return model, inputs

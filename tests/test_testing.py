@@ -57,6 +57,19 @@ def test_eager_without_dropout_zeroes_every_dropout_in_every_sub_config():
         assert drops and all(v in (0.0, [0.0, 0.0]) for v in drops.values()), drops
 
 
+def test_eager_with_dropout_sets_every_dropout_and_drop_path_but_not_a_layer_drop():
+    T = pytest.importorskip("transformers")
+    from opsnn_lab.testing import eager_with_dropout
+
+    cfg = T.BartConfig(dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.2)
+    cfg.vision_config = T.ViTConfig(hidden_dropout_prob=0.0)
+    cfg.drop_path_rates = [0.0, 0.3]
+    assert eager_with_dropout(cfg, 0.1) is cfg
+    assert (cfg.dropout, cfg.activation_dropout, cfg.drop_path_rates) == (0.1, 0.1, [0.1, 0.1])
+    assert cfg.encoder_layerdrop == 0.0 and cfg.vision_config.hidden_dropout_prob == 0.1
+    assert cfg._attn_implementation == cfg.vision_config._attn_implementation == "eager"
+
+
 def test_around_region_makes_its_block_the_fx_region():
     import opsnn_lab as ol
     from opsnn_lab.testing import AroundRegion, seeded

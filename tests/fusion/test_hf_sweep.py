@@ -54,11 +54,11 @@ def test_autocast_compares_the_bf16_steps_with_the_fp32_one(tmp_path):
 def test_the_consistency_sweep_reports_each_model(tmp_path, capsys):
     main = runpy.run_path(str(CONSISTENCY))["main"]
     out = tmp_path / "consistency.json"
-    main(["--models", "Bert,GPT2,NoSuchModel", "--out", str(out)])
+    main(["--models", "Bert,GPT2,Bart,NoSuchModel", "--out", str(out)])
     results = json.loads(out.read_text())
-    for name in ("Bert", "GPT2"):
+    for name in ("Bert", "GPT2", "Bart"):  # Bart's dropouts are all inline F.dropout calls its config sets
         r = results[name]
-        assert "error" not in r and r["dropouts"] > 0 and r["fused"] > 0, r
+        assert "error" not in r and (r["dropouts"] > 0 or name == "Bart") and r["fused"] > 0, r
         assert r["repeat_consistent"] and r["fused_repeat_equal"], r
         assert r["out_err"] < 1e-5 and r["grad_err"] < 1e-5, r  # the fused model draws the unfused one's masks
     assert results["NoSuchModel"]["error"].startswith("build: AttributeError")
