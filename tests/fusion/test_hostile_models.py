@@ -178,7 +178,7 @@ class CrossModel(nn.Module):
     def __init__(self, d=16):
         super().__init__()
         self.cross, self.probe = CrossBlock(d), Probe(d)
-        self.head = PlainMLP(d)  # the one chain that fuses: the rewrite is compared on a model it changed
+        self.head = PlainMLP(d)  # a chain that fuses whatever the tracer reads of Probe
 
     def forward(self, x, memory):
         if memory.abs().sum() > 0:
@@ -274,14 +274,15 @@ def test_cross_model_decisions():
     att = d[("cross",)]
     assert not att.fused and "also read by `output`" in att.reason
     assert "modified in place by `probe.setitem`" in d[("probe.fc", "probe.act")].reason
-    twice = d[("probe.shared", "probe.shared")]  # one Linear at both ends: a chain, but inline in untraced code
-    assert not twice.fused and twice.reason.startswith("cannot be rewritten: `gelu` runs inline in `probe`.forward")
+    # Probe.forward traces (its item assignment is one call of the traced code), so its inline GELUs fuse there
+    twice = d[("probe.shared", "probe.shared")]  # one Linear at both ends of the chain
+    assert twice.fused and twice.route.startswith("fx:probe"), twice
     assert ("probe.leaky_fc", "probe.leaky") not in d  # LeakyReLU after a Linear is not a named chain
-    half = d[("probe.half_fc",)]  # fusable (float64 throughout), but its GELU is inline in Probe.forward
-    assert not half.fused and "inline in `probe`.forward" in half.reason and "setitem" in half.reason
+    half = d[("probe.half_fc",)]  # float64 throughout
+    assert half.fused and half.route.startswith("fx:probe"), half
 
 
-FUSED = {"gated_cnn": 4, "token_mixer": 6, "cross_model": 1}  # chains each rewrite replaces
+FUSED = {"gated_cnn": 4, "token_mixer": 6, "cross_model": 3}  # chains each rewrite replaces
 
 
 @pytest.mark.parametrize("case", list(CASES))
