@@ -11,6 +11,11 @@ Rows (names follow the fusion pattern names):
   rank-16 update, ``base(x) + B(A(x)) * scale``, as peft builds it; the projections are not Linears, so only
   ``act(gate) * up`` fuses (``FusedGatedProduct``). Eager saves x, the gate, act(gate), up and the product;
   fused drops act(gate): ``(H + 3I) / (H + 4I)`` = 0.77 at these widths, by construction.
+* ``gated_product_silu[moe]``: a mixture-of-experts layer as transformers runs its experts by default
+  (``grouped_mm``): tokens sorted by expert, one grouped GEMM for every expert's packed ``[gate | up]``,
+  ``silu(gate) * up`` on the two halves of its output, one grouped GEMM down; Mixtral-8x7B's widths scaled by 1/4
+  (hidden 1024, intermediate 3584, 8 experts, each token to 2). Only the product fuses, as in a fused Mixtral:
+  ``(H + 3I) / (H + 4I)`` of eager's bytes by construction, read through the halves' row stride ``2I``.
 * ``dropout_linear[lora_qkv]``: Llama's q, k and v projections under LoRA with ``lora_dropout=0.05`` (peft's
   usual setting), rank 16, hidden 1024: each adapter drops x with a dropout of its own, so eager keeps three
   dropped copies and three masks (a bool each on GPU, a float noise tensor on CPU); ``FusedDropoutLinear`` keeps
@@ -35,9 +40,10 @@ from torch import nn
 __all__ = ["CHAINS", "build_chains", "LLAMA_FULL"]
 
 CHAINS = ("gated_mlp_silu", "gated_mlp_gelu", "gated_mlp_silu[packed]", "gated_product_silu[lora]",
-          "dropout_linear[lora_qkv]", "linear_gelu_tanh_linear[gpt2]",
+          "gated_product_silu[moe]", "dropout_linear[lora_qkv]", "linear_gelu_tanh_linear[gpt2]",
           "linear_quick_gelu_linear", "linear_silu_dropout_linear")
 LLAMA_FULL = dict(hidden=1024, inter=2816)  # Llama-7B's 4096 / 11008 scaled by 1/4
+MIXTRAL_FULL = dict(hidden=1024, inter=3584, experts=8, top_k=2)  # Mixtral-8x7B's 4096 / 14336 scaled by 1/4
 TARGETS = {"bytes_fused_vs_eager[gated_mlp_*]": 0.67, "bytes_fused_vs_compile[gated_mlp_*]": 1.0}
 
 
@@ -136,6 +142,50 @@ class AdapterGatedMLP(nn.Module):
         return self.down_proj(self.act_fn(g) * u if self.product is None else self.product(g, u))
 
 
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x`` (tokens sorted by expert) times each expert's ``weight[e].T`` over its rows (``offsets``: cumulative
+    row counts): one ``torch._grouped_mm``, as transformers calls it, or a loop where torch has none or, as in
+    transformers, where ``torch.compile`` has no other dtype than bf16 for it."""
+    if hasattr(torch, "_grouped_mm") and not (torch.compiler.is_compiling() and x.dtype != torch.bfloat16):
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    ends = offsets.tolist()
+    return torch.cat([x[a:b] @ weight[e].T for e, (a, b) in enumerate(zip([0, *ends[:-1]], ends))])
+
+
+class GroupedExperts(nn.Module):
+    """transformers' ``grouped_mm`` experts forward from its sorted tokens on: ``down(act(gate) * up)`` per expert,
+    ``[gate | up]`` one grouped GEMM; ``product`` (the fused op) in place of ``act(gate) * up``."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, act: nn.Module, product: nn.Module | None = None):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden) * hidden ** -0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inter) * inter ** -0.5)
+        self.act_fn, self.product = act, product
+
+    def forward(self, x, offsets):
+        gate, up = _grouped(x, self.gate_up_proj, offsets).chunk(2, dim=-1)
+        return _grouped(self.act_fn(gate) * up if self.product is None else self.product(gate, up), self.down_proj,
+                        offsets)
+
+
+def _moe(name, s, device, dtype, act):
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    full = s["hidden"] >= 768
+    hidden, inter = (MIXTRAL_FULL["hidden"], MIXTRAL_FULL["inter"]) if full else (s["hidden"], s["inter"])
+    experts, top_k = MIXTRAL_FULL["experts"], MIXTRAL_FULL["top_k"]
+    eager = GroupedExperts(hidden, inter, experts, act).to(device, dtype)
+    fused = _sharing(eager, product=ops.FusedGatedProduct.from_modules(act))
+    rows = s["batch"] * s["tokens"] * top_k  # every token once per expert it is routed to
+    g = torch.Generator().manual_seed(0)
+    per_expert = torch.bincount(torch.randint(0, experts, (rows,), generator=g), minlength=experts)
+    offsets = per_expert.cumsum(0).to(device=device, dtype=torch.int32)
+    x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
+    return Chain(name, eager, fused, (x, offsets), note=f"hidden {hidden}, intermediate {inter}, {experts} experts, "
+                 f"top {top_k}")
+
+
 def _sharing(module: nn.Module, **replaced) -> nn.Module:
     """A shallow twin of ``module``: the same submodules and parameters (shared, not copied) in its own module
     dicts, with ``replaced`` set on it alone (the fused side of a row whose eager side is ``module``)."""
@@ -204,6 +254,7 @@ def build_chains(shapes: dict, device, dtype, wanted) -> list:
         "gated_mlp_gelu": lambda: _gated("gated_mlp_gelu", shapes, device, dtype, NewGELUActivation(), p),
         "gated_mlp_silu[packed]": lambda: _gated("gated_mlp_silu[packed]", shapes, device, dtype, nn.SiLU(), 0.0),
         "gated_product_silu[lora]": lambda: _gated("gated_product_silu[lora]", shapes, device, dtype, nn.SiLU(), 0.0),
+        "gated_product_silu[moe]": lambda: _moe("gated_product_silu[moe]", shapes, device, dtype, nn.SiLU()),
         "dropout_linear[lora_qkv]": lambda: _lora_qkv("dropout_linear[lora_qkv]", shapes, device, dtype),
         "linear_gelu_tanh_linear[gpt2]": lambda: _two_layer(
             "linear_gelu_tanh_linear[gpt2]", shapes, device, dtype, Conv1D(i, h), NewGELUActivation(), 0.0,

@@ -63,3 +63,20 @@ def test_conv1d_stand_in_is_the_hugging_face_layer():
     conv = chains_mlp.Conv1D(5, 3)
     x = torch.randn(2, 4, 3)
     assert_close_dtype(conv(x), x @ conv.weight + conv.bias)
+
+
+def test_moe_row_fuses_the_product_of_the_grouped_gemm_halves_and_drops_one_tensor():
+    (chain,) = chains_mlp.build_chains(ops.QUICK, "cpu", torch.float32, ["gated_product_silu[moe]"])
+    x, offsets = chain.inputs
+    assert [p for p in chain.fused.parameters()] == [p for p in chain.eager.parameters()]
+    assert offsets.dtype == torch.int32 and int(offsets[-1]) == x.shape[0]  # every routed row, sorted by expert
+    out, ref = chain.fused(x, offsets), chain.eager(x, offsets)
+    assert_close_dtype(out, ref)
+    g = torch.randn_like(out)
+    inputs = (x, chain.eager.gate_up_proj, chain.eager.down_proj)
+    for a, b in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref, inputs, g)):
+        assert_close_dtype(a, b)
+    inter = chain.eager.down_proj.shape[-1]
+    fused = activation_bytes(lambda: chain.fused(*chain.inputs))
+    eager = activation_bytes(lambda: chain.eager(*chain.inputs))
+    assert eager - fused == x.shape[0] * inter * 4  # act(gate): (H + 3I) / (H + 4I) of eager
