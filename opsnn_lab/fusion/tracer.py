@@ -293,8 +293,7 @@ def _tracing_patches(tracer: _Tracer):
     ``torch.finfo`` / ``torch.iinfo`` of a traced dtype take the example's (guarded), and a random factory of plain
     sizes is a call of the code (``_FACTORIES``)."""
     def apply(cls, *args, **kwargs):
-        proxies = []
-        fx.node.map_aggregate((args, kwargs), lambda a: proxies.append(a) if isinstance(a, fx.Proxy) else None)
+        proxies = _proxies(args, kwargs)
         if not proxies:
             return _APPLY.__func__(cls, *args, **kwargs)
         name = f"{cls.__module__}:{cls.__qualname__}"
@@ -310,9 +309,7 @@ def _tracing_patches(tracer: _Tracer):
 
     def drawn(real):
         def factory(*args, **kwargs):
-            proxies = []
-            fx.node.map_aggregate((args, kwargs), lambda a: proxies.append(a) if isinstance(a, fx.Proxy) else None)
-            if proxies or kwargs.get("generator") is not None:
+            if _proxies(args, kwargs) or kwargs.get("generator") is not None:
                 return real(*args, **kwargs)
             return tracer.create_proxy("call_function", real, args, kwargs)
         return factory
@@ -328,6 +325,13 @@ def _tracing_patches(tracer: _Tracer):
         torch.finfo, torch.iinfo = _FINFO, _IINFO
         for name, real in _FACTORIES.items():
             setattr(torch, name, real)
+
+
+def _proxies(args, kwargs) -> list:
+    """The traced values among a call's arguments (in containers too)."""
+    found = []
+    fx.node.map_aggregate((args, kwargs), lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
+    return found
 
 
 _FINFO, _IINFO = torch.finfo, torch.iinfo
