@@ -172,8 +172,7 @@ def _moe(name, s, device, dtype, act):
     from opsnn_lab import ops
     from opsnn_lab.bench.ops import Chain
 
-    full = s["hidden"] >= 768
-    hidden, inter = (MIXTRAL_FULL["hidden"], MIXTRAL_FULL["inter"]) if full else (s["hidden"], s["inter"])
+    hidden, inter = _gated_dims(s, MIXTRAL_FULL)
     experts, top_k = MIXTRAL_FULL["experts"], MIXTRAL_FULL["top_k"]
     eager = GroupedExperts(hidden, inter, experts, act).to(device, dtype)
     fused = _sharing(eager, product=ops.FusedGatedProduct.from_modules(act))
@@ -197,9 +196,9 @@ def _sharing(module: nn.Module, **replaced) -> nn.Module:
     return twin
 
 
-def _gated_dims(s: dict) -> tuple[int, int]:
-    # full run: Llama-7B-like widths; quick run: the CI-sized widths it was given
-    return (LLAMA_FULL["hidden"], LLAMA_FULL["inter"]) if s["hidden"] >= 768 else (s["hidden"], s["inter"])
+def _gated_dims(s: dict, full: dict = LLAMA_FULL) -> tuple[int, int]:
+    # full run: the model's widths scaled to the CPU (Llama-7B's by default); quick run: the CI-sized ones it was given
+    return (full["hidden"], full["inter"]) if s["hidden"] >= 768 else (s["hidden"], s["inter"])
 
 
 def _gated(name, s, device, dtype, act, p):

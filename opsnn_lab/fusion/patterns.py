@@ -28,7 +28,7 @@ from opsnn_lab.fusion.match import (
     op_class,
     past_identities,
 )
-from opsnn_lab.fusion.patterns_attention import build_attention, build_qkv, find_attention, find_qkv, functional_stream
+from opsnn_lab.fusion.patterns_attention import build_attention, build_qkv, find_attention, find_qkv, name_functional
 
 __all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "op_name", "pattern_of"]
 
@@ -115,20 +115,13 @@ def find_linear_gelu_dropout(g: Graph) -> list[Match]:
                     "dropout": _dropout_module(drop), "linear2": fc2.obj if m.pattern.endswith("_linear") else None,
                     "transposed": [bool(n.obj is not None and is_transposed_linear(n.obj)) for n in (lin, fc2)
                                    if n is not None and n.op == "linear"]}
-        _name_functional(g, drop, m)
+        name_functional(g, drop, m)
         name = _linear_op(m.pattern)
         mods = [m.params[k] for k in ("linear", "gelu", "dropout", "linear2")][:4 if m.params["linear2"] else 3]
         m.reason = _op_support(name, *mods) or _common_checks(g, m.nodes)  # the ops have supports()
         m.ok = not m.reason
         out.append(m)
     return out
-
-
-def _name_functional(g: Graph, drop: Node | None, m: Match) -> None:
-    """An inline ``F.dropout`` the op absorbs: the stream ``make_reproducible`` keys that call by (``rng_name``), so
-    the op draws that call's mask (Bart's and Whisper's activation dropout: 2e-2 apart unnamed)."""
-    if drop is not None and drop.kind == "function":
-        m.params["rng_name"] = functional_stream(g, drop)
 
 
 # --------------------------------------------------------------------------- Conv2d -> act [-> Dropout] -> Conv2d
@@ -154,7 +147,7 @@ def find_conv_act_conv(g: Graph) -> list[Match]:
         m.reason = (_consumer_reason(g, conv, m.nodes[1]) or _op_support("FusedConvActDropoutConv", *m.params.values())
                     or _common_checks(g, m.nodes))
         m.ok = not m.reason
-        _name_functional(g, drop, m)
+        name_functional(g, drop, m)
         out.append(m)
     return out
 

@@ -21,7 +21,7 @@ from opsnn_lab.fusion.match import (
 )
 from opsnn_lab.ops.attention import SDPA_ARGS
 
-__all__ = ["find_qkv", "find_attention", "build_qkv", "build_attention"]
+__all__ = ["find_qkv", "find_attention", "build_qkv", "build_attention", "functional_stream", "name_functional"]
 
 
 # --------------------------------------------------------------------------- sibling Linear layers (QKV)
@@ -230,8 +230,7 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
         return m
     chain.append(pv)
     p = _dropout_module(drop).p if drop is not None else 0.0
-    if drop is not None and drop.kind == "function":
-        m.params["rng_name"] = functional_stream(g, drop)
+    name_functional(g, drop, m)
     m.inputs = [q.name, kt.inputs[0], pv.inputs[1]] + ([mask.name] if mask is not None else [])
     m.outputs = [pv]
     m.params = {"scale": scale, "dropout_p": p, **m.params}
@@ -257,6 +256,13 @@ def _cast_of(n: Node, sm: Node) -> bool:
 
 # functional random calls make_reproducible draws as "<module path>:dropout.<i>" (consistency.functional)
 _FUNCTIONAL_DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d"})
+
+
+def name_functional(g: Graph, drop: Node | None, m: Match) -> None:
+    """An inline ``F.dropout`` the op absorbs: the stream ``make_reproducible`` keys that call by
+    (``m.params["rng_name"]``), so the op draws that call's mask (Bart's activation dropout: 2e-2 apart unnamed)."""
+    if drop is not None and drop.kind == "function":
+        m.params["rng_name"] = functional_stream(g, drop)
 
 
 def functional_stream(g: Graph, drop: Node) -> str:

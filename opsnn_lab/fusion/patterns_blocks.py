@@ -27,7 +27,7 @@ from opsnn_lab.fusion.match import (
     op_class,
     past_identities,
 )
-from opsnn_lab.fusion.patterns_attention import functional_stream
+from opsnn_lab.fusion.patterns_attention import name_functional
 
 __all__ = ["find_norms", "find_add_norms", "norm_verdicts", "find_dropout_linears", "find_linear_cross_entropy",
            "build_norm", "build_dropout_linear", "build_linear_cross_entropy"]
@@ -294,8 +294,7 @@ def find_dropout_linears(g: Graph) -> list[Match]:
             continue  # p = 0 (peft's default adapter): an identity, nothing to save
         m = Match("dropout_linear", [drop, *passed, lin], False, "", inputs=drop.inputs[:1], outputs=[lin],
                   params={"dropout": module, "linear": lin.obj})
-        if drop.kind == "function":
-            m.params["rng_name"] = functional_stream(g, drop)
+        name_functional(g, drop, m)
         m.reason = (_op_support("FusedDropoutLinear", module, lin.obj) or inplace_reason(g, lin)
                     or _common_checks(g, m.nodes))
         m.ok = not m.reason

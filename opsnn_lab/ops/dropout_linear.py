@@ -23,7 +23,7 @@ from torch import nn
 from opsnn_lab._checks import check_linear_input, check_range, check_type
 from opsnn_lab.kernels import rng
 from opsnn_lab.ops import _amp
-from opsnn_lab.ops.dropout import CounterRNG, Dropout, _scale, apply_mask
+from opsnn_lab.ops.dropout import CounterRNG, Dropout, _check_numel, _scale, apply_mask
 
 __all__ = ["FusedDropoutLinear", "DropoutLinearFunction"]
 
@@ -115,8 +115,8 @@ class FusedDropoutLinear(CounterRNG, nn.Module):
         with _amp.region(x) as cast:
             x, w, b = cast(x, lin.weight, lin.bias)
             check_linear_input(x, lin, weight=w)
-            if self.p > 0.0 and x.numel() > rng.MAX_NUMEL:  # checked before the draw: nothing advances
-                raise ValueError(f"x has {x.numel()} elements; one dropout draw supports at most 2**32")
+            if self.p > 0.0:  # checked before the draw: nothing advances
+                _check_numel(x)
             seed, offset = self.next_draw(x)
             if self.p == 0.0:
                 return F.linear(x, w, b)
