@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
 
 __all__ = ["DROPOUTS", "CHANNEL_DROPOUTS", "SAMPLERS", "LIKE", "RANDOM_METHODS", "draws_random", "running",
-           "functional_seed", "enter_module", "exit_module"]
+           "functional_seed", "enter_module", "exit_module", "draw_streams", "draw_state", "stream_made",
+           "streams_made"]
 
 DROPOUTS = frozenset({F.dropout, torch.dropout}
                      | ({torch.Tensor.dropout} if hasattr(torch.Tensor, "dropout") else set()))
@@ -48,6 +49,53 @@ def running():
         if getattr(mode, "keys_random_calls", False):
             return mode
     return None
+
+
+_STREAMS_MADE = [0]  # counter streams made so far in this process (``stream_made``): a cache of streams checks it
+
+
+def stream_made() -> None:
+    """A counter stream was made (``CounterRNG``): lists of streams found before may miss it."""
+    _STREAMS_MADE[0] += 1
+
+
+def streams_made() -> int:
+    return _STREAMS_MADE[0]
+
+
+def draw_streams(module):
+    """The counter streams (objects with ``next_draw``) a call of ``module`` may draw from: its modules', and the
+    fused ops a fusion rewrite runs for them (a slot's, a patched forward's), which are not children."""
+    out, seen = [], set()
+    for m in module.modules():  # instance dicts and class attributes: nn.Module's __getattr__ is slow to miss
+        for obj in (m, m.__dict__.get("op"), getattr(m.__dict__.get("forward"), "op", None)):
+            if obj is not None and hasattr(type(obj), "next_draw") and id(obj) not in seen:
+                seen.add(id(obj))
+                out.append(obj)
+    return out
+
+
+def draw_state(streams, tensors=()):
+    """Where every source of a forward's draws stands now: torch's generators (the CPU one, and each CUDA
+    device's that ``tensors`` are on), each counter stream of ``streams`` (``CounterRNG`` objects), and the
+    running ``make_reproducible`` forward's call counts. Returns ``put_back()``, which sets them all back: a
+    region whose guard misses after it drew runs its original forward from there, and draws what eager draws."""
+    cuda = sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    cpu, cuda_states = torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda]
+    counters = [stream.snapshot() for stream in streams]
+    mode = running()
+    scope = mode.snapshot() if mode is not None and hasattr(mode, "snapshot") else None
+
+    def put_back() -> None:
+        torch.set_rng_state(cpu)
+        for device, state in cuda_states:
+            torch.cuda.set_rng_state(state, device)
+        for restore in counters:
+            restore()
+        if scope is not None:
+            scope()
+
+    return put_back
 
 
 def functional_seed(name: str, kind: str = "dropout") -> int | None:

@@ -76,6 +76,20 @@ class FunctionalRandomness(TorchFunctionMode):
     def exit(self) -> None:
         self.state.pop()
 
+    def snapshot(self):
+        """A function that puts the forward's call counts, module stack and draw log back where they stand now
+        (``_randomness.draw_state``: the calls a region made before its guard missed are made again)."""
+        local = self.state.local
+        saved = (dict(local.calls), None if local.stack is None else list(local.stack), dict(local.log))
+
+        def put_back() -> None:
+            local.calls, stack, log = dict(saved[0]), saved[1], saved[2]
+            local.stack = None if stack is None else list(stack)
+            local.log.clear()
+            local.log.update(log)
+
+        return put_back
+
     def _seed(self, kind: str, path: str | None = None) -> int | None:
         if not self.replay:
             return self.state.functional_seed(kind, path)

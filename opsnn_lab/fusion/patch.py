@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from opsnn_lab._hooks import hooks_in_effect
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import arg
-from opsnn_lab.fusion.patterns import Match, op_name
+from opsnn_lab.fusion.patterns import Match, op_name, pattern_of
 from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace, tensor_version
 
 __all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches", "CONSTANT", "hooked", "warn_hooked",
@@ -214,6 +214,11 @@ class Patch:
     def __init__(self, host: nn.Module):
         self.host = host
 
+    def keeps_rank(self) -> bool:
+        """Whether the patched module's output has its input's rank (ranks.py reads it; True for a module that
+        passes on what its chain's head computed)."""
+        return False
+
     def _sync(self, op: nn.Module) -> None:
         if op.training != self.host.training:  # model.train()/eval() set the host's flag
             op.train(self.host.training)
@@ -301,6 +306,9 @@ class ChainHead(Patch):
     def __getstate__(self):
         return {**self.__dict__, "last": None, "held": None}  # a weakref does not pickle
 
+    def keeps_rank(self) -> bool:
+        return pattern_of(self.pattern).keeps_rank
+
 
 class PassThrough(Patch):
     """A later module of a chain: its step already ran inside the fused op, whose output it must receive."""
@@ -308,6 +316,9 @@ class PassThrough(Patch):
     def __init__(self, host: nn.Module, head: ChainHead | None = None, path: str = "", after: str = ""):
         super().__init__(host)
         self.head, self.path, self.after = head, path, after  # after: an inline identity step run just before
+
+    def keeps_rank(self) -> bool:
+        return True
 
     def __call__(self, x):
         if self.head is not None and self.head.unfused:  # a hook on the chain: every module runs its own forward
@@ -360,6 +371,9 @@ class WholeForward(Patch):
         super().__init__(host)
         self.op, self.pattern, self.path = op, pattern, path
         self.inner = [m for m in host.modules() if m is not host]
+
+    def keeps_rank(self) -> bool:
+        return pattern_of(self.pattern).keeps_rank
 
     @opaque_to_compile
     def __call__(self, x):
@@ -457,6 +471,9 @@ class QKVMember(Patch):
     def __init__(self, host: nn.Module, core: QKVCore, index: int):
         super().__init__(host)
         self.core, self.index = core, index
+
+    def keeps_rank(self) -> bool:
+        return True  # a Linear's output, from the packed projection
 
     def __call__(self, x):
         return self.core.get(self.index, x, self.host)

@@ -200,6 +200,8 @@ class Pattern:
     # Not for qkv (fused for time: one GEMM). An attention core's cost counts a mask every layer shares once per
     # chain, so a core that saves less than that mask reads as keeping more (a few tokens, and only then)
     never_worse: bool = False
+    # the fused op's output has its input's rank (a module patched with it keeps it: ranks.py); not so for a loss
+    keeps_rank: bool = True
 
 
 def _only(find, *names):
@@ -252,7 +254,8 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("dropout_linear", blocks.find_dropout_linears, blocks.build_dropout_linear, "FusedDropoutLinear",
             "Dropout -> Linear (LoRA's lora_A(lora_dropout(x)), a head after its dropout)"),
     Pattern("attention", find_attention, build_attention, "FusedAttention",
-            "softmax(q @ k^T * scale + mask) -> dropout -> @ v", needs=_ATTENTION_NEEDS, never_worse=True),
+            "softmax(q @ k^T * scale + mask) -> dropout -> @ v", needs=_ATTENTION_NEEDS, never_worse=True,
+            keeps_rank=False),
     Pattern("qkv", find_qkv, build_qkv, "FusedQKV", "three sibling Linear layers reading one tensor"),
     # the residual add before a norm first: when it cannot be rewritten, the norm alone still fuses
     Pattern("add_layer_norm", _only(blocks.find_add_norms, "add_layer_norm"), blocks.build_norm, "FusedAddLayerNorm",
@@ -264,7 +267,8 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("rms_norm", _only(blocks.find_norms, "rms_norm"), blocks.build_norm, "FusedRMSNorm",
             "nn.RMSNorm, or a module computing RMSNorm of its input (HF *RMSNorm, T5LayerNorm)"),
     Pattern("linear_cross_entropy", blocks.find_linear_cross_entropy, blocks.build_linear_cross_entropy,
-            "FusedLinearCrossEntropy", "vocabulary head -> cross-entropy (logits read only by the loss)"),
+            "FusedLinearCrossEntropy", "vocabulary head -> cross-entropy (logits read only by the loss)",
+            keeps_rank=False),
 )
 FAMILIES = tuple(p.family for p in PATTERNS)
 

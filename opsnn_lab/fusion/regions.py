@@ -277,6 +277,31 @@ def _returned_tensors(calls: dict, region: str, child: str) -> bool:
     return bool(recorded) and all(getattr(c, "bare", False) for c in recorded)
 
 
+def _child_call_differs(gm: fx.GraphModule, path: str, children, calls: dict) -> str:
+    """Why ``gm``'s code would call a child kept as a call (a region of its own) otherwise than the recorded forward
+    did, or '': a plain argument the child's region is specialised for (``concrete_args``) that the traced code
+    computes, or gives another value. Hugging Face's mask helpers build a mask while fx traces where eager passes
+    None: the child's region would then run its original forward at every call, unfused."""
+    by_name = dict(children)
+    for node in gm.graph.nodes:
+        child = by_name.get(node.target) if node.op == "call_module" else None
+        recorded = calls.get(f"{path}.{node.target}" if path else node.target) if child is not None else None
+        if not recorded:
+            continue
+        bound = bind_call(child, (node.args, node.kwargs))
+        if bound is None:
+            continue
+        given = dict(_named_arguments(bound))
+        for name, value in concrete_args(child, recorded[0]).items():
+            got = given.get(name, value)
+            if isinstance(got, fx.Node) or type(got) is not type(value) or got != value:
+                shown = "a computed value" if isinstance(got, fx.Node) else repr(got)
+                return (f"traced, its code calls `{node.target}` with {shown} for `{name}`, which the recorded call "
+                        f"passed as {value!r}: that child's own region would run unfused, so this module runs its "
+                        "own forward and its children are traced instead")
+    return ""
+
+
 def find_regions(model: nn.Module, calls: dict, hosts=None) -> list[Region]:
     """Largest traceable modules, top-down; an untraceable module is recorded with why, then its children.
 
@@ -303,17 +328,23 @@ def find_regions(model: nn.Module, calls: dict, hosts=None) -> list[Region]:
             except Exception as exc:  # noqa: BLE001
                 regions.append(Region(path, "untraceable", _reason(exc), concrete))
             else:
-                if not container:
-                    leaves = list(gm.meta.get("leaves", ()))
+                leaves = list(gm.meta.get("leaves", ()))
+                # kept as calls (hooks, or fx stops in them): regions of their own
+                children = [(name, inner) for name, inner in module.named_modules()
+                            if name and (has_hooks(inner) or name in leaves) and not is_leaf_module(inner)]
+                clash = "" if container else _child_call_differs(gm, path, children, calls)
+                if clash:
+                    regions.append(Region(path, "untraceable", clash, concrete))
+                elif not container:
                     regions.append(Region(path, "fx", "", concrete, [f.__name__ for f in wrapped], graph, facts,
                                           unwrapped, leaves, gm.meta.get("answers")))
-                    for name, inner in module.named_modules():  # kept as calls (hooks, or fx stops in them): regions
-                        if name and (has_hooks(inner) or name in leaves) and not is_leaf_module(inner):
-                            visit(f"{path}.{name}" if path else name, inner)
+                    for name, inner in children:
+                        visit(f"{path}.{name}" if path else name, inner)
                     return
-                regions.append(Region(path, "container", f"`{type(module).__name__}` runs its children in turn: a "
-                                      "fused op registered on it would become one more step, so its children are "
-                                      "rewritten instead", concrete))
+                else:
+                    why = (f"`{type(module).__name__}` runs its children in turn: a fused op registered on it "
+                           "would become one more step, so its children are rewritten instead")
+                    regions.append(Region(path, "container", why, concrete))
         for name, child in module.named_children():
             visit(f"{path}.{name}" if path else name, child)
 

@@ -23,7 +23,7 @@ import torch
 from torch import fx, nn
 
 from opsnn_lab._checks import check_type
-from opsnn_lab._randomness import draws_random, enter_module, exit_module
+from opsnn_lab._randomness import draw_state, draw_streams, draws_random, enter_module, exit_module, streams_made
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
 from opsnn_lab.fusion.patch import CONSTANT, Patch, Route, hooked, inline_after, install, qualified, revert, warn_hooked
@@ -40,7 +40,7 @@ from opsnn_lab.fusion.regions import (
     signature,
     trace_region,
 )
-from opsnn_lab.fusion.runtime import graph_free_memo, own_dtypes
+from opsnn_lab.fusion.runtime import flatten_tensors, graph_free_memo, own_dtypes
 from opsnn_lab.fusion.specialise import GUARDS, SpecialisationMiss, writes_in_place
 from opsnn_lab.fusion.tracer import apply_function, kwargs_values
 
@@ -143,9 +143,25 @@ class FxForward(Patch):
         # traced without the forward's wrapper (fusion.wrappers): with gradient checkpointing on, the wrapper
         # checkpoints (Hugging Face's layers), so the original runs
         self.unwrapped = any(gm.meta.get("unwrapped") for gm in variants.values())
+        # a guard comes after a draw (specialise.check_guards): the generators' state is kept at each call and put
+        # back before the original forward runs on a miss, so it draws what eager draws
+        self.restore_rng = {k: bool(gm.meta.get("restore_rng")) for k, gm in variants.items()}
+
+    def _streams(self) -> list:
+        """The counter streams the region's code may draw from (``_randomness.draw_streams``): found again once
+        a stream was made anywhere since (``make_reproducible`` swaps its dropouts in after fusion)."""
+        made, streams = self.__dict__.get("_draw_streams", (-1, None))
+        if made != streams_made():
+            made, streams = streams_made(), draw_streams(self.host)
+            self.__dict__["_draw_streams"] = (made, streams)
+        return streams
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_draw_streams"}  # found again after a load
 
     def __setstate__(self, state):  # a model saved before these fields existed: no rebuild, no hook check
-        self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, "unwrapped": False, **state})
+        self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, "unwrapped": False,
+                              "restore_rng": {}, **state})
 
     def _bound(self, args, kwargs):
         bound = bind_call(self.host, (args, kwargs))
@@ -201,9 +217,13 @@ class FxForward(Patch):
                 pos.append(value)
             else:
                 kw[name] = value
+        put_back = draw_state(self._streams(), flatten_tensors((args, kwargs))) \
+            if self.restore_rng.get(self.host.training) else None
         try:
             out = type(gm).forward(self.host, *pos, **kw)
         except SpecialisationMiss:  # sizes the traced code branched on differ here; what ran before can run again
+            if put_back is not None:  # and draw again what it drew
+                put_back()
             return type(self.host).forward(self.host, *args, **kwargs)
         kind = self.output_types.get(self.host.training)
         if kind is not None and type(out) is dict:

@@ -7,11 +7,14 @@ When the example call is known, the tracer answers such a question from the exam
 - only questions on metadata (``shape``, ``size()``, ``dim()``, ``dtype``, ``device``, and arithmetic on them),
   the number of pieces a split makes and a dtype handed to ``torch.finfo`` / ``torch.iinfo``; a branch on
   tensor values (``if mask.any()``) still stops the tracer;
-- the answer is computed by running the few steps that lead to it on the example's tensors (no gradient); a
-  step with state or randomness there (a BatchNorm, a dropout, an in-place write, a module with hooks) stops it;
+- the answer is computed by running the few steps that lead to it on the example's tensors (no gradient; a draw
+  on a copy of the generators); a step with state there (a BatchNorm, an in-place write, a module with hooks)
+  stops it;
 - each answer is a guard node in the traced code (``expect``), checked on the real tensors at each call; a call
   it does not hold for raises ``SpecialisationMiss`` and runs the original forward instead
-  (``rewrite.FxForward``), so every step before a guard must be one that can run twice (``check_guards``);
+  (``rewrite.FxForward``), so every step before a guard must be one that can run twice (``check_guards``), or
+  one that only draws (a dropout, ``torch.rand``, a fused op's counter stream): the region then keeps where each
+  source of draws stands at each call and puts it back before the original runs, which draws what eager draws;
 - the answers, in the order asked, with the line that asked each, are kept with the region (JSON), so the
   rewrite traces the same code again without the example (``answers=``).
 """
@@ -26,12 +29,13 @@ import torch.fx as fx
 from torch import nn
 
 from opsnn_lab._hooks import has_hooks
+from opsnn_lab._randomness import draw_state, draw_streams
 from opsnn_lab.fusion.graph import canonical_module
-from opsnn_lab.fusion.ranks import structure_inputs
+from opsnn_lab.fusion.ranks import rank_inputs, structure_inputs
 
 __all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "expect_dtype", "GUARDS",
-           "metadata_only", "answerable", "Answers", "check_guards", "INPLACE_OPERATORS", "writes_in_place",
-           "PY_MODULES"]
+           "metadata_only", "answerable", "Answers", "check_guards", "only_draws", "INPLACE_OPERATORS",
+           "writes_in_place", "PY_MODULES"]
 
 
 class GuardAfterState(fx.proxy.TraceError):
@@ -191,28 +195,35 @@ def _plain_dropout(node: fx.Node, root: nn.Module) -> bool:
 
 
 def check_guards(graph: fx.Graph, root: nn.Module, facts: dict | None = None,
-                 facts_read: dict | None = None) -> None:
-    """Raise ``GuardAfterState`` unless every step before each guard can run twice: a call that misses a guard
-    runs the original forward after the steps before it ran (``SpecialisationMiss``). A guard on the number of
-    sizes whose answer the tensor arguments' ranks alone decide (``ranks.structure_inputs``; ``facts``: the
-    example's, by argument) is dropped instead, those ranks noted in ``facts_read`` for the check made before
-    the call runs."""
-    for guard in [n for n in graph.nodes if n.op == "call_function" and n.target is expect_len]:
-        names = structure_inputs(guard.args[0], facts or {}, root) if facts_read is not None else None
+                 facts_read: dict | None = None) -> bool:
+    """Raise ``GuardAfterState`` unless every step before each guard can run twice or only draws (``only_draws``):
+    a call that misses a guard runs the original forward after the steps before it ran (``SpecialisationMiss``).
+    True where a draw comes before a guard: the caller puts every source of draws back before it runs the
+    original (``rewrite.FxForward``, ``_randomness.draw_state``). A guard on the number of sizes, or on a rank,
+    whose answer the tensor arguments' ranks alone decide (``ranks.structure_inputs``, ``ranks.rank_inputs``;
+    ``facts``: the example's, by argument) is dropped instead, those ranks noted in ``facts_read`` for the check
+    made before the call runs."""
+    for guard in [n for n in graph.nodes if n.op == "call_function" and n.target in (expect_len, expect)]:
+        decided_by = structure_inputs if guard.target is expect_len else rank_inputs
+        names = decided_by(guard.args[0], facts or {}, root) if facts_read is not None else None
         if names is not None and _after_state(guard, root):
             for name in names:
                 facts_read.setdefault(name, {})["ndim"] = facts[name]["ndim"]
             graph.erase_node(guard)
     nodes = list(graph.nodes)
     guards = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.target in GUARDS]
+    draws = False
     for node in nodes[:guards[-1] if guards else 0]:
         why = _why_not_twice(node, root)
-        if why:
+        if why and only_draws(node, root):
+            draws = True
+        elif why:
             first = next(nodes[i] for i in guards if i > nodes.index(node))
             where = f" at {first.meta['where']}" if first.meta.get("where") else ""
             stack = list((first.meta.get("nn_module_stack") or {}).values())
             raise GuardAfterState(f"control flow on sizes{where} follows a step that cannot run twice ({why})",
                                   stack[-1][0] if stack else "")
+    return draws
 
 
 def _after_state(guard: fx.Node, root: nn.Module) -> bool:
@@ -233,6 +244,31 @@ def _unpatched():
     return _maybe_revert_all_patches()
 
 
+def only_draws(node: fx.Node, root: nn.Module) -> bool:
+    """A step whose only effect is a draw: a random function or tensor method of torch (no ``generator=``, not in
+    place), or a module whose one reason it cannot run twice is that it draws (a dropout, a counter stream, a
+    module fusion patched with an op that draws). ``_randomness.draw_state`` puts every such source back."""
+    if node.op == "call_module":
+        return _why_not_twice(node, root).endswith("draws random numbers")
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_function", "call_method") and name in _RANDOM and not writes_in_place(node) \
+        and "generator" not in node.kwargs
+
+
+@contextlib.contextmanager
+def _drawing_aside(node: fx.Node, root: nn.Module, args):
+    """Run a step that draws with every source of its draws put back afterwards (``_randomness.draw_state``):
+    torch's generators, and the counter streams of a module the step calls."""
+    tensors: list[torch.Tensor] = []
+    fx.node.map_aggregate(args, lambda a: tensors.append(a) if isinstance(a, torch.Tensor) else None)
+    streams = draw_streams(root.get_submodule(node.target)) if node.op == "call_module" else ()
+    put_back = draw_state(streams, tensors)
+    try:
+        yield
+    finally:
+        put_back()
+
+
 class Answers:
     """The answers a trace gave to questions on metadata, in order: computed from ``example`` (the call's
     arguments by parameter name) or replayed from ``given`` (a region's recorded answers)."""
@@ -243,7 +279,7 @@ class Answers:
         self.asked: list = []
         self._cursor = 0
         self._values: dict = {}  # (node, structural) -> its value on the example
-        self._structural = False  # answering a ``len``: dropouts count as their input (``_plain_dropout``)
+        self._structural = False  # answering a ``len`` or a rank: dropouts count as their input (``_plain_dropout``)
 
     @property
     def active(self) -> bool:
@@ -262,7 +298,8 @@ class Answers:
             self._cursor = at + 1
             got = self.given[at][2]
         else:
-            self._structural = kind == "len"
+            # the number of sizes, or a rank, is the same with a dropout read as its input
+            self._structural = kind == "len" or (kind == "bool" and self._ranks_decide(node))
             try:
                 value = self._value(node)
             except fx.proxy.TraceError as exc:
@@ -271,20 +308,28 @@ class Answers:
         self.asked.append([kind, where, got])
         return got
 
+    def _ranks_decide(self, node: fx.Node) -> bool:
+        facts = {k: {"ndim": v.ndim, "is_nested": v.is_nested} for k, v in (self.example or {}).items()
+                 if isinstance(v, torch.Tensor)}
+        return rank_inputs(node, facts, self.root) is not None
+
     def _value(self, node: fx.Node):
         key = (node, self._structural)
         if key in self._values:
             return self._values[key]
         why = _why_not_twice(node, self.root)
         if why and self._structural and _plain_dropout(node, self.root):
-            # the number of sizes asked for (``len``) never depends on values: a dropout is its input there, and
-            # draws nothing (whether the answer may stand without a guard is check_guards' question)
+            # the number of sizes asked for (``len``) and a rank never depend on values: a dropout is its input
+            # there, and draws nothing (whether the answer may stand without a guard is check_guards' question)
             value = self._value(node.args[0] if node.args else node.kwargs["input"])
-        elif why:
+        elif why and not only_draws(node, self.root):
             raise fx.proxy.TraceError(f"control flow on a size that comes from a step that cannot run twice ({why})")
         else:
+            # a draw (a label dropout's ``torch.rand(n) < p``) runs with its sources put back afterwards: its sizes
+            # are the ones a question needs, and the model's own draws stay as they were
             args = fx.node.map_arg((node.args, node.kwargs), self._value)
-            with torch.no_grad(), _unpatched():  # real calls: fx's patched Module.__call__ would trace them
+            with torch.no_grad(), _unpatched(), _drawing_aside(node, self.root, args) if why else \
+                    contextlib.nullcontext():
                 value = self._run(node, *args)
         self._values[key] = value
         return value

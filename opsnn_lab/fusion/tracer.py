@@ -435,7 +435,7 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
                 with unwrapped_forward(module) if unwrap else contextlib.nullcontext():
                     graph = tracer.trace(module, concrete_args=plain or None)
                 try:
-                    check_guards(graph, module, tracer.tensor_facts, tracer.facts_read)
+                    draws_before_guard = check_guards(graph, module, tracer.tensor_facts, tracer.facts_read)
                 except GuardAfterState as exc:  # a child's code asked: that child may be kept as one call
                     tracer.failed_child = exc.module or None
                     raise
@@ -446,6 +446,7 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
                 gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
                 gm.meta["output_type"] = flattened_output or tracer.output_type
                 gm.meta["facts_read"] = tracer.facts_read
+                gm.meta["restore_rng"] = draws_before_guard  # a guard's miss puts the generators back first
                 gm.meta["unwrapped"] = unwrap
                 gm.meta["leaves"] = leaves
                 gm.meta["answers"] = tracer.answers.asked if tracer.answers.active else None

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_range, check_tensor, check_type
-from opsnn_lab._randomness import functional_seed
+from opsnn_lab._randomness import functional_seed, stream_made
 from opsnn_lab.kernels import rng
 
 __all__ = ["CounterRNG", "Dropout", "DropoutFunction"]
@@ -75,6 +75,7 @@ class CounterRNG:
     rng_step: int
 
     def _init_rng(self, seed: int | None) -> None:
+        stream_made()  # a region caching the streams it may draw from looks again (fusion.rewrite.FxForward)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.set_rng(seed, 0)
@@ -98,6 +99,24 @@ class CounterRNG:
         if leader is not None and not isinstance(leader, CounterRNG):
             raise TypeError(f"leader must be a CounterRNG module or None, got {type(leader).__name__}")
         object.__setattr__(self, "_rng_leader", None if leader is self else leader)
+
+    def snapshot(self):
+        """A function that puts this stream (or the one it shares) back where it stands now: its step and the log
+        a checkpoint's recomputation replays from (``_randomness.draw_state``)."""
+        leader = self.__dict__.get("_rng_leader")
+        if leader is not None:
+            return leader.snapshot()
+        if not hasattr(self, "_drawn"):  # a module pickled before the replay log existed
+            self.set_rng(self.rng_seed, self.rng_step)
+        saved = (self.rng_step, list(self._drawn), self._forwards, self._replaying, set(self._replayed))
+
+        def put_back() -> None:
+            self.rng_step, drawn, self._forwards, self._replaying, replayed = saved
+            self._drawn.clear()
+            self._drawn.extend(drawn)
+            self._replayed = set(replayed)
+
+        return put_back
 
     def next_draw(self, x: torch.Tensor | None = None) -> tuple[int, int]:
         """``(seed, offset)`` for this training-mode call on input ``x``; advances ``rng_step``, except in a

@@ -321,19 +321,19 @@ class RankOfAnInnerValue(nn.Module):
         return self.fc2(self.drop(nn.functional.gelu(h))) * 2
 
 
-class RankOfAValueAfterADropout(RankOfAnInnerValue):
-    def __init__(self):
+class RankOfAValueAfterAStep(RankOfAnInnerValue):
+    def __init__(self, pre: nn.Module):
         super().__init__()
-        self.pre = nn.Dropout(0.1)
+        self.pre = pre
 
     def forward(self, x):
         h = self.pre(x)
-        if h.dim() != 3:  # after a dropout, which a call missing the guard would run again: fx stops
+        if h.dim() != 3:  # after a step a call missing the guard would run again
             raise ValueError("fc1 must give a 3-D value")
         return self.fc2(self.drop(nn.functional.gelu(self.fc1(h)))) * 2
 
 
-def test_rank_of_a_computed_value_is_the_examples_and_after_a_random_step_stops_the_tracer_and_says_where():
+def test_rank_of_a_computed_value_is_the_examples_and_after_a_step_with_state_stops_the_tracer_and_says_where():
     torch.manual_seed(0)
     model = HoldsRankChecks().double()
     model.block = RankOfAnInnerValue().double()
@@ -342,11 +342,17 @@ def test_rank_of_a_computed_value_is_the_examples_and_after_a_random_step_stops_
     region = next(r for r in plan.routes if r["path"] == "block")
     assert region["route"] == "fx" and [a[2] for a in region["answers"]] == [False]
     torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)
-    model.block = RankOfAValueAfterADropout().double()
+    # after a dropout the rank is x's (a fact checked before the call runs): no guard, the MLP fuses
+    model.block = RankOfAValueAfterAStep(nn.Dropout(0.1)).double()
+    plan = ol.fusion.analyze(model.train(), (x,))
+    region = next(r for r in plan.routes if r["path"] == "block")
+    assert region["route"] == "fx" and region["tensors"]["x"]["ndim"] == 3
+    # after a BatchNorm, which updates its statistics, the rank is not worked out: fx stops and says where
+    model.block = RankOfAValueAfterAStep(nn.BatchNorm1d(5)).double()
     plan = ol.fusion.analyze(model.train(), (x,))
     region = next(r for r in plan.routes if r["path"] == "block")
     assert region["route"] == "untraceable"
-    assert "if h.dim() != 3" in region["reason"] and "`pre` draws random numbers" in region["reason"], region["reason"]
+    assert "if h.dim() != 3" in region["reason"] and "`pre` has buffers" in region["reason"], region["reason"]
     (mlp,) = [d for d in plan.decisions if d.pattern == "linear_gelu_dropout_linear"]
     assert not mlp.fused and "nor can fx trace `block`" in mlp.reason
 
@@ -951,3 +957,46 @@ def test_item_assignment_is_one_call_of_the_traced_code_and_is_kept():
         g_want = torch.autograd.grad(want.square().sum(), list(model.parameters()))
         for a, b in zip(g_got, g_want):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+class MaskedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x, mask=None):
+        h = x + self.fc(x)  # inline residual add + LayerNorm: fx fuses it
+        if mask is not None:
+            h = h * mask
+        return self.ln(h)
+
+
+class BuildsAMaskWhenTraced(nn.Module):
+    """Passes its block None, as Hugging Face's mask helpers do in eager where no token is padded, but builds a mask
+    while fx traces (those helpers skip that shortcut under tracing). The block has a hook: a call, and a region."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = MaskedBlock()
+        self.block.register_forward_hook(lambda *_: None)
+
+    def forward(self, x):
+        mask = torch.ones_like(x) if torch.fx._symbolic_trace.is_fx_tracing() else None
+        return self.block(x, mask)
+
+
+def test_a_parent_that_traced_would_call_its_child_region_otherwise_runs_its_own_forward():
+    torch.manual_seed(0)
+    model, x = BuildsAMaskWhenTraced().double(), seeded(2, 5, 8, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    routes = {r["path"]: r for r in plan.routes}
+    assert routes[""]["route"] == "untraceable"
+    assert "calls `block` with a computed value for `mask`, which the recorded call passed as None" in \
+        routes[""]["reason"]
+    assert routes["block"]["route"] == "fx"
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:block")]
+    (slot,) = [m for n, m in fused.block.named_children() if n.startswith("fused_")]
+    calls = []
+    slot.register_forward_hook(lambda *_: calls.append(1))
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)
+    assert calls == [1]  # the block's fused op runs

@@ -1,5 +1,5 @@
 """``ranks.structure_inputs``: a tuple of sizes whose length the tensor arguments' ranks alone decide, and the
-steps that make it depend on sizes or values instead."""
+steps that make it depend on sizes or values instead; ``ranks.rank_inputs``: a rank, or arithmetic on ranks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from opsnn_lab.fusion.ranks import structure_inputs
+from opsnn_lab.fusion.ranks import rank_inputs, structure_inputs
 
 
 class Sizes(nn.Module):
@@ -37,11 +37,11 @@ class KeepsUserLeaf(fx.Tracer):
 FACTS = {"x": {"ndim": 4, "is_nested": False}, "y": {"ndim": 2, "is_nested": False}}
 
 
-def _inputs_of(shape_of, facts=FACTS, leaf=None):
+def _inputs_of(shape_of, facts=FACTS, leaf=None, decided_by=structure_inputs):
     module = Sizes(shape_of, leaf)
     graph = KeepsUserLeaf().trace(module)
     value = next(n for n in graph.nodes if n.op == "output").args[0]
-    return structure_inputs(value, facts, module)
+    return decided_by(value, facts, module)
 
 
 def _attention_context(m, x, y):  # BERT-family attention: probabilities' dropout, then the heads merged back
@@ -83,3 +83,25 @@ def test_sizes_values_and_unknown_modules_are_not_ranks(shape_of):
 def test_an_argument_without_a_known_rank_or_nested_decides_nothing():
     assert _inputs_of(lambda m, x, y: x.shape, facts={"y": FACTS["y"]}) is None
     assert _inputs_of(lambda m, x, y: x.shape, facts={"x": {"ndim": 4, "is_nested": True}}) is None
+
+
+@pytest.mark.parametrize("rank_of, inputs", [
+    (lambda m, x, y: (m.drop(m.fc(y)) + y).ndim == 4, {"y"}),  # diffusers' block: after the dropout, a rank
+    (lambda m, x, y: x.dim() - 1, {"x"}),
+    (lambda m, x, y: (x.ndim + y.ndimension()) > 2, {"x", "y"}),
+    (lambda m, x, y: x[:, None].ndim, {"x"}),
+])
+def test_a_rank_and_arithmetic_on_ranks_name_the_arguments_that_decide_it(rank_of, inputs):
+    assert _inputs_of(rank_of, decided_by=rank_inputs) == inputs
+    assert _inputs_of(rank_of) is None  # not a tuple of sizes
+
+
+@pytest.mark.parametrize("rank_of", [
+    lambda m, x, y: x.squeeze(1).ndim,  # drops a dimension of size 1
+    lambda m, x, y: x.ndim == y.shape[0],  # a size
+    lambda m, x, y: x.ndim > x.numel(),
+    lambda m, x, y: m.leaf(x).ndim,  # a user module kept as one call
+    lambda m, x, y: x.shape,  # sizes, not a rank
+])
+def test_sizes_and_unknown_modules_do_not_decide_a_rank(rank_of):
+    assert _inputs_of(rank_of, leaf=UserLeaf(), decided_by=rank_inputs) is None

@@ -4,6 +4,7 @@ for runs the original forward, and branches on values or after steps that cannot
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import pytest
@@ -98,14 +99,68 @@ class AfterState(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("first, why", [(nn.Dropout(0.1), "draws random numbers"),
-                                        (nn.BatchNorm1d(5), "has buffers"),
+@pytest.mark.parametrize("first, why", [(nn.BatchNorm1d(5), "has buffers"),
                                         (nn.ReLU(inplace=True), "writes in place")])
 def test_a_branch_after_a_step_that_cannot_run_twice_stops_fx_and_says_where(first, why):
     torch.manual_seed(0)
     with pytest.raises(fx.proxy.TraceError, match=f"{why}") as info:
         trace_region(AfterState(first), {}, True, example={"x": seeded(2, 5, 8)})
     assert "test_specialise.py" in str(info.value) and "if h.shape[1] > 1" in str(info.value)
+
+
+class DrawsThenBranches(nn.Module):
+    """Draws before a branch on a size: a dropout (torch's, or a counter stream), and a label dropout as diffusers'
+    class embedding writes it (``torch.rand(n) < p`` picks the rows that become the unconditional class)."""
+
+    def __init__(self, drop: nn.Module | None = None):
+        super().__init__()
+        self.drop, self.fc, self.ln = drop or nn.Dropout(0.5), nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        keep = (torch.rand(x.shape[0], device=x.device) >= 0.3).to(x.dtype)[:, None, None]
+        h = self.drop(self.fc(x)) * keep
+        if h.shape[1] > 1:
+            h = h * 0.5
+        return self.ln(x + h)
+
+
+def test_a_guard_after_torchs_draws_keeps_the_generators_and_a_miss_draws_what_eager_draws():
+    torch.manual_seed(0)
+    m, x = DrawsThenBranches(), seeded(2, 5, 8)
+    state = torch.get_rng_state()
+    gm, _ = trace_region(m, {}, True, example={"x": x})
+    assert torch.equal(torch.get_rng_state(), state)  # answering drew on a copy of the generators
+    assert gm.meta["restore_rng"] and [a[::2] for a in gm.meta["answers"]] == [["bool", True]]
+    model = AroundRegion(DrawsThenBranches()).double()
+    fused, plan = ol.fusion.fuse(model.train(), (seeded(2, 5, 8, dtype=torch.float64),))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:block")]
+    for inp in (seeded(3, 5, 8, dtype=torch.float64), seeded(3, 1, 8, dtype=torch.float64)):  # traced; a miss
+        torch.manual_seed(5)
+        want, after_eager = model(inp), torch.rand(4)
+        torch.manual_seed(5)
+        got, after_fused = fused(inp), torch.rand(4)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # the same masks and label drops
+        assert torch.equal(after_fused, after_eager)  # and as many draws: the generators are where eager left them
+    # made reproducible, the region's keyed calls are counted again from where the aborted attempt began
+    eager = ol.consistency.make_reproducible(copy.deepcopy(model), seed=7)
+    fused = ol.consistency.make_reproducible(fused, seed=7)
+    for inp in (seeded(3, 5, 8, dtype=torch.float64), seeded(3, 1, 8, dtype=torch.float64)):
+        torch.testing.assert_close(fused(inp), eager(inp), rtol=1e-12, atol=1e-12)
+
+
+def test_a_miss_after_a_counter_stream_drew_puts_the_stream_back():
+    torch.manual_seed(0)
+    model = AroundRegion(DrawsThenBranches(ol.ops.Dropout(0.5, seed=3))).double()
+    fused, plan = ol.fusion.fuse(model.train(), (seeded(2, 5, 8, dtype=torch.float64),))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("add_layer_norm", "fx:block")]
+    for inp in (seeded(3, 5, 8, dtype=torch.float64), seeded(3, 1, 8, dtype=torch.float64)):  # traced; a miss
+        outs = []
+        for m in (model, fused):
+            m.block.drop.set_rng(3, 0)
+            torch.manual_seed(5)
+            outs.append(m(inp))
+            assert m.block.drop.rng_step == 1  # one draw, as eager's: the aborted attempt's was put back
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
 
 
 class Cache:
@@ -313,8 +368,11 @@ def test_the_number_of_sizes_after_a_dropout_is_decided_by_the_arguments_ranks_c
     assert kinds == ["len", "len"]  # ctx's sizes after the dropout, asked twice by the star (x's rank is a fact)
     assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target is expect_len]
     assert gm.meta["facts_read"]["x"]["ndim"] == 3  # checked when a call comes in, before anything runs
-    with pytest.raises(fx.proxy.TraceError, match=r"`squeeze`.*|cannot run twice"):
-        trace_region(MergesHeadsAfterDropout(squeeze=True), {}, True, facts=facts, example={"x": x})
+    assert not gm.meta["restore_rng"]
+    # a squeeze's rank follows sizes: the guard stays, after the dropout's draw (the generators are kept)
+    gm, _ = trace_region(MergesHeadsAfterDropout(squeeze=True), {}, True, facts=facts, example={"x": x})
+    assert [n for n in gm.graph.nodes if n.op == "call_function" and n.target is expect_len]
+    assert gm.meta["restore_rng"]
 
 
 def test_attention_after_its_dropout_fuses_and_draws_the_masks_eager_draws_at_any_length():
@@ -337,3 +395,63 @@ def test_attention_after_its_dropout_fuses_and_draws_the_masks_eager_draws_at_an
         assert not torch.equal(want, model.eval()(inp).detach()) and model.train() is model  # masks were drawn
         (g_want,), (g_got,) = (torch.autograd.grad(o.sin().sum(), inp) for o in (want, got))
         torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+
+
+class FeedForward(nn.Module):
+    """An MLP of the model's own class, its GELU inline: fusion patches its forward whole (``module:whole``)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(8, 16), nn.Dropout(p), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.nn.functional.gelu(self.fc1(x))))
+
+
+class BranchesOnRankAfterDropout(nn.Module):
+    """A transformer block as Hugging Face diffusers writes it: the attention output (after its dropout) added to
+    the residual, then ``if hidden_states.ndim == 4: squeeze(1)``; the same after the MLP (with its dropout),
+    whose sum the next LayerNorm reads."""
+
+    def __init__(self, p: float = 0.1):
+        super().__init__()
+        self.ln1, self.attn_out, self.drop = nn.LayerNorm(8), nn.Linear(8, 8), nn.Dropout(p)
+        self.ln2, self.ln3 = nn.LayerNorm(8), nn.LayerNorm(8)
+        self.ff = FeedForward(p)
+
+    def forward(self, x):
+        h = self.drop(self.attn_out(self.ln1(x))) + x
+        if h.ndim == 4:
+            h = h.squeeze(1)
+        h = self.ff(self.ln2(h)) + h
+        if h.ndim == 4:
+            h = h.squeeze(1)
+        return self.ln3(h)
+
+
+def test_a_branch_on_a_rank_after_a_dropout_is_decided_by_the_arguments_ranks_checked_before_the_call():
+    from opsnn_lab.fusion.regions import tensor_facts
+
+    m, x = BranchesOnRankAfterDropout(), seeded(2, 5, 8)
+    gm, _ = trace_region(m, {}, True, example={"x": x})  # without the argument's rank: a guard after the draw
+    assert [n for n in gm.graph.nodes if n.op == "call_function" and n.target is expect] and gm.meta["restore_rng"]
+    gm, _ = trace_region(m, {}, True, facts=tensor_facts(m, ((x,), {})), example={"x": x})
+    assert [a[::2] for a in gm.meta["answers"]] == [["bool", False]] * 2
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target is expect]
+    assert not gm.meta["restore_rng"]
+    assert gm.meta["facts_read"]["x"]["ndim"] == 3
+    m.eval()
+    torch.testing.assert_close(gm.eval()(x), m(x))
+
+    torch.manual_seed(0)
+    model = AroundRegion(BranchesOnRankAfterDropout()).double()
+    fused, plan = ol.fusion.fuse(model.train(), (seeded(2, 5, 8, dtype=torch.float64),))
+    # the MLP is patched first; the block's code, traced again for its rewrite, calls it as one module whose
+    # fused op keeps its input's rank, so the second guard is dropped there too
+    fused_routes = sorted((d.pattern, d.route) for d in plan.decisions if d.fused)
+    assert fused_routes == [("add_layer_norm", "fx:block")] * 2 + [
+        ("layer_norm", "module:chain"), ("linear_gelu_dropout_linear", "module:whole")], plan.summary()
+    model.eval()
+    fused.eval()
+    for inp in (seeded(2, 5, 8, dtype=torch.float64), seeded(3, 1, 7, 8, seed=1, dtype=torch.float64)):
+        torch.testing.assert_close(fused(inp), model(inp), rtol=1e-12, atol=1e-12)  # a 4-d call: the original
