@@ -66,8 +66,9 @@ def find_gated_mlp(g: Graph) -> list[Match]:
 
 
 def _packed_match(g: Graph, chunk: Node, act: Node, mul: Node, items: tuple[Node, Node] | None = None) -> Match | None:
-    """``gate, up = gate_up(x).chunk(2, -1); down(up * act(gate))`` (Phi-3): None when ``chunk`` is not two
-    halves of a Linear's output; else a match, rejected where the activated half is not the first. ``items``:
+    """``gate, up = gate_up(x).chunk(2, -1); down(up * act(gate))`` (Phi-3; diffusers' GEGLU activates the
+    second half): None when ``chunk`` is not two halves of a Linear's output; else a match, rejected where the
+    recorded tensors cannot tell which half is activated. ``items``:
     the (gate, up) getitem nodes of a traced graph; a run-time record has none (the halves are read directly)."""
     gate_up = g.producer(chunk)
     dim = arg(chunk, 2, "dim", 0)
@@ -86,11 +87,8 @@ def _packed_match(g: Graph, chunk: Node, act: Node, mul: Node, items: tuple[Node
     key = ("packed_gate_first", chunk.name)
     if key not in g.memo:  # which half is activated: the getitem's index, else the recorded tensors
         g.memo[key] = arg(items[0], 1, "index", None) == 0 if items else _gate_half(g, gate_up, act)
-    first = g.memo[key]
-    if not m.reason and first is False:
-        m.reason = (f"the activated half is the second of `{gate_up.label}`'s output; FusedGatedMLP.from_packed "
-                    "takes the gate first")
-    elif not m.reason and first is None:
+    first = m.params["gate_first"] = g.memo[key]
+    if not m.reason and first is None:
         m.reason = f"cannot tell which half of `{gate_up.label}`'s output is activated"
     return m
 
@@ -140,7 +138,8 @@ def _with_down(g: Graph, m: Match, mul: Node, pos: dict) -> Match:
 def build_gated_mlp(m: Match) -> nn.Module:
     p = m.params
     if "gate_up" in p:
-        return op_class("FusedGatedMLP").from_packed(p["gate_up"], p["down"], p["act"], p["dropout"], register=False)
+        return op_class("FusedGatedMLP").from_packed(p["gate_up"], p["down"], p["act"], p["dropout"], register=False,
+                                                     gate_first=p["gate_first"])
     return op_class("FusedGatedMLP").from_modules(p["gate"], p["up"], p["down"], p["act"], p["dropout"],
                                                   register=False)
 

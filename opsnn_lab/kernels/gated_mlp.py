@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from opsnn_lab._checks import check_choice, check_range, check_tensor
+from opsnn_lab._checks import check_choice, check_range, check_tensor, check_type
 from opsnn_lab.kernels._dispatch import backend_for, calculate_settings
 from opsnn_lab.kernels.gelu_dropout import ACTS, act_backward, act_forward
 from opsnn_lab.kernels.rng import dropout_mask, keep_threshold, seed_keys
@@ -43,8 +43,10 @@ def _scale(p: float) -> float:
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
 
 
-def _halves(gu):
-    return gu.chunk(2, 1)  # one call for both views (slicing takes two, ~1.5x the time)
+def _halves(gu, gate_first=True):
+    """``(gate, up)`` views of the packed ``gu``: ``[gate | up]``, or ``[up | gate]`` (diffusers' GEGLU)."""
+    first, second = gu.chunk(2, 1)  # one call for both views (slicing takes two, ~1.5x the time)
+    return (first, second) if gate_first else (second, first)
 
 
 def _keep(p, seed, offset, shape, like):
@@ -67,16 +69,17 @@ def gated_product_bwd_reference(grad_out, gate, up, act):
     return act_backward(d * u, g, act).to(gate.dtype), a.mul_(d).to(gate.dtype)
 
 
-def gated_act_fwd_reference(gu, act, p=0.0, seed=0, offset=0):
+def gated_act_fwd_reference(gu, act, p=0.0, seed=0, offset=0, gate_first=True):
     """Torch path: ``dropout(act(gate) * up)`` (M, I) from the packed (M, 2I) ``gu``."""
-    out = gated_product_fwd_reference(*_halves(gu), act)
+    out = gated_product_fwd_reference(*_halves(gu, gate_first), act)
     keep = _keep(p, seed, offset, out.shape, out)
     return out if keep is None else out.mul_(keep).mul_(_scale(p))
 
 
-def gated_act_bwd_reference(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out=False):
-    """Torch path: ``(grad_gu, out | None)``: packed ``[d gate | d up]`` (M, 2I) and the recomputed output."""
-    g, u = _halves(gu)
+def gated_act_bwd_reference(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out=False, gate_first=True):
+    """Torch path: ``(grad_gu, out | None)``: packed ``[d gate | d up]`` (M, 2I), in ``gu``'s order, and the
+    recomputed output."""
+    g, u = _halves(gu, gate_first)
     keep = _keep(p, seed, offset, grad_out.shape, grad_out)
     if keep is not None:
         grad_out = grad_out * keep * _scale(p)
@@ -85,7 +88,7 @@ def gated_act_bwd_reference(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out
         g, u, grad_out = g.float(), u.float(), grad_out.float()
     a = act_forward(g, act)
     grad_gu = torch.empty(gu.shape, dtype=gu.dtype, device=gu.device)
-    dg, du = _halves(grad_gu)
+    dg, du = _halves(grad_gu, gate_first)
     dg.copy_(act_backward(grad_out * u, g, act))
     torch.mul(grad_out, a, out=du)  # straight into the packed half: one pass fewer
     out = None
@@ -209,7 +212,8 @@ def _bwd(grad, g, u, dg, du, out, act, p=0.0, seed=0, offset=0):
                                     num_warps=warps)
 
 
-def _check(gu, act, p):
+def _check(gu, act, p, gate_first=True):
+    check_type("gate_first", gate_first, bool)
     check_tensor("gu", gu, dtypes=_FLOATS, dim=2)
     if gu.shape[1] % 2:
         raise ValueError(f"gu must have an even number of columns ([gate | up]), got shape {tuple(gu.shape)}")
@@ -217,36 +221,38 @@ def _check(gu, act, p):
     check_range("p", p, 0.0, 1.0)
 
 
-def gated_act_fwd(gu, act, p=0.0, seed=0, offset=0):
+def gated_act_fwd(gu, act, p=0.0, seed=0, offset=0, gate_first=True):
     """``dropout(act(gate) * up)``.
 
-    gu: (M, 2I) float tensor, the packed [gate | up] GEMM output (made contiguous). Returns (M, I) in gu's
-    dtype. ``act`` in ``ACTS``; ``p`` in [0, 1] with ``seed``/``offset`` picking the mask.
+    gu: (M, 2I) float tensor, the packed [gate | up] GEMM output (made contiguous); ``gate_first=False``: packed
+    [up | gate]. Returns (M, I) in gu's dtype. ``act`` in ``ACTS``; ``p`` in [0, 1] with ``seed``/``offset``
+    picking the mask.
     """
-    _check(gu, act, p)
+    _check(gu, act, p, gate_first)
     gu = gu.contiguous()
     if backend_for(gu) != "triton":
-        return gated_act_fwd_reference(gu, act, p, seed, offset)
+        return gated_act_fwd_reference(gu, act, p, seed, offset, gate_first)
     out = torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype, device=gu.device)
-    return _fwd(*_halves(gu), out, act, p, seed, offset)
+    return _fwd(*_halves(gu, gate_first), out, act, p, seed, offset)
 
 
-def gated_act_bwd(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out=False):
+def gated_act_bwd(grad_out, gu, act, p=0.0, seed=0, offset=0, want_out=False, gate_first=True):
     """Gradient of ``gated_act_fwd`` w.r.t. the packed ``gu``, regenerating the mask.
 
-    grad_out: (M, I), gu: (M, 2I), one float dtype. Returns ``(grad_gu, out)``: grad_gu (M, 2I) packed
-    ``[d gate | d up]``; ``out`` (M, I), the recomputed forward output, when ``want_out`` (else None).
+    grad_out: (M, I), gu: (M, 2I), one float dtype. Returns ``(grad_gu, out)``: grad_gu (M, 2I) packed as ``gu``
+    (``[d gate | d up]``, or ``[d up | d gate]`` with ``gate_first=False``); ``out`` (M, I), the recomputed
+    forward output, when ``want_out`` (else None).
     """
-    _check(gu, act, p)
+    _check(gu, act, p, gate_first)
     check_tensor("grad_out", grad_out, dtypes=(gu.dtype,), dim=2, device=gu.device)
     if grad_out.shape != (gu.shape[0], gu.shape[1] // 2):
         raise ValueError(f"grad_out must have shape {(gu.shape[0], gu.shape[1] // 2)}, got {tuple(grad_out.shape)}")
     if backend_for(gu) != "triton":
-        return gated_act_bwd_reference(grad_out, gu, act, p, seed, offset, want_out)
+        return gated_act_bwd_reference(grad_out, gu, act, p, seed, offset, want_out, gate_first)
     gu, grad_out = gu.contiguous(), grad_out.contiguous()
     grad_gu = torch.empty_like(gu)
     out = torch.empty_like(grad_out) if want_out else None
-    _bwd(grad_out, *_halves(gu), *_halves(grad_gu), out, act, p, seed, offset)
+    _bwd(grad_out, *_halves(gu, gate_first), *_halves(grad_gu, gate_first), out, act, p, seed, offset)
     return grad_gu, out
 
 

@@ -2,7 +2,9 @@
 
 Covers Llama / Mistral / Qwen ``gate_proj`` / ``up_proj`` / ``down_proj`` (SiLU) and T5's gated-gelu
 ``wi_0`` / ``wi_1`` / ``wo`` (tanh GELU, dropout before ``wo``), Gemma (tanh GELU); and, through
-``FusedGatedMLP.from_packed``, Phi-3's one ``gate_up_proj`` Linear whose output is split by ``chunk(2, -1)``.
+``FusedGatedMLP.from_packed``, one Linear whose output is split by ``chunk(2, -1)``: Phi-3's ``gate_up_proj``
+(the gate first) and diffusers' ``GEGLU`` / ``SwiGLU`` (``hidden, gate = proj(x).chunk(2, -1)``: the gate second,
+``gate_first=False``).
 
 What is saved for backward, per token, hidden H, intermediate I (the elementwise kernels: ``kernels.gated_mlp``):
 
@@ -54,18 +56,18 @@ def _packed_gemm(x2, w_gate, w_up, b_gate, b_up):
 class GatedMLPFunction(torch.autograd.Function):
     """``dropout(act(x @ Wg.T + bg) * (x @ Wu.T + bu)) @ Wd.T + bd``; saves x and the packed [gate | up] only.
 
-    ``apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down, act, p, seed, offset, recompute)``; ``w_up`` and
-    ``b_up`` None: ``w_gate`` / ``b_gate`` are one Linear's packed ``[gate | up]`` weight and bias, and their
-    gradients come back packed the same way.
+    ``apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down, act, p, seed, offset, recompute, gate_first)``;
+    ``w_up`` and ``b_up`` None: ``w_gate`` / ``b_gate`` are one Linear's packed ``[gate | up]`` weight and bias
+    (``[up | gate]`` where ``gate_first`` is False), and their gradients come back packed the same way.
     """
 
     @staticmethod
     @_amp.no_autocast
-    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, act, p, seed, offset, recompute):
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, act, p, seed, offset, recompute, gate_first):
         x2 = x.reshape(-1, x.shape[-1])
         gu = _packed_gemm(x2, w_gate, w_up, b_gate, b_up)
-        y = parts.linear2d(gated_act_fwd(gu, act, p, seed, offset), w_down, b_down, False)
-        ctx.cfg, ctx.lead = (act, p, seed, offset), x.shape[:-1]
+        y = parts.linear2d(gated_act_fwd(gu, act, p, seed, offset, gate_first), w_down, b_down, False)
+        ctx.cfg, ctx.lead = (act, p, seed, offset, gate_first), x.shape[:-1]
         ctx.has_bias = (b_gate is not None, b_up is not None)
         ctx.save_for_backward(x2, w_gate, w_up, w_down, b_gate, b_up, None if recompute else gu)
         return y  # (M, out): viewed outside the Function, so the caller may modify it in place
@@ -74,12 +76,12 @@ class GatedMLPFunction(torch.autograd.Function):
     @_amp.no_autocast
     def backward(ctx, grad):
         x2, w_gate, w_up, w_down, b_gate, b_up, gu = ctx.saved_tensors
-        act, p, seed, offset = ctx.cfg
+        act, p, seed, offset, gate_first = ctx.cfg
         need = ctx.needs_input_grad
         gy = grad.reshape(-1, w_down.shape[0]).to(w_down.dtype)
         if gu is None:
             gu = _packed_gemm(x2, w_gate, w_up, b_gate, b_up)
-        grad_gu, out = gated_act_bwd(gy @ w_down, gu, act, p, seed, offset, want_out=need[3])
+        grad_gu, out = gated_act_bwd(gy @ w_down, gu, act, p, seed, offset, want_out=need[3], gate_first=gate_first)
         packed = w_up is None
         halves = (lambda t: (t, None)) if packed else (lambda t: t.split_with_sizes([w_gate.shape[0]] * 2))
         grad_x = (grad_gu @ _gate_up(w_gate, w_up)).view(*ctx.lead, x2.shape[1]) if need[0] else None
@@ -92,7 +94,7 @@ class GatedMLPFunction(torch.autograd.Function):
         grad_bd = gy.sum(0) if need[6] else None
         return (grad_x, grad_wg if need[1] else None, grad_wu if need[2] else None, grad_wd,
                 grad_bg if need[4] and ctx.has_bias[0] else None, grad_bu if need[5] and ctx.has_bias[1] else None,
-                grad_bd, None, None, None, None, None)
+                grad_bd, None, None, None, None, None, None)
 
 
 # --------------------------------------------------------------------------- recognising modules
@@ -210,14 +212,16 @@ class FusedGatedMLP(CounterRNG, nn.Module):
     @classmethod
     def from_packed(cls, gate_up: nn.Linear, down: nn.Linear, act: nn.Module, dropout: nn.Module | None = None,
                     *, seed: int | None = None, recompute: bool = False, register: bool = True,
-                    names: tuple[str, str] = ("gate_up_proj", "down_proj")) -> FusedPackedGatedMLP:
+                    names: tuple[str, str] = ("gate_up_proj", "down_proj"),
+                    gate_first: bool = True) -> FusedPackedGatedMLP:
         """The gated MLP of a model that packs gate and up into one Linear, ``gate, up = gate_up(x).chunk(2, -1)``
-        (Phi-3's ``gate_up_proj``): the fused op reads that weight as it is, the gate being its first half."""
+        (Phi-3's ``gate_up_proj``), or ``up, gate = ...`` with ``gate_first=False`` (diffusers' ``GEGLU``): the
+        fused op reads that weight as it is."""
         act_name, p = _parse_packed(gate_up, down, act, dropout)
         if seed is None and isinstance(dropout, Dropout):
             seed = dropout.rng_seed
         module = FusedPackedGatedMLP(gate_up, down, act_name, p, seed=seed, recompute=recompute, register=register,
-                                     names=names)
+                                     names=names, gate_first=gate_first)
         return module.train(gate_up.training)
 
     @classmethod
@@ -260,7 +264,7 @@ class FusedGatedMLP(CounterRNG, nn.Module):
             x, *w = cast(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias)
             _check_input(x, gate, gate.out_features, w[0])
             p, seed, offset = self._draw(x)
-            y = GatedMLPFunction.apply(x, *w, self.act, p, seed, offset, self.recompute)
+            y = GatedMLPFunction.apply(x, *w, self.act, p, seed, offset, self.recompute, True)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _draw(self, x) -> tuple[float, int, int]:
@@ -280,15 +284,19 @@ class FusedPackedGatedMLP(FusedGatedMLP):
 
     Saves what the two-Linear form saves (x and the packed pre-activations). The weight needs no packing: the
     GEMM reads ``gate_up.weight`` and its gradient comes back in that layout. ``register=True`` registers the
-    two Linears under ``names`` (default ``("gate_up_proj", "down_proj")``).
+    two Linears under ``names`` (default ``("gate_up_proj", "down_proj")``). ``gate_first=False``: the Linear
+    computes ``[up | gate]`` (diffusers' ``GEGLU``: ``hidden_states, gate = proj(x).chunk(2, -1)``).
     """
+
+    gate_first = True  # the default of a module pickled before the field existed
 
     def __init__(self, gate_up: nn.Linear, down: nn.Linear, act: str = "silu", p: float = 0.0, *,
                  seed: int | None = None, recompute: bool = False, register: bool = True,
-                 names: tuple[str, str] = ("gate_up_proj", "down_proj")):
+                 names: tuple[str, str] = ("gate_up_proj", "down_proj"), gate_first: bool = True):
         nn.Module.__init__(self)
         _parse_packed(gate_up, down, nn.SiLU(), None)
         self.act = check_choice("act", act, parts.ACTS)
+        self.gate_first = bool(check_type("gate_first", gate_first, bool))
         self.p = float(check_range("p", p, 0.0, 1.0))
         self.recompute = bool(check_type("recompute", recompute, bool))
         check_type("names", names, tuple)
@@ -323,10 +331,11 @@ class FusedPackedGatedMLP(FusedGatedMLP):
             _check_input(x, gate_up, gate_up.out_features // 2, w_gu)
             p, seed, offset = self._draw(x)
             y = GatedMLPFunction.apply(x, w_gu, None, w_down, b_gu, None, b_down, self.act, p, seed, offset,
-                                       self.recompute)
+                                       self.recompute, self.gate_first)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
         gate_up, down = self.linears
         return (f"in_features={gate_up.in_features}, hidden={down.in_features}, out_features={down.out_features}, "
-                f"act={self.act!r}, p={self.p}, recompute={self.recompute}, packed=[gate | up]")
+                f"act={self.act!r}, p={self.p}, recompute={self.recompute}, "
+                f"packed={'[gate | up]' if self.gate_first else '[up | gate]'}")

@@ -16,32 +16,33 @@ def _act(z, act):
             "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t), "silu": F.silu, "relu": F.relu}[act](z)
 
 
-def _eager(gu, act, p, seed, offset):
-    g, u = gu.chunk(2, dim=1)
+def _eager(gu, act, p, seed, offset, gate_first=True):
+    g, u = gu.chunk(2, dim=1) if gate_first else gu.chunk(2, dim=1)[::-1]
     out = _act(g, act) * u
     if p > 0:
         out = out * rng.dropout_mask(seed, offset, out.shape, p, out.device) * (0.0 if p == 1 else 1 / (1 - p))
     return out
 
 
-def _check(fwd, bwd, m, i, act, p, dtype=torch.float32):
+def _check(fwd, bwd, m, i, act, p, dtype=torch.float32, gate_first=True):
     gu = seeded(m, 2 * i, seed=1, dtype=dtype)
     grad = seeded(m, i, seed=2, dtype=dtype)
     ref_in = gu.clone().requires_grad_(True)
-    ref = _eager(ref_in, act, p, 5, 2**32 + 7)
+    ref = _eager(ref_in, act, p, 5, 2**32 + 7, gate_first)
     ref.backward(grad)
-    out = fwd(gu, act, p, 5, 2**32 + 7)
+    out = fwd(gu, act, p, 5, 2**32 + 7, gate_first=gate_first)
     assert_close_dtype(out, ref.detach())
-    grad_gu, again = bwd(grad, gu, act, p, 5, 2**32 + 7, want_out=True)
-    assert_close_dtype(grad_gu, ref_in.grad)
+    grad_gu, again = bwd(grad, gu, act, p, 5, 2**32 + 7, want_out=True, gate_first=gate_first)
+    assert_close_dtype(grad_gu, ref_in.grad)  # packed as gu is
     assert_close_dtype(again, out)
-    assert bwd(grad, gu, act, p, 5, 2**32 + 7)[1] is None
+    assert bwd(grad, gu, act, p, 5, 2**32 + 7, gate_first=gate_first)[1] is None
 
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
-def test_reference_matches_eager_autograd(act, p):
-    _check(gm.gated_act_fwd_reference, gm.gated_act_bwd_reference, 13, 21, act, p)
+@pytest.mark.parametrize("gate_first", [True, False])
+def test_reference_matches_eager_autograd(act, p, gate_first):
+    _check(gm.gated_act_fwd_reference, gm.gated_act_bwd_reference, 13, 21, act, p, gate_first=gate_first)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -89,6 +90,8 @@ def test_bad_arguments_name_the_argument():
         gm.gated_act_bwd(torch.zeros(3, 8), gu, "silu")
     with pytest.raises(TypeError, match="grad_out"):
         gm.gated_act_bwd(torch.zeros(3, 4, dtype=torch.float64), gu, "silu")
+    with pytest.raises(TypeError, match="gate_first"):
+        gm.gated_act_fwd(gu, "silu", gate_first=1)
 
 
 # --------------------------------------------------------------------------- Triton under the interpreter
@@ -102,16 +105,18 @@ def interpreted():
 
 
 # 10 x 1030 product columns: two row groups (8 rows each) and two column tiles (1024 each), both partial.
-@pytest.mark.parametrize("m, i, act, p", [
-    (5, 37, "silu", 0.3),
-    (5, 37, "gelu", 0.0),
-    (4, 9, "gelu_tanh", 0.2),
-    (3, 8, "quick_gelu", 0.0),
-    (3, 8, "relu", 1.0),
-    (10, 1030, "silu", 0.25),
+@pytest.mark.parametrize("m, i, act, p, gate_first", [
+    (5, 37, "silu", 0.3, True),
+    (5, 37, "gelu", 0.0, True),
+    (5, 37, "gelu", 0.3, False),  # diffusers' GEGLU: [up | gate]
+    (4, 9, "gelu_tanh", 0.2, True),
+    (3, 8, "quick_gelu", 0.0, True),
+    (3, 8, "relu", 1.0, True),
+    (10, 1030, "silu", 0.25, True),
+    (10, 1030, "silu", 0.25, False),
 ])
-def test_triton_interpreter_matches_eager(interpreted, m, i, act, p):
-    _check(interpreted.gated_act_fwd, interpreted.gated_act_bwd, m, i, act, p)
+def test_triton_interpreter_matches_eager(interpreted, m, i, act, p, gate_first):
+    _check(interpreted.gated_act_fwd, interpreted.gated_act_bwd, m, i, act, p, gate_first=gate_first)
 
 
 def test_triton_interpreter_mask_bits_equal_torch_path(interpreted):

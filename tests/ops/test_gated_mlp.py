@@ -252,29 +252,33 @@ def test_gpu_matches_eager_error_bound(act, dtype):
 
 # --------------------------------------------------------------------------- one Linear computing [gate | up]
 class _PackedMLP(nn.Module):
-    """Phi-3's MLP: ``gate, up = gate_up_proj(x).chunk(2, -1); down_proj(up * act(gate))``."""
+    """Phi-3's MLP: ``gate, up = gate_up_proj(x).chunk(2, -1); down_proj(up * act(gate))``; with
+    ``gate_first=False`` diffusers' GEGLU: ``hidden, gate = proj(x).chunk(2, -1); hidden * gelu(gate)``."""
 
-    def __init__(self, h=16, inter=24, bias=False, act="silu", dtype=torch.float32):
+    def __init__(self, h=16, inter=24, bias=False, act="silu", dtype=torch.float32, gate_first=True):
         super().__init__()
         self.gate_up_proj = nn.Linear(h, 2 * inter, bias=bias).to(dtype)
         self.down_proj = nn.Linear(inter, h, bias=bias).to(dtype)
         self.act = _ACT_MODULES[act]()
+        self.gate_first = gate_first
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if not self.gate_first:
+            up, gate = gate, up
         return self.down_proj(up * self.act(gate))
 
 
 def _packed(mlp, **kw):
-    return FusedGatedMLP.from_packed(mlp.gate_up_proj, mlp.down_proj, mlp.act, **kw)
+    return FusedGatedMLP.from_packed(mlp.gate_up_proj, mlp.down_proj, mlp.act, gate_first=mlp.gate_first, **kw)
 
 
 @pytest.mark.parametrize("act", list(_ACT_MODULES))
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("recompute", [False, True])
-def test_packed_gate_up_matches_eager(act, bias, recompute):
+@pytest.mark.parametrize("recompute, gate_first", [(False, True), (True, True), (False, False), (True, False)])
+def test_packed_gate_up_matches_eager(act, bias, recompute, gate_first):
     torch.manual_seed(0)
-    mlp = _PackedMLP(h=19, inter=13, bias=bias, act=act, dtype=torch.float64)
+    mlp = _PackedMLP(h=19, inter=13, bias=bias, act=act, dtype=torch.float64, gate_first=gate_first)
     fused = _packed(mlp, recompute=recompute)
     assert fused.packed and isinstance(fused, gm_ops.FusedPackedGatedMLP)
     params = [p for p in mlp.parameters()]
@@ -288,10 +292,11 @@ def test_packed_gate_up_matches_eager(act, bias, recompute):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_packed_low_precision_within_twice_eager_error(dtype):
+@pytest.mark.parametrize("gate_first", [True, False])
+def test_packed_low_precision_within_twice_eager_error(dtype, gate_first):
     torch.manual_seed(0)
-    mlp64 = _PackedMLP(h=32, inter=48, bias=True, act="gelu_tanh", dtype=torch.float64)
-    mlp = _PackedMLP(h=32, inter=48, bias=True, act="gelu_tanh").to(dtype)
+    mlp64 = _PackedMLP(h=32, inter=48, bias=True, act="gelu_tanh", dtype=torch.float64, gate_first=gate_first)
+    mlp = _PackedMLP(h=32, inter=48, bias=True, act="gelu_tanh", gate_first=gate_first).to(dtype)
     mlp.load_state_dict({k: v.to(dtype) for k, v in mlp64.state_dict().items()})
     x64 = seeded(4, 9, 32, seed=2, dtype=torch.float64, requires_grad=True)
     x = x64.detach().to(dtype).requires_grad_(True)
@@ -324,6 +329,10 @@ def test_packed_keeps_the_state_dict_and_rejects_bad_modules():
     fused = _packed(mlp)
     assert list(fused.state_dict()) == ["gate_up_proj.weight", "down_proj.weight"]
     assert "packed=[gate | up]" in repr(fused)
+    assert "packed=[up | gate]" in repr(FusedGatedMLP.from_packed(mlp.gate_up_proj, mlp.down_proj, nn.SiLU(),
+                                                                  gate_first=False))
+    with pytest.raises(TypeError, match="gate_first"):
+        FusedGatedMLP.from_packed(mlp.gate_up_proj, mlp.down_proj, nn.SiLU(), gate_first="second")
     odd = nn.Linear(16, 47)
     assert FusedGatedMLP.supports_packed(odd, mlp.down_proj, nn.SiLU()) == (
         False, "gate_up must have twice down's in_features (24) as out_features, got 47")
