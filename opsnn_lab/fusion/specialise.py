@@ -7,9 +7,9 @@ When the example call is known, the tracer answers such a question from the exam
 - only questions on metadata (``shape``, ``size()``, ``dim()``, ``dtype``, ``device``, and arithmetic on them),
   the number of pieces a split makes and a dtype handed to ``torch.finfo`` / ``torch.iinfo``; a branch on
   tensor values (``if mask.any()``) still stops the tracer;
-- the answer is computed by running the few steps that lead to it on the example's tensors (no gradient; a draw
-  on a copy of the generators); a step with state there (a BatchNorm, an in-place write, a module with hooks)
-  stops it;
+- the answer is computed by running the few steps that lead to it on the example's tensors (no gradient; a
+  draw with its sources put back afterwards); a step with state there (a BatchNorm, an in-place write, a module
+  with hooks) stops it;
 - each answer is a guard node in the traced code (``expect``), checked on the real tensors at each call; a call
   it does not hold for raises ``SpecialisationMiss`` and runs the original forward instead
   (``rewrite.FxForward``), so every step before a guard must be one that can run twice (``check_guards``), or
