@@ -290,7 +290,8 @@ _APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod every cust
 @contextlib.contextmanager
 def _tracing_patches(tracer: _Tracer):
     """While ``tracer`` traces: ``SomeFunction.apply`` on traced values makes one ``apply_function`` node,
-    ``torch.finfo`` / ``torch.iinfo`` of a traced dtype take the example's (guarded), and a random factory of plain
+    ``torch.finfo`` / ``torch.iinfo`` of a traced dtype take the example's (guarded), ``torch.is_tensor`` of a
+    tensor argument is True (guarded) and of any other traced value stops the trace, and a random factory of plain
     sizes is a call of the code (``_FACTORIES``)."""
     def apply(cls, *args, **kwargs):
         proxies = _proxies(args, kwargs)
@@ -314,15 +315,25 @@ def _tracing_patches(tracer: _Tracer):
             return tracer.create_proxy("call_function", real, args, kwargs)
         return factory
 
+    def is_tensor(obj):
+        if not isinstance(obj, fx.Proxy):
+            return _IS_TENSOR(obj)
+        if isinstance(obj, _InputProxy):  # a tensor argument of the example: guarded to be one at each call
+            obj.tracer.facts_read.setdefault(obj._name, {})
+            return True
+        # fx would say False for every traced value, tensor or not, and the code would take that branch silently
+        # (diffusers' UNet2DModel wrapped its timestep tensor in torch.tensor([...]))
+        raise fx.proxy.TraceError(f"torch.is_tensor of a traced value (`{obj.node.name}`) is not known here")
+
     torch.autograd.Function.apply = classmethod(apply)
-    torch.finfo, torch.iinfo = info(_FINFO), info(_IINFO)
+    torch.finfo, torch.iinfo, torch.is_tensor = info(_FINFO), info(_IINFO), is_tensor
     for name, real in _FACTORIES.items():
         setattr(torch, name, drawn(real))
     try:
         yield
     finally:
         torch.autograd.Function.apply = _APPLY
-        torch.finfo, torch.iinfo = _FINFO, _IINFO
+        torch.finfo, torch.iinfo, torch.is_tensor = _FINFO, _IINFO, _IS_TENSOR
         for name, real in _FACTORIES.items():
             setattr(torch, name, real)
 
@@ -334,7 +345,7 @@ def _proxies(args, kwargs) -> list:
     return found
 
 
-_FINFO, _IINFO = torch.finfo, torch.iinfo
+_FINFO, _IINFO, _IS_TENSOR = torch.finfo, torch.iinfo, torch.is_tensor
 # random factories called with plain sizes only (``torch.rand(8)``): fx would run them once, while it traces, and
 # the code would replay that one draw as a constant at every call; each is one call of the traced code instead
 _FACTORIES = {name: getattr(torch, name) for name in ("rand", "randn", "randint", "randperm")}

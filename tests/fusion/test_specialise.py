@@ -455,3 +455,33 @@ def test_a_branch_on_a_rank_after_a_dropout_is_decided_by_the_arguments_ranks_ch
     fused.eval()
     for inp in (seeded(2, 5, 8, dtype=torch.float64), seeded(3, 1, 7, 8, seed=1, dtype=torch.float64)):
         torch.testing.assert_close(fused(inp), model(inp), rtol=1e-12, atol=1e-12)  # a 4-d call: the original
+
+
+class WrapsAStep(nn.Module):
+    """diffusers' UNet2DModel: ``if not torch.is_tensor(timestep): timestep = torch.tensor([timestep])``."""
+
+    def __init__(self, ask_of_computed: bool = False):
+        super().__init__()
+        self.fc, self.ln, self.ask_of_computed = nn.Linear(8, 8), nn.LayerNorm(8), ask_of_computed
+
+    def forward(self, x, step):
+        if not torch.is_tensor(step):
+            step = torch.tensor([step], dtype=x.dtype)
+        h = self.fc(x)
+        if self.ask_of_computed and torch.is_tensor(h):
+            h = h * 2
+        return self.ln(x + h * step[:, None, None])
+
+
+def test_is_tensor_of_a_tensor_argument_is_true_and_of_a_computed_value_stops_fx():
+    from opsnn_lab.fusion.regions import tensor_facts
+
+    torch.manual_seed(0)
+    m, x, step = WrapsAStep(), seeded(2, 5, 8), torch.tensor([0.5, 2.0])
+    facts = tensor_facts(m, ((x, step), {}))
+    gm, _ = trace_region(m, {}, True, facts=facts, example={"x": x, "step": step})
+    assert "step" in gm.meta["facts_read"]  # a tensor at each call, or the original forward runs
+    torch.testing.assert_close(gm(x, step), m(x, step))
+    with pytest.raises(fx.proxy.TraceError, match="torch.is_tensor of a traced value"):
+        trace_region(WrapsAStep(ask_of_computed=True), {}, True, facts=facts, example={"x": x, "step": step})
+    assert torch.is_tensor(x) and not torch.is_tensor(1.0)  # put back after the trace
