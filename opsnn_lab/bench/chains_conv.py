@@ -15,6 +15,12 @@ And the channels-first MLP (timm's ``ConvMlp`` / ``Mlp(use_conv=True)``: FocalNe
 * ``conv_gelu_conv``: 1x1 conv C -> 4C, GELU, 1x1 conv 4C -> C. Eager saves x, the pre-activation and the GELU's
   output; the fused op (``FusedConvActDropoutConv``) x and the pre-activation: (1 + 4) / (1 + 4 + 4) = 0.56.
 
+And a diffusion UNet's ResNet block:
+
+* ``group_norm_silu+conv``: GroupNorm (32 groups) -> SiLU -> the 3x3 conv that reads it, at the stem's width over
+  the 56 x 56 stage. Eager saves x, the normalised tensor and the SiLU's output (the conv's input); the fused op
+  (``FusedGroupNormAct``) x and the conv's input, plus 2 statistics per (sample, group): 2 / 3 of the chain.
+
 Widths from the bench's shape table: ``FULL`` (batch 8, stem 224) gives MobileNetV2's 56 x 56 stage
 (24 -> 144 channels); ``QUICK`` a 8 x 8 plane with 4 -> 24 channels. ReLU6 and Hardswish rows use
 MobileNetV2/V3's in-place activations, as torchvision builds them.
@@ -32,7 +38,7 @@ _ACTS = {"relu6": lambda: nn.ReLU6(inplace=True), "silu": lambda: nn.SiLU(inplac
 # (activation, depthwise stride): MobileNetV2 ReLU6 stride 1, EfficientNet SiLU stride 2, MobileNetV3 Hardswish 1
 _ROWS = (("relu6", 1), ("silu", 2), ("hardswish", 1))
 CONV_CHAINS = (*(name for act, _ in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw")),
-               "conv_bn_silu_dw[recompute]", "conv_gelu_conv")
+               "conv_bn_silu_dw[recompute]", "conv_gelu_conv", "group_norm_silu+conv")
 
 
 def _widths(s: dict) -> tuple[int, int, int]:
@@ -83,3 +89,20 @@ def _conv_mlp_chain(s, device, dtype):
 
 
 CONV_BUILDERS["conv_gelu_conv"] = _conv_mlp_chain
+
+
+def _group_norm_chain(s, device, dtype):
+    """A UNet ResNet block's ``conv1(silu(norm1(x)))``: the stem's width (64 at FULL), 32 groups (diffusers')."""
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    c, side = s["channels"], s["image"] // 4
+    groups = min(32, c // 2)
+    norm, act, conv = nn.GroupNorm(groups, c), nn.SiLU(), nn.Conv2d(c, c, 3, padding=1)
+    eager = nn.Sequential(norm, act, conv).to(device, dtype)
+    fused = nn.Sequential(ops.FusedGroupNormAct.from_modules(norm, act), conv)
+    x = torch.randn(s["batch"], c, side, side, device=device, dtype=dtype, requires_grad=True)
+    return Chain("group_norm_silu+conv", eager, fused, (x,), note=f"{groups} groups, {c} ch, {side}x{side}")
+
+
+CONV_BUILDERS["group_norm_silu+conv"] = _group_norm_chain

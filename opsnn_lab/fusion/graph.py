@@ -23,7 +23,7 @@ _MODULE_OPS = {
     nn.LeakyReLU: "leaky_relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
     nn.Hardtanh: "hardtanh", nn.ELU: "elu", nn.Mish: "mish", nn.Dropout: "dropout", nn.MaxPool2d: "max_pool2d",
     nn.Softmax: "softmax", nn.LayerNorm: "layer_norm", nn.Embedding: "embedding", nn.Hardswish: "hardswish",
-    nn.Identity: "identity", nn.RMSNorm: "rms_norm", nn.CrossEntropyLoss: "cross_entropy",
+    nn.Identity: "identity", nn.RMSNorm: "rms_norm", nn.CrossEntropyLoss: "cross_entropy", nn.GroupNorm: "group_norm",
 }
 # Hugging Face modules by class name (no import of transformers needed): activations -> the name used in
 # torch.nn.functional / ACT2FN; Conv1D is a Linear whose weight is stored transposed (in, out).

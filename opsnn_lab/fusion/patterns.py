@@ -12,6 +12,7 @@ from torch import nn
 
 from opsnn_lab.fusion import patterns_blocks as blocks
 from opsnn_lab.fusion import patterns_gated as gated
+from opsnn_lab.fusion import patterns_group_norm as group_norm
 from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, Probed, canonical_module, is_transposed_linear
 from opsnn_lab.fusion.match import (
     CONV_ACTS,
@@ -266,6 +267,8 @@ PATTERNS: tuple[Pattern, ...] = (
             "nn.LayerNorm, or a module computing LayerNorm of its input", min_share=0.1, needs=_LN_NEEDS),
     Pattern("rms_norm", _only(blocks.find_norms, "rms_norm"), blocks.build_norm, "FusedRMSNorm",
             "nn.RMSNorm, or a module computing RMSNorm of its input (HF *RMSNorm, T5LayerNorm)"),
+    Pattern("group_norm_act", group_norm.find_group_norm_acts, group_norm.build_group_norm_act, "FusedGroupNormAct",
+            "GroupNorm -> activation (a diffusion UNet's ResNet block)", "group_norm_"),
     Pattern("linear_cross_entropy", blocks.find_linear_cross_entropy, blocks.build_linear_cross_entropy,
             "FusedLinearCrossEntropy", "vocabulary head -> cross-entropy (logits read only by the loss)",
             keeps_rank=False),

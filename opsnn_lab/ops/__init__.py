@@ -25,6 +25,7 @@ _EXPORTS = {
     "FusedRMSNorm": "norm",
     "FusedAddLayerNorm": "norm",
     "FusedAddRMSNorm": "norm",
+    "FusedGroupNormAct": "group_norm_act",
     "FusedLinearCrossEntropy": "fused_linear_cross_entropy",
     "linear_cross_entropy": "fused_linear_cross_entropy",
     "lm_head_loss": "lm_head",

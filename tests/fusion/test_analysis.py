@@ -226,6 +226,10 @@ def test_bad_arguments():
         ol.fusion.analyze(_tiny_encoder(), 3)
     with pytest.raises(ValueError, match="patterns"):
         ol.fusion.analyze(_tiny_encoder(), _ids(), patterns=["conv_bn_tanh"])
+    with pytest.raises(ValueError, match="patterns"):
+        ol.fusion.analyze(_tiny_encoder(), _ids(), patterns=["group_norm_tanh"])
+    for name in ("group_norm_silu", "conv_gelu_conv", "conv_silu_dropout_conv"):  # variants of the newer rows
+        ol.fusion.analyze(_tiny_encoder(), _ids(), patterns=[name])
     with pytest.raises(TypeError, match="patterns"):
         ol.fusion.analyze(_tiny_encoder(), _ids(), patterns="qkv")
 

@@ -1,0 +1,55 @@
+"""Pattern row for GroupNorm -> activation: a diffusion UNet's and VAE's ResNet blocks (GroupNorm -> SiLU before
+each conv), wav2vec2's feature encoder (GroupNorm -> GELU). One pure finder over the dataflow graph, every
+candidate returned with a reason, as in ``patterns.py``."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from opsnn_lab.fusion.graph import Graph
+from opsnn_lab.fusion.match import (
+    CONV_ACTS,
+    Match,
+    _common_checks,
+    _consumer_reason,
+    _is_module,
+    _op_support,
+    act_kind,
+    act_module,
+    act_reader,
+    inplace_reason,
+    op_class,
+)
+
+__all__ = ["find_group_norm_acts", "build_group_norm_act"]
+
+
+def find_group_norm_acts(g: Graph) -> list[Match]:
+    """``act(group_norm(x))`` where only the activation reads the normalised tensor: the fused op saves x and the
+    statistics, never the normalised tensor eager's activation keeps."""
+    out = []
+    for norm in g.nodes:
+        if not _is_module(norm, "group_norm"):
+            continue
+        passed, act = act_reader(g, norm, CONV_ACTS)
+        m = Match("group_norm_act", [norm], False, "", inputs=norm.inputs[:1], outputs=[norm])
+        users = g.users.get(norm.name, [])
+        if act is None:
+            m.reason = (f"the output of `{norm.label}` goes to {', '.join(f'`{u.label}`' for u in users)}, not one "
+                        f"activation of {', '.join(sorted(CONV_ACTS))}" if users else f"`{norm.label}` is unused")
+            out.append(m)
+            continue
+        m.pattern = f"group_norm_{act_kind(act)}"
+        m.nodes, m.outputs = [norm, *passed, act], [act]
+        module = act_module(act)
+        m.params = {"norm": norm.obj, "act": module}
+        m.reason = (_consumer_reason(g, norm, passed[0] if passed else act)
+                    or _op_support("FusedGroupNormAct", norm.obj, module) or inplace_reason(g, act)
+                    or _common_checks(g, m.nodes))
+        m.ok = not m.reason
+        out.append(m)
+    return out
+
+
+def build_group_norm_act(m: Match) -> nn.Module:
+    return op_class("FusedGroupNormAct").from_modules(m.params["norm"], m.params["act"], register=False)

@@ -1,0 +1,255 @@
+"""GroupNorm + pointwise activation: the torch path, the Triton kernels and the backend dispatch.
+
+``act(group_norm(x))`` as diffusion UNets and VAEs (GroupNorm -> SiLU before every conv of a ResNet block), wav2vec2's
+feature encoder (GroupNorm -> GELU) and ConvNeXt-style nets write it. Saved for backward: x and one fp32
+(mean, 1/std) per (sample, group); the normalised tensor is recomputed (eager keeps it for the activation).
+
+Torch path: ``torch.native_group_norm`` then the activation in place; the backward recomputes the normalised
+values (``x * scale + shift`` per channel, as aten's kernel forms them) and hands the activation's gradient to
+``native_group_norm_backward``. Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``): one launch for the
+statistics, one for the normalised activation; in backward, one launch of per-(sample, channel) sums, then one
+for the input gradient; the weight and bias gradients and the per-group sums are fixed-order torch sums over
+those [N, C] partials (no atomics: the same bits at every run).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from opsnn_lab.kernels._dispatch import _interpreting, backend_for, calculate_settings
+from opsnn_lab.kernels.bn_act_spec import Act
+
+__all__ = ["group_norm_act_forward", "group_norm_act_backward", "group_norm_act_forward_torch",
+           "group_norm_act_backward_torch"]
+
+_CHUNK = 1024  # elements per program of the element-wise kernels and per step of the loops
+tl = None  # triton.language, bound on first kernel build
+_act_fwd = _act_grad = None  # bn_act_triton's jitted activation helpers, bound on first kernel build
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scale_shift(weight, bias, mean, rstd, n, c, groups, acc):
+    """Per (sample, channel) ``scale = rstd * w``, ``shift = b - mean * scale`` ([N, C], ``acc`` dtype)."""
+    rstd_c = rstd.to(acc).view(n, groups, 1).expand(n, groups, c // groups).reshape(n, c)
+    mean_c = mean.to(acc).view(n, groups, 1).expand(n, groups, c // groups).reshape(n, c)
+    scale = rstd_c * weight.to(acc) if weight is not None else rstd_c
+    shift = -mean_c * scale
+    if bias is not None:
+        shift = shift + bias.to(acc)
+    return scale, shift
+
+
+def _normalised(x, weight, bias, mean, rstd, groups):
+    """The forward's ``group_norm(x)`` from its statistics, rounded to x's dtype (what the activation read)."""
+    n, c = x.shape[:2]
+    scale, shift = _scale_shift(weight, bias, mean, rstd, n, c, groups, _acc(x.dtype))
+    view = (n, c) + (1,) * (x.dim() - 2)
+    return (x.to(scale.dtype) * scale.view(view) + shift.view(view)).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- torch path
+def group_norm_act_forward_torch(x, weight, bias, groups: int, eps: float, act: Act):
+    """``(act(group_norm(x)), mean, rstd)``; mean and rstd as ``native_group_norm`` returns them ([N, G])."""
+    n, c = x.shape[:2]
+    y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel() if n else 0, groups, eps)
+    return act.forward(y, inplace=True), mean, rstd
+
+
+def group_norm_act_backward_torch(grad_out, x, weight, bias, mean, rstd, groups: int, act: Act, need=(True,) * 3):
+    """``(grad_x, grad_weight, grad_bias)`` (None where ``need`` says so or there is no weight / bias)."""
+    n, c = x.shape[:2]
+    gy = act.backward_(grad_out.contiguous(), _normalised(x, weight, bias, mean, rstd, groups))
+    mask = [need[0], need[1] and weight is not None, need[2] and bias is not None]
+    gx, gw, gb = torch.ops.aten.native_group_norm_backward(gy, x, mean, rstd, weight, n, c,
+                                                           x[0, 0].numel() if n else 0, groups, mask)
+    return gx, gw, gb
+
+
+# --------------------------------------------------------------------------- Triton kernels
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    """The jitted kernels; the activation helpers are bn_act_triton's (one formula per activation)."""
+    global tl, _act_fwd, _act_grad
+    import triton
+    import triton.language as language
+
+    from opsnn_lab.kernels import bn_act_triton
+
+    bn_act_triton._kernels(interpret)
+    tl, _act_fwd, _act_grad = language, bn_act_triton._act_fwd, bn_act_triton._act_grad
+    return {f.__name__: triton.jit(f) for f in (_gn_stats_kernel, _gn_act_fwd_kernel, _gn_sums_kernel,
+                                                _gn_act_bwd_kernel)}
+
+
+def _gn_stats_kernel(
+    X,  # pointer to x, contiguous (N, C, *): group (n, g) is D contiguous elements from (n * G + g) * D
+    MEAN, RSTD,  # pointers to fp32 [N * G]
+    D, eps,  # elements per group, epsilon
+    BLOCK: tl.constexpr,
+):
+    # Two passes over the group (mean, then the squared deviations): reads 2 * D elements per program.
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK):
+        d = d0 + tl.arange(0, BLOCK)
+        acc += tl.load(X + base + d, mask=d < D, other=0.0).to(tl.float32)
+    mean = tl.sum(acc, axis=0) / D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK):
+        d = d0 + tl.arange(0, BLOCK)
+        v = tl.load(X + base + d, mask=d < D, other=0.0).to(tl.float32)
+        acc += tl.where(d < D, (v - mean) * (v - mean), 0.0)
+    tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps))
+
+
+def _gn_act_fwd_kernel(
+    X, OUT,  # pointers to x and the output, contiguous (N, C, *)
+    SCALE, SHIFT,  # pointers to fp32 [N * C]: rstd * w and b - mean * rstd * w
+    SLOPE, HW,  # leaky_relu slope; elements per channel plane
+    ACT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Element-wise over one (sample, channel) plane: reads and writes HW elements once each.
+    nc = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = h < HW
+    off = nc.to(tl.int64) * HW + h
+    x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
+    z = (x * tl.load(SCALE + nc) + tl.load(SHIFT + nc)).to(OUT.dtype.element_ty).to(tl.float32)  # as stored
+    tl.store(OUT + off, _act_fwd(z, SLOPE, ACT).to(OUT.dtype.element_ty), mask=mask)
+
+
+def _gn_sums_kernel(
+    G, X,  # pointers to the upstream gradient and x, contiguous (N, C, *)
+    SCALE, SHIFT, MEAN, RSTD,  # fp32 [N * C] affine; fp32 [N * G] statistics
+    SG, SGX,  # pointers to fp32 [N * C]: sum over the plane of g and of g * xhat (g: the activation's gradient)
+    SLOPE, HW, CG,  # slope, plane size, channels per group
+    ACT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One (sample, channel) plane per program, in a fixed order: reads 2 * HW elements.
+    nc = tl.program_id(0)
+    grp = nc // CG
+    scale, shift = tl.load(SCALE + nc), tl.load(SHIFT + nc)
+    mean, rstd = tl.load(MEAN + grp), tl.load(RSTD + grp)
+    acc_g = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_gx = tl.zeros([BLOCK], dtype=tl.float32)
+    for h0 in range(0, HW, BLOCK):
+        h = h0 + tl.arange(0, BLOCK)
+        mask = h < HW
+        off = nc.to(tl.int64) * HW + h
+        x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
+        z = (x * scale + shift).to(X.dtype.element_ty).to(tl.float32)
+        g = _act_grad(tl.load(G + off, mask=mask, other=0.0).to(tl.float32), z, SLOPE, ACT)
+        g = tl.where(mask, g, 0.0)
+        acc_g += g
+        acc_gx += g * (x - mean) * rstd
+    tl.store(SG + nc, tl.sum(acc_g, axis=0))
+    tl.store(SGX + nc, tl.sum(acc_gx, axis=0))
+
+
+def _gn_act_bwd_kernel(
+    G, X, GX,  # pointers to the upstream gradient, x and the input gradient (written), contiguous (N, C, *)
+    SCALE, SHIFT, MEAN, RSTD, W,  # fp32 [N * C] affine, fp32 [N * G] statistics, the [C] weight (HAS_W)
+    A, B,  # fp32 [N * G]: sum of w * g and of w * g * xhat over the group, divided by its size
+    SLOPE, HW, CG, C,
+    ACT: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # dx = rstd * (w * g - A - xhat * B): reads 2 * HW, writes HW elements per program.
+    nc = tl.program_id(0)
+    grp = nc // CG
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = h < HW
+    off = nc.to(tl.int64) * HW + h
+    mean, rstd = tl.load(MEAN + grp), tl.load(RSTD + grp)
+    x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
+    z = (x * tl.load(SCALE + nc) + tl.load(SHIFT + nc)).to(X.dtype.element_ty).to(tl.float32)
+    g = _act_grad(tl.load(G + off, mask=mask, other=0.0).to(tl.float32), z, SLOPE, ACT)
+    if HAS_W:
+        g = g * tl.load(W + nc % C).to(tl.float32)
+    dx = rstd * (g - tl.load(A + grp) - (x - mean) * rstd * tl.load(B + grp))
+    tl.store(GX + off, dx.to(GX.dtype.element_ty), mask=mask)
+
+
+def _launch_block(hw: int) -> tuple[int, int]:
+    return calculate_settings(max(1, min(hw, _CHUNK)))
+
+
+def group_norm_act_forward_triton(x, weight, bias, groups: int, eps: float, act: Act):
+    k = _kernels(_interpreting())
+    x = x.contiguous()
+    n, c = x.shape[:2]
+    hw = x[0, 0].numel() if n else 0
+    d = c // groups * hw
+    stats = torch.empty(2, n, groups, device=x.device, dtype=torch.float32)
+    mean, rstd = stats[0], stats[1]
+    out = torch.empty_like(x)
+    if x.numel():
+        block, warps = _launch_block(d)
+        k["_gn_stats_kernel"][(n * groups,)](x, mean, rstd, d, eps, BLOCK=block, num_warps=warps)
+        scale, shift = _scale_shift(weight, bias, mean, rstd, n, c, groups, torch.float32)
+        block, warps = _launch_block(hw)
+        k["_gn_act_fwd_kernel"][(n * c, triton_cdiv(hw, block))](x, out, scale, shift, act.negative_slope, hw,
+                                                                 ACT=act.code, BLOCK=block, num_warps=warps)
+    return out, mean, rstd
+
+
+def group_norm_act_backward_triton(grad_out, x, weight, bias, mean, rstd, groups: int, act: Act,
+                                   need=(True,) * 3):
+    k = _kernels(_interpreting())
+    x, grad_out = x.contiguous(), grad_out.contiguous()
+    n, c = x.shape[:2]
+    hw = x[0, 0].numel() if n else 0
+    cg = c // groups
+    gx = torch.empty_like(x) if need[0] else None
+    if not x.numel():
+        zeros = torch.zeros(c, device=x.device, dtype=torch.float32)
+        return gx, _param_grad(zeros, weight, need[1]), _param_grad(zeros, bias, need[2])
+    scale, shift = _scale_shift(weight, bias, mean, rstd, n, c, groups, torch.float32)
+    sums = torch.empty(2, n, c, device=x.device, dtype=torch.float32)
+    block, warps = _launch_block(hw)
+    k["_gn_sums_kernel"][(n * c,)](grad_out, x, scale, shift, mean, rstd, sums[0], sums[1], act.negative_slope, hw,
+                                   cg, ACT=act.code, BLOCK=block, num_warps=warps)
+    sg, sgx = sums[0], sums[1]
+    if need[0]:
+        w = weight.float() if weight is not None else torch.ones(c, device=x.device)
+        size = cg * hw
+        a = (sg * w).view(n, groups, cg).sum(-1).div_(size)  # fixed-order sums over the group's channels
+        b = (sgx * w).view(n, groups, cg).sum(-1).div_(size)
+        k["_gn_act_bwd_kernel"][(n * c, triton_cdiv(hw, block))](
+            grad_out, x, gx, scale, shift, mean, rstd, weight if weight is not None else scale, a, b,
+            act.negative_slope, hw, cg, c, ACT=act.code, HAS_W=weight is not None, BLOCK=block, num_warps=warps)
+    return gx, _param_grad(sgx.sum(0), weight, need[1]), _param_grad(sg.sum(0), bias, need[2])
+
+
+def _param_grad(total, param, needed):
+    return total.to(param.dtype) if needed and param is not None else None
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- dispatch
+def _triton(x) -> bool:
+    return backend_for(x) == "triton" and x.dtype != torch.float64  # the kernels compute in fp32
+
+
+def group_norm_act_forward(x, weight, bias, groups: int, eps: float, act: Act):
+    """``(act(group_norm(x, groups, weight, bias, eps)), mean, rstd)``: x (N, C, *) float, C divisible by
+    ``groups``; mean and rstd fp32-or-wider [N, G], what backward reads besides x."""
+    if _triton(x):
+        return group_norm_act_forward_triton(x, weight, bias, groups, eps, act)
+    return group_norm_act_forward_torch(x, weight, bias, groups, eps, act)
+
+
+def group_norm_act_backward(grad_out, x, weight, bias, mean, rstd, groups: int, act: Act, need=(True,) * 3):
+    """``(grad_x, grad_weight, grad_bias)`` of :func:`group_norm_act_forward`, the normalised values recomputed."""
+    if _triton(x):
+        return group_norm_act_backward_triton(grad_out, x, weight, bias, mean, rstd, groups, act, need)
+    return group_norm_act_backward_torch(grad_out, x, weight, bias, mean, rstd, groups, act, need)

@@ -1,0 +1,125 @@
+"""GroupNorm + activation kernels: the torch path against eager autograd (every activation, odd shapes, with
+and without affine, one group and one group per channel, an empty batch); the Triton kernels under the
+interpreter against the torch path, fixed-order sums (the same bits twice)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opsnn_lab.kernels import bn_act_triton, triton_available
+from opsnn_lab.kernels import group_norm_act as K
+from opsnn_lab.kernels.bn_act_spec import ACTS, Act
+from opsnn_lab.testing import assert_close_dtype, reloaded, seeded
+
+SHAPES = [((2, 12, 5, 7), 3), ((3, 8, 33), 4), ((1, 6, 2, 2), 6), ((2, 4, 3, 2, 5), 1)]
+
+
+def _params(c, affine, dtype, seed=1):
+    if not affine:
+        return None, None
+    return seeded(c, seed=seed, dtype=dtype) + 1.0, seeded(c, seed=seed + 1, dtype=dtype)
+
+
+def _eager(x, weight, bias, groups, act):
+    return act.forward(F.group_norm(x, groups, weight, bias, 1e-5), inplace=False)
+
+
+def _check(fwd, bwd, shape, groups, act, affine, dtype=torch.float64):
+    x = seeded(*shape, seed=3, dtype=dtype, scale=2.0) + 0.5
+    weight, bias = _params(shape[1], affine, dtype)
+    grad = seeded(*shape, seed=4, dtype=dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias) if t is not None]
+    ref = _eager(leaves[0], *(leaves[1:] if affine else (None, None)), groups, act)
+    ref_grads = torch.autograd.grad(ref, leaves, grad)
+    out, mean, rstd = fwd(x, weight, bias, groups, 1e-5, act)
+    assert_close_dtype(out, ref.detach())
+    assert mean.shape == rstd.shape == (shape[0], groups)
+    got = bwd(grad, x, weight, bias, mean, rstd, groups, act)
+    for i, (g, r) in enumerate(zip([t for t in got if t is not None], ref_grads)):
+        assert_close_dtype(g, r, msg=f"grad {i}")
+    assert (got[1] is None) == (not affine)
+
+
+@pytest.mark.parametrize("act", [Act(a) for a in ACTS] + [Act("leaky_relu", 0.2)], ids=[*ACTS, "leaky_0.2"])
+@pytest.mark.parametrize("shape, groups", SHAPES)
+def test_torch_path_matches_eager_autograd(act, shape, groups):
+    _check(K.group_norm_act_forward_torch, K.group_norm_act_backward_torch, shape, groups, act, affine=True)
+
+
+@pytest.mark.parametrize("shape, groups", SHAPES[:2])
+def test_torch_path_without_affine(shape, groups):
+    _check(K.group_norm_act_forward_torch, K.group_norm_act_backward_torch, shape, groups, Act("silu"),
+           affine=False)
+
+
+def test_empty_batch_and_unneeded_gradients():
+    x, w, b = torch.empty(0, 4, 3, 3), torch.ones(4), torch.zeros(4)
+    out, mean, rstd = K.group_norm_act_forward(x, w, b, 2, 1e-5, Act("silu"))
+    assert out.shape == x.shape and mean.shape == (0, 2)
+    gx, gw, gb = K.group_norm_act_backward(torch.empty(0, 4, 3, 3), x, w, b, mean, rstd, 2, Act("silu"))
+    assert gx.shape == x.shape and torch.equal(gw, torch.zeros(4)) and torch.equal(gb, torch.zeros(4))
+    x = seeded(2, 4, 3, 3)
+    out, mean, rstd = K.group_norm_act_forward(x, w, b, 2, 1e-5, Act("silu"))
+    gx, gw, gb = K.group_norm_act_backward(torch.ones_like(x), x, w, b, mean, rstd, 2, Act("silu"),
+                                           need=(True, False, False))
+    assert gx is not None and gw is None and gb is None
+
+
+# --------------------------------------------------------------------------- Triton under the interpreter
+@pytest.fixture(scope="module")
+def interpreted():
+    if not triton_available():
+        pytest.skip("triton not installed")
+    with reloaded(bn_act_triton, K, TRITON_INTERPRET="1", OPSNN_BACKEND="triton") as module:
+        yield module
+
+
+@pytest.mark.parametrize("shape, groups, act", [((2, 12, 5, 7), 3, "silu"), ((3, 8, 33), 4, "gelu"),
+                                                ((1, 6, 2, 2), 6, "relu"), ((2, 4, 40, 40), 2, "hardswish"),
+                                                ((2, 4, 3, 2, 5), 1, "gelu_tanh")])
+def test_triton_interpreter_matches_eager(interpreted, shape, groups, act):
+    _check(interpreted.group_norm_act_forward_triton, interpreted.group_norm_act_backward_triton, shape, groups,
+           Act(act), affine=True, dtype=torch.float32)
+
+
+def test_triton_interpreter_without_affine_low_precision_and_empty(interpreted):
+    _check(interpreted.group_norm_act_forward_triton, interpreted.group_norm_act_backward_triton, (2, 6, 4, 4), 3,
+           Act("silu"), affine=False, dtype=torch.float32)
+    x = seeded(2, 8, 6, 6, seed=5, dtype=torch.bfloat16)
+    w, b = _params(8, True, torch.bfloat16)
+    out, mean, rstd = interpreted.group_norm_act_forward_triton(x, w, b, 4, 1e-5, Act("silu"))
+    ref = _eager(x.double(), w.double(), b.double(), 4, Act("silu"))
+    eager_err = (_eager(x, w, b, 4, Act("silu")).double() - ref).abs().max()
+    assert (out.double() - ref).abs().max() <= 2 * eager_err + 2**-8 * ref.abs().max()
+    empty = torch.empty(0, 4, 3, 3)
+    out, mean, rstd = interpreted.group_norm_act_forward_triton(empty, None, None, 2, 1e-5, Act("silu"))
+    gx, gw, gb = interpreted.group_norm_act_backward_triton(empty, empty, None, None, mean, rstd, 2, Act("silu"))
+    assert out.shape == gx.shape == empty.shape and gw is None and gb is None
+
+
+def test_triton_interpreter_gives_the_same_bits_twice(interpreted):
+    x, grad = seeded(3, 8, 9, 9, seed=6), seeded(3, 8, 9, 9, seed=7)
+    w, b = _params(8, True, torch.float32)
+    runs = []
+    for _ in range(2):
+        out, mean, rstd = interpreted.group_norm_act_forward_triton(x, w, b, 2, 1e-5, Act("silu"))
+        runs.append((out, *interpreted.group_norm_act_backward_triton(grad, x, w, b, mean, rstd, 2, Act("silu"))))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_kernels_match_the_torch_path(dtype):
+    x = seeded(4, 320, 32, 32, seed=1, dtype=dtype, device="cuda")
+    grad = seeded(4, 320, 32, 32, seed=2, dtype=dtype, device="cuda")
+    w, b = (t.cuda() for t in _params(320, True, dtype))
+    out, mean, rstd = K.group_norm_act_forward(x, w, b, 32, 1e-5, Act("silu"))
+    ref, rmean, rrstd = K.group_norm_act_forward_torch(x, w, b, 32, 1e-5, Act("silu"))
+    assert_close_dtype(out, ref)
+    got = K.group_norm_act_backward(grad, x, w, b, mean, rstd, 32, Act("silu"))
+    want = K.group_norm_act_backward_torch(grad, x, w, b, rmean, rrstd, 32, Act("silu"))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.float(), r.float(), atol=5e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
