@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_sweep as S  # noqa: E402 - the comparisons and the sweep loop of the Hugging Face sweep
+import timm_sweep as TS  # noqa: E402 - the command line, shared
 
 BATCH, SIDE, TOKENS, TEXT = 2, 16, 5, 32  # images of SIDE px (latents of 4 channels), 5 text tokens 32 wide
 
@@ -107,45 +108,22 @@ def build(name: str, dtype: torch.dtype):
         return model.to(dtype).train(), inputs
 
 
+def _running(name: str, dtype: torch.dtype, r: dict, build=build):
+    """``build`` and one eager forward (stages "build", "eager"), for ``hf_sweep.check``."""
+    r["stage"] = "build"
+    model, inputs = build(name, dtype)
+    r["stage"] = "eager"
+    S._run(model, inputs)
+    return model, inputs
+
+
 def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=build) -> None:
-    """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        r["stage"] = "build"
-        model, inputs = build(name, dtype)
-        r["stage"] = "eager"
-        S._run(model, inputs)
-        fused = S.fuse_recorded(model, inputs, r)
-        r["stage"] = "train"
-        (outs_a, g_a), (outs_b, g_b) = (S._train_step(m, inputs) for m in (model, fused))
-        r["out_err"], r["grad_err"] = S._rel(outs_b, outs_a), S._rel(g_b, g_a, S.largest_finite(g_a))
-        r["stage"] = "eval"
-        model.eval()
-        fused.eval()
-        with torch.no_grad():
-            r["eval_err"] = S._rel(S._run(fused, inputs), S._run(model, inputs))
-        with torch.inference_mode():
-            r["inference_err"] = S._rel(S._run(fused, inputs), S._run(model, inputs))
-        if autocast:
-            S.autocast_errors(lambda m: S._train_step(m, inputs), model, fused, (outs_a, g_a), r)
-    del r["stage"]
+    """``hf_sweep.check`` on ``build``'s model (its eval step asks for hidden states where a model takes them)."""
+    S.check(name, dtype, r, autocast, running=lambda n, d, rec: _running(n, d, rec, build))
 
 
 def main(argv=None) -> None:
-    ap = S.argument_parser(__doc__)
-    ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    ap.add_argument("--list", action="store_true", help="print the models and stop")
-    ap.add_argument("--autocast", action="store_true", help="also a training step under bf16 autocast, eager and "
-                    "fused, each against the float32 eager step")
-    args = ap.parse_args(argv)
-    names = args.models.split(",") if args.models else list(MODELS)
-    if args.list:
-        print("\n".join(names))
-        return
-    if args.autocast and args.dtype != "float32":
-        ap.error("--autocast compares with the float32 step: use it with --dtype float32")
-    dtype = getattr(torch, args.dtype)
-    S.run_sweep(names, lambda name, r: check(name, dtype, r, args.autocast), S._line, args.out)
+    TS.sweep_main(argv, __doc__, lambda: list(MODELS), build=build, check=check)
 
 
 if __name__ == "__main__":

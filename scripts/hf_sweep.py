@@ -214,11 +214,12 @@ def autocast_errors(step, model, fused, fp32, r: dict) -> None:
     r["amp_grad_err"] = {"eager": _rel(g_e, g_a, largest), "fused": _rel(g_f, g_a, largest)}
 
 
-def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False) -> None:
-    """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
+def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, running=build_running) -> None:
+    """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself).
+    ``running(name, dtype, r)``: the model and its keyword inputs, run once (diffusers_sweep.py hands its own)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, inputs = build_running(name, dtype, r)
+        model, inputs = running(name, dtype, r)
         fused = fuse_recorded(model, inputs, r)
         r["stage"] = "train"
         (outs_a, g_a), (outs_b, g_b) = (_train_step(m, inputs) for m in (model, fused))

@@ -146,8 +146,9 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=
     del r["stage"]
 
 
-def sweep_main(argv, doc: str, default_names, build=build) -> None:
-    """The command line of this sweep and of torchvision_sweep.py: ``default_names()`` when no ``--models``."""
+def sweep_main(argv, doc: str, default_names, build=build, check=check) -> None:
+    """The command line of this sweep and of torchvision_sweep.py / diffusers_sweep.py: ``default_names()`` when no
+    ``--models``; ``check(name, dtype, record, autocast, build=build)`` per model."""
     ap = S.argument_parser(doc)
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     ap.add_argument("--list", action="store_true", help="print the default models and stop")
