@@ -88,8 +88,8 @@ class Probed:
 
     * ``linear``: nn.Linear subclasses whose own forward computes ``F.linear`` (Falcon's ``FalconLinear``);
     * ``activation``: parameter-free modules of unknown class -> the one activation they compute (BloomGelu);
-    * ``bn_act``: BatchNorm2d subclasses whose forward is ``act(batch_norm(x))`` (timm's ``BatchNormAct2d``)
-      -> that act child, or None where they compute the BatchNorm alone.
+    * ``bn_act``: BatchNorm2d and GroupNorm subclasses whose forward is ``act(norm(x))`` (timm's
+      ``BatchNormAct2d``, ``GroupNormAct``) -> that act child, or None where they compute the norm alone.
     Each runs as one op, with the canonical name of what it computes; anything else is looked into."""
 
     linear: weakref.WeakSet = weakref.WeakSet()

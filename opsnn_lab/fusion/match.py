@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from opsnn_lab._hooks import has_hooks
-from opsnn_lab.fusion.graph import Graph, Node, arg
+from opsnn_lab.fusion.graph import Graph, Node, Probed, arg, canonical_module
 
-__all__ = ["Match", "op_class", "act_kind", "act_module", "inplace_writer", "inplace_reason", "CONV_ACTS",
+__all__ = ["Match", "op_class", "act_kind", "act_module", "inplace_writer", "inplace_reason", "inner_act", "CONV_ACTS",
            "LINEAR_ACTS"]
 
 
@@ -177,3 +177,13 @@ def _dropout_module(n: Node | None):
     if n.obj is not None:
         return n.obj
     return nn.Dropout(float(arg(n, 1, "p", 0.5)))
+
+
+def inner_act(norm: Node) -> Node | None:
+    """The activation a probed norm module applies itself (timm's ``BatchNormAct2d``, ``GroupNormAct``:
+    ``Probed.bn_act``), as a node of its own (not in the graph), or None."""
+    act = Probed.bn_act.get(norm.obj) if norm.obj is not None else None
+    if act is None:
+        return None
+    path = next(f"{norm.module}.{k}" for k, c in norm.obj.named_children() if c is act)
+    return Node(f"{norm.name}.act", "module", canonical_module(act), [norm.name], module=path, obj=act)

@@ -13,7 +13,7 @@ from torch import nn
 from opsnn_lab.fusion import patterns_blocks as blocks
 from opsnn_lab.fusion import patterns_gated as gated
 from opsnn_lab.fusion import patterns_group_norm as group_norm
-from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, Probed, canonical_module, is_transposed_linear
+from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, Probed, is_transposed_linear
 from opsnn_lab.fusion.match import (
     CONV_ACTS,
     LINEAR_ACTS,
@@ -26,6 +26,7 @@ from opsnn_lab.fusion.match import (
     act_kind,
     act_module,
     act_reader,
+    inner_act,
     op_class,
     past_identities,
 )
@@ -43,7 +44,7 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
             continue
         m = Match("conv_bn_relu", [conv, bn], False, "", inputs=conv.inputs[:1], outputs=[bn])
         users = g.users.get(bn.name, [])
-        inner = _inner_act(bn)  # a BatchNorm module that applies its own activation (timm's BatchNormAct2d)
+        inner = inner_act(bn)  # a BatchNorm module that applies its own activation (timm's BatchNormAct2d)
         passed, act = [], inner
         if inner is None and len(users) == 1:
             passed, act = past_identities(g, bn)
@@ -75,15 +76,6 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
         m.ok = not m.reason
         out.append(m)
     return out
-
-
-def _inner_act(bn: Node) -> Node | None:
-    """The activation a probed BatchNorm module applies itself, as a node of its own (not in the graph)."""
-    act = Probed.bn_act.get(bn.obj) if bn.obj is not None else None
-    if act is None:
-        return None
-    path = next(f"{bn.module}.{k}" for k, c in bn.obj.named_children() if c is act)
-    return Node(f"{bn.name}.act", "module", canonical_module(act), [bn.name], module=path, obj=act)
 
 
 # --------------------------------------------------------------------------- Linear -> GELU [-> Dropout] [-> Linear]
@@ -236,6 +228,11 @@ _PRODUCT_NEEDS = ("the fused product drops act(gate), which pays only where the 
 _ATTENTION_NEEDS = ("the fused core keeps its output and a statistic per query (or recomputes the probabilities) in "
                     "place of eager's probabilities, which pays only where there are more keys than the head's width")
 
+# GroupNorm's backward reads its input, not its output: eager keeps the normalised tensor only for an activation
+# that saves its input (SiLU, GELU, ReLU6's hardtanh, ...); ReLU keeps its output, which the next op keeps anyway
+_GROUP_NORM_NEEDS = ("the fused op drops the normalised tensor, which pays only where the activation saves its input "
+                     "(SiLU, GELU, Hardswish, ReLU6, LeakyReLU; a ReLU keeps its output, which the next op keeps too)")
+
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("conv_bn_relu", find_conv_bn_relu, build_conv_bn_relu, "FusedConvBNReLU",
             "Conv2d -> BatchNorm2d -> activation [-> MaxPool2d]", "conv_bn_"),
@@ -268,7 +265,8 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("rms_norm", _only(blocks.find_norms, "rms_norm"), blocks.build_norm, "FusedRMSNorm",
             "nn.RMSNorm, or a module computing RMSNorm of its input (HF *RMSNorm, T5LayerNorm)"),
     Pattern("group_norm_act", group_norm.find_group_norm_acts, group_norm.build_group_norm_act, "FusedGroupNormAct",
-            "GroupNorm -> activation (a diffusion UNet's ResNet block)", "group_norm_"),
+            "GroupNorm -> activation (a diffusion UNet's ResNet block)", "group_norm_", min_share=0.1,
+            needs=_GROUP_NORM_NEEDS),
     Pattern("linear_cross_entropy", blocks.find_linear_cross_entropy, blocks.build_linear_cross_entropy,
             "FusedLinearCrossEntropy", "vocabulary head -> cross-entropy (logits read only by the loss)",
             keeps_rank=False),

@@ -17,6 +17,7 @@ from opsnn_lab.fusion.match import (
     act_kind,
     act_module,
     act_reader,
+    inner_act,
     inplace_reason,
     op_class,
 )
@@ -31,20 +32,27 @@ def find_group_norm_acts(g: Graph) -> list[Match]:
     for norm in g.nodes:
         if not _is_module(norm, "group_norm"):
             continue
-        passed, act = act_reader(g, norm, CONV_ACTS)
+        inner = inner_act(norm)  # a GroupNorm module applying its own activation (timm's GroupNormAct)
+        passed, act = ([], inner) if inner is not None else act_reader(g, norm, CONV_ACTS)
         m = Match("group_norm_act", [norm], False, "", inputs=norm.inputs[:1], outputs=[norm])
         users = g.users.get(norm.name, [])
+        if inner is not None and act_kind(inner) not in CONV_ACTS:
+            m.reason = (f"`{norm.label}` applies {type(inner.obj).__name__} itself, not one of "
+                        f"{', '.join(sorted(CONV_ACTS))}")
+            out.append(m)
+            continue
         if act is None:
             m.reason = (f"the output of `{norm.label}` goes to {', '.join(f'`{u.label}`' for u in users)}, not one "
                         f"activation of {', '.join(sorted(CONV_ACTS))}" if users else f"`{norm.label}` is unused")
             out.append(m)
             continue
         m.pattern = f"group_norm_{act_kind(act)}"
-        m.nodes, m.outputs = [norm, *passed, act], [act]
+        if inner is None:
+            m.nodes, m.outputs = [norm, *passed, act], [act]
         module = act_module(act)
         m.params = {"norm": norm.obj, "act": module}
-        m.reason = (_consumer_reason(g, norm, passed[0] if passed else act)
-                    or _op_support("FusedGroupNormAct", norm.obj, module) or inplace_reason(g, act)
+        m.reason = (("" if inner else _consumer_reason(g, norm, passed[0] if passed else act))
+                    or _op_support("FusedGroupNormAct", norm.obj, module) or inplace_reason(g, m.outputs[0])
                     or _common_checks(g, m.nodes))
         m.ok = not m.reason
         out.append(m)

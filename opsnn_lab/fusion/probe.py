@@ -7,7 +7,9 @@
 * a ``BatchNorm2d`` subclass with its own forward whose children are one activation and ``nn.Identity``
   placeholders (timm's ``BatchNormAct2d``), when it computes ``act(batch_norm(x))`` in train and in eval
   mode, running statistics and ``num_batches_tracked`` included (``opsnn_lab.ops._bn_act``, the check the
-  fused op itself makes): it runs as a BatchNorm, and ``Probed.bn_act`` names the act it applies.
+  fused op itself makes): it runs as a BatchNorm, and ``Probed.bn_act`` names the act it applies;
+* a ``GroupNorm`` subclass of that shape (timm's ``GroupNormAct``: ResNetV2-BiT's, RegNet's) when it computes
+  ``act(group_norm(x))`` on a probe: it runs as a GroupNorm, its act named the same way.
 
 Probes call ``forward`` (the user's hooks do not fire) under ``no_grad`` and ``fork_rng`` (their RNG stream
 does not move); a BatchNorm's buffers and mode are restored after its probe. A module whose probe raises or
@@ -63,7 +65,7 @@ def _unknown(module: nn.Module) -> bool:
 
 def probe_modules(model: nn.Module) -> None:
     """Mark what ``model``'s own classes compute (see the module docstring); cheap to call again."""
-    bns = []
+    norms = []
     for m in model.modules():
         if isinstance(m, nn.Linear) and own_forward(m) is not nn.Linear:
             if m not in Probed.linear and _computes_linear(m):
@@ -72,10 +74,26 @@ def probe_modules(model: nn.Module) -> None:
             name, _ = activation_name(m)
             if name is not None:
                 Probed.activation[m] = name
-        elif isinstance(m, nn.BatchNorm2d) and own_forward(m) is not own_forward(nn.BatchNorm2d) \
-                and m not in Probed.bn_act:
-            bns.append(m)
-    for m in bns:  # after the activations: the act child may be one probed above
+        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)) and m not in Probed.bn_act \
+                and own_forward(m) is not own_forward(nn.GroupNorm if isinstance(m, nn.GroupNorm) else nn.BatchNorm2d):
+            norms.append(m)
+    for m in norms:  # after the activations: the act child may be one probed above
         ok, act = inner_activation(m)
-        if ok and (act is None or canonical_module(act) in ACTIVATIONS) and computes_batch_norm(m, act):
+        if not ok or (act is not None and canonical_module(act) not in ACTIVATIONS):
+            continue
+        if computes_group_norm(m, act) if isinstance(m, nn.GroupNorm) else computes_batch_norm(m, act):
             Probed.bn_act[m] = act
+
+
+def computes_group_norm(norm: nn.GroupNorm, act: nn.Module | None) -> bool:
+    """Whether ``norm``'s forward computes ``act(F.group_norm(x))`` (the norm alone with ``act=None``)."""
+    like = norm.weight if norm.weight is not None else torch.zeros(())
+    if not _usable(like):
+        return False
+    x = _probe_input((2, norm.num_channels, 3, 3), like)
+    try:
+        with torch.no_grad(), _quiet(x.device):
+            ref = F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
+            return probe_matches(norm.forward(x.clone()), act(ref) if act is not None else ref)
+    except Exception:  # noqa: BLE001 - a forward that cannot take a plain (2, C, 3, 3) map is not this norm
+        return False

@@ -1,12 +1,14 @@
 """The group_norm_<act> row: a diffusion UNet's ResNet block (GroupNorm -> SiLU before each conv, one SiLU module
-shared by both: the fx route) and a wav2vec2-style encoder layer (GroupNorm -> GELU modules: a module chain)
-fuse and train as eager; the plan's saving is the measured one; the refusals say why."""
+shared by both: the fx route), a wav2vec2-style encoder layer (GroupNorm -> GELU modules: a module chain) and
+timm's GroupNormAct (a GroupNorm applying its activation itself, probed: the module whole) fuse and train as
+eager; the plan's saving is the measured one; the refusals say why."""
 
 from __future__ import annotations
 
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import opsnn_lab as ol
@@ -88,3 +90,42 @@ def test_refusals_say_why():
     plain = nn.Sequential(nn.GroupNorm(2, 4), nn.Conv2d(4, 4, 1))
     (d,) = ol.fusion.analyze(plain, (x,)).decisions
     assert d.pattern == "group_norm_act" and not d.fused and "goes to `1`" in d.reason
+
+
+class GroupNormAct(nn.GroupNorm):  # timm's: a GroupNorm that applies its activation itself (ResNetV2-BiT, RegNet)
+    def __init__(self, channels, groups, act=None):
+        super().__init__(groups, channels)
+        self.drop, self.act = nn.Identity(), act or nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+        return self.act(self.drop(x))
+
+
+class ShiftedGroupNormAct(GroupNormAct):
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+class PreActBlock(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.norm, self.conv = norm, nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv(self.norm(x))
+
+
+def test_a_group_norm_applying_its_own_activation_fuses_whole_and_one_computing_more_is_looked_into():
+    torch.manual_seed(0)
+    model = nn.Sequential(PreActBlock(GroupNormAct(8, 2, nn.SiLU())), PreActBlock(GroupNormAct(8, 4, nn.GELU())))
+    decisions, ratio = _fuses_like_eager(model.double(), seeded(2, 8, 6, 6, dtype=torch.float64), "module")
+    assert [(d.pattern, d.modules) for d in decisions] == [("group_norm_silu", ["0.norm"]),
+                                                           ("group_norm_gelu", ["1.norm"])]
+    # ResNetV2-BiT's: GroupNorm -> ReLU keeps nothing more than the fused op would (the ReLU keeps its output)
+    (d,) = [d for d in ol.fusion.analyze(PreActBlock(GroupNormAct(8, 4)), (seeded(2, 8, 6, 6),)).decisions
+            if d.pattern.startswith("group_norm")]
+    assert d.pattern == "group_norm_relu" and not d.fused and "a ReLU keeps its output" in d.reason
+    other = nn.Sequential(PreActBlock(ShiftedGroupNormAct(8, 4, nn.SiLU())))  # not act(group_norm(x))
+    plan = ol.fusion.analyze(other, (seeded(2, 8, 6, 6),))
+    assert not any(d.pattern.startswith("group_norm") for d in plan.decisions)
