@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["backend_for", "backend_for_device", "calculate_settings", "forced_backend", "triton_available"]
+__all__ = ["backend_for", "backend_for_device", "calculate_settings", "cdiv", "forced_backend", "triton_available"]
 
 _MAX_BLOCK = 65536 // 4  # elements per program: 64 KiB of fp32, the most one block keeps in registers
 
@@ -70,6 +70,11 @@ def _choose(on_cuda: bool) -> str:
             raise RuntimeError("OPSNN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1")
         return "triton"
     return "triton" if on_cuda and triton_available() else "torch"
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for a launch grid (no triton import needed to size one)."""
+    return -(-a // b)
 
 
 def calculate_settings(n: int) -> tuple[int, int]:

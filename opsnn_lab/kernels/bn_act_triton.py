@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from opsnn_lab.kernels._dispatch import _interpreting, calculate_settings
+from opsnn_lab.kernels._dispatch import _interpreting, calculate_settings, cdiv
 from opsnn_lab.kernels.bn_act_spec import RELU, Act, PoolSpec, scale_shift
 
 __all__ = ["bn_act_forward_triton", "bn_act_backward_triton"]
@@ -409,10 +409,6 @@ def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(t.stride())
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _pool_consts(pool: PoolSpec | None) -> dict:
     k, s, p = (pool.kernel, pool.stride, pool.padding) if pool else ((1, 1), (1, 1), (0, 0))
     return {"KH": k[0], "KW": k[1], "SH": s[0], "SW": s[1], "PH": p[0], "PW": p[1]}
@@ -423,7 +419,7 @@ def _stats_partials(k, y: torch.Tensor):
     n, c, h, w = y.shape
     m = n * h * w
     block, warps = calculate_settings(min(m, _CHUNK))
-    chunks = _cdiv(m, block)
+    chunks = cdiv(m, block)
     part = torch.empty(3, c, chunks, device=y.device, dtype=torch.float32)
     k["_stats_partial_kernel"][(c, chunks)](y, part[0], part[1], part[2], c, h, w, m, *_strides4(y), chunks,
                                            BLOCK=block, num_warps=warps)
@@ -479,7 +475,7 @@ def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, trainin
         block, warps = calculate_settings(min(m, _CHUNK))
         stand_in = out  # a pointer for each argument the kernel does not read
         p = part if final else (stand_in, stand_in, stand_in)
-        k["_bn_act_fwd_kernel"][(c, _cdiv(m, block))](
+        k["_bn_act_fwd_kernel"][(c, cdiv(m, block))](
             y, out, _or(scale, stand_in), _or(shift, stand_in), p[0], p[1], p[2], _or(mean, stand_in),
             _or(invstd, stand_in), _or(weight, stand_in), _or(bias, stand_in), _or(running_mean, stand_in),
             _or(running_var, stand_in), act.negative_slope, h, w, m, chunks, eps, momentum, 1 - momentum,
@@ -492,7 +488,7 @@ def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, trainin
     out = torch.empty(n, c, oh, ow, device=y.device, dtype=y.dtype, memory_format=fmt or torch.contiguous_format)
     idx = torch.empty(n, c, oh, ow, device=y.device, dtype=torch.uint8)
     block, warps = calculate_settings(min(oh * ow, _CHUNK))
-    k["_bn_act_pool_fwd_kernel"][(n * c, _cdiv(oh * ow, block))](
+    k["_bn_act_pool_fwd_kernel"][(n * c, cdiv(oh * ow, block))](
         y, out, idx, scale, shift, act.negative_slope, c, h, w, oh, ow, *_strides4(y), *_strides4(out),
         ACT=act.code, MONOTONE=act.monotone, DEAD=act.has_dead_zone, **_pool_consts(pool), BLOCK=block,
         num_warps=warps, **_EXACT)
@@ -519,11 +515,11 @@ def bn_act_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, trai
     like = y if y is not None else grad_out
     gy = torch.empty_like(y) if y is not None else torch.empty(n, c, h, w, device=dev, dtype=grad_out.dtype)
     block, warps = calculate_settings(min(m, _CHUNK))
-    chunks = _cdiv(m, block)
+    chunks = cdiv(m, block)
     part = torch.empty(2, c, chunks, device=dev, dtype=torch.float32)
     idx_t = idx if idx is not None else grad_out
     pc = _pool_consts(pool)
-    cover = dict(NH=_cdiv(pc["KH"], pc["SH"]), NW=_cdiv(pc["KW"], pc["SW"]))
+    cover = dict(NH=cdiv(pc["KH"], pc["SH"]), NW=cdiv(pc["KW"], pc["SW"]))
     block_p, warps_p = calculate_settings(min(chunks, _CHUNK))
     common = dict(ACT=act.code, POOL=pool is not None, DEAD=dead, NEED_Y=need_y, HAS_W=weight is not None,
                   HAS_B=bias is not None, TRAINING=training, BLOCK=block, BLOCK_P=block_p, num_warps=warps, **pc,

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from opsnn_lab.kernels._dispatch import _interpreting, backend_for, calculate_settings
+from opsnn_lab.kernels._dispatch import _interpreting, backend_for, calculate_settings, cdiv
 
 __all__ = ["adamw_update_", "sgd_update_", "adamw_reference_", "sgd_reference_"]
 
@@ -212,12 +212,8 @@ def _flag_tensors(inv_scale, found_inf, device):
 
 def _launch(kernel, n: int, *args, **meta):
     block, warps = calculate_settings(min(n, 1024))
-    grid = (_cdiv(n, block),)
+    grid = (cdiv(n, block),)
     kernel[grid](*args, BLOCK=block, num_warps=warps, **meta)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def _flat(t: torch.Tensor, name: str) -> torch.Tensor:

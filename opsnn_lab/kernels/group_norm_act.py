@@ -15,10 +15,12 @@ those [N, C] partials (no atomics: the same bits at every run).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
-from opsnn_lab.kernels._dispatch import _interpreting, backend_for, calculate_settings
+from opsnn_lab.kernels._dispatch import _interpreting, backend_for, calculate_settings, cdiv
+from opsnn_lab.kernels.bn_act import acc_dtype
 from opsnn_lab.kernels.bn_act_spec import Act
 
 __all__ = ["group_norm_act_forward", "group_norm_act_backward", "group_norm_act_forward_torch",
@@ -27,10 +29,6 @@ __all__ = ["group_norm_act_forward", "group_norm_act_backward", "group_norm_act_
 _CHUNK = 1024  # elements per program of the element-wise kernels and per step of the loops
 tl = None  # triton.language, bound on first kernel build
 _act_fwd = _act_grad = None  # bn_act_triton's jitted activation helpers, bound on first kernel build
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _scale_shift(weight, bias, mean, rstd, n, c, groups, acc):
@@ -47,7 +45,7 @@ def _scale_shift(weight, bias, mean, rstd, n, c, groups, acc):
 def _normalised(x, weight, bias, mean, rstd, groups):
     """The forward's ``group_norm(x)`` from its statistics, rounded to x's dtype (what the activation read)."""
     n, c = x.shape[:2]
-    scale, shift = _scale_shift(weight, bias, mean, rstd, n, c, groups, _acc(x.dtype))
+    scale, shift = _scale_shift(weight, bias, mean, rstd, n, c, groups, acc_dtype(x.dtype))
     view = (n, c) + (1,) * (x.dim() - 2)
     return (x.to(scale.dtype) * scale.view(view) + shift.view(view)).to(x.dtype)
 
@@ -56,7 +54,7 @@ def _normalised(x, weight, bias, mean, rstd, groups):
 def group_norm_act_forward_torch(x, weight, bias, groups: int, eps: float, act: Act):
     """``(act(group_norm(x)), mean, rstd)``; mean and rstd as ``native_group_norm`` returns them ([N, G])."""
     n, c = x.shape[:2]
-    y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel() if n else 0, groups, eps)
+    y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, math.prod(x.shape[2:]), groups, eps)
     return act.forward(y, inplace=True), mean, rstd
 
 
@@ -66,7 +64,7 @@ def group_norm_act_backward_torch(grad_out, x, weight, bias, mean, rstd, groups:
     gy = act.backward_(grad_out.contiguous(), _normalised(x, weight, bias, mean, rstd, groups))
     mask = [need[0], need[1] and weight is not None, need[2] and bias is not None]
     gx, gw, gb = torch.ops.aten.native_group_norm_backward(gy, x, mean, rstd, weight, n, c,
-                                                           x[0, 0].numel() if n else 0, groups, mask)
+                                                           math.prod(x.shape[2:]), groups, mask)
     return gx, gw, gb
 
 
@@ -184,7 +182,7 @@ def group_norm_act_forward_triton(x, weight, bias, groups: int, eps: float, act:
     k = _kernels(_interpreting())
     x = x.contiguous()
     n, c = x.shape[:2]
-    hw = x[0, 0].numel() if n else 0
+    hw = math.prod(x.shape[2:])
     d = c // groups * hw
     stats = torch.empty(2, n, groups, device=x.device, dtype=torch.float32)
     mean, rstd = stats[0], stats[1]
@@ -194,7 +192,7 @@ def group_norm_act_forward_triton(x, weight, bias, groups: int, eps: float, act:
         k["_gn_stats_kernel"][(n * groups,)](x, mean, rstd, d, eps, BLOCK=block, num_warps=warps)
         scale, shift = _scale_shift(weight, bias, mean, rstd, n, c, groups, torch.float32)
         block, warps = _launch_block(hw)
-        k["_gn_act_fwd_kernel"][(n * c, triton_cdiv(hw, block))](x, out, scale, shift, act.negative_slope, hw,
+        k["_gn_act_fwd_kernel"][(n * c, cdiv(hw, block))](x, out, scale, shift, act.negative_slope, hw,
                                                                  ACT=act.code, BLOCK=block, num_warps=warps)
     return out, mean, rstd
 
@@ -204,7 +202,7 @@ def group_norm_act_backward_triton(grad_out, x, weight, bias, mean, rstd, groups
     k = _kernels(_interpreting())
     x, grad_out = x.contiguous(), grad_out.contiguous()
     n, c = x.shape[:2]
-    hw = x[0, 0].numel() if n else 0
+    hw = math.prod(x.shape[2:])
     cg = c // groups
     gx = torch.empty_like(x) if need[0] else None
     if not x.numel():
@@ -221,7 +219,7 @@ def group_norm_act_backward_triton(grad_out, x, weight, bias, mean, rstd, groups
         size = cg * hw
         a = (sg * w).view(n, groups, cg).sum(-1).div_(size)  # fixed-order sums over the group's channels
         b = (sgx * w).view(n, groups, cg).sum(-1).div_(size)
-        k["_gn_act_bwd_kernel"][(n * c, triton_cdiv(hw, block))](
+        k["_gn_act_bwd_kernel"][(n * c, cdiv(hw, block))](
             grad_out, x, gx, scale, shift, mean, rstd, weight if weight is not None else scale, a, b,
             act.negative_slope, hw, cg, c, ACT=act.code, HAS_W=weight is not None, BLOCK=block, num_warps=warps)
     return gx, _param_grad(sgx.sum(0), weight, need[1]), _param_grad(sg.sum(0), bias, need[2])
@@ -229,10 +227,6 @@ def group_norm_act_backward_triton(grad_out, x, weight, bias, mean, rstd, groups
 
 def _param_grad(total, param, needed):
     return total.to(param.dtype) if needed and param is not None else None
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # --------------------------------------------------------------------------- dispatch
