@@ -215,9 +215,10 @@ class Patch:
         self.host = host
 
     def keeps_rank(self) -> bool:
-        """Whether the patched module's output has its input's rank (ranks.py reads it; True for a module that
-        passes on what its chain's head computed)."""
-        return False
+        """Whether the patched module's output has its input's rank (ranks.py reads it): its fused op's row says
+        (``Pattern.keeps_rank``); a module that passes on what its chain's head computed says True."""
+        pattern = self.__dict__.get("pattern")
+        return pattern is not None and pattern_of(pattern).keeps_rank
 
     def _sync(self, op: nn.Module) -> None:
         if op.training != self.host.training:  # model.train()/eval() set the host's flag
@@ -306,9 +307,6 @@ class ChainHead(Patch):
     def __getstate__(self):
         return {**self.__dict__, "last": None, "held": None}  # a weakref does not pickle
 
-    def keeps_rank(self) -> bool:
-        return pattern_of(self.pattern).keeps_rank
-
 
 class PassThrough(Patch):
     """A later module of a chain: its step already ran inside the fused op, whose output it must receive."""
@@ -371,9 +369,6 @@ class WholeForward(Patch):
         super().__init__(host)
         self.op, self.pattern, self.path = op, pattern, path
         self.inner = [m for m in host.modules() if m is not host]
-
-    def keeps_rank(self) -> bool:
-        return pattern_of(self.pattern).keeps_rank
 
     @opaque_to_compile
     def __call__(self, x):
