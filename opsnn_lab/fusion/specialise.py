@@ -32,6 +32,7 @@ from opsnn_lab._hooks import has_hooks
 from opsnn_lab._randomness import draw_state, draw_streams
 from opsnn_lab.fusion.graph import canonical_module
 from opsnn_lab.fusion.ranks import rank_inputs, structure_inputs
+from opsnn_lab.fusion.runtime import flatten_tensors
 
 __all__ = ["SpecialisationMiss", "GuardAfterState", "expect", "expect_len", "expect_dtype", "GUARDS",
            "metadata_only", "answerable", "Answers", "check_guards", "only_draws", "INPLACE_OPERATORS",
@@ -129,6 +130,9 @@ def writes_in_place(node: fx.Node) -> bool:
         isinstance(name, str) and name.endswith("_") and not name.endswith("__"))
 
 
+_DRAWS = "draws random numbers"  # the reason ``_why_not_twice`` gives last for a module, and ``only_draws`` reads
+
+
 def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
     """'' when running ``node`` twice changes nothing, else what it would change."""
     if node.op in ("placeholder", "get_attr", "output") or node.target in GUARDS:
@@ -142,7 +146,7 @@ def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
         if next(m.buffers(), None) is not None:
             return f"`{node.target}` has buffers it may update"
         if any(isinstance(s, nn.modules.dropout._DropoutNd) or hasattr(s, "next_draw") for s in m.modules()):
-            return f"`{node.target}` draws random numbers"
+            return f"`{node.target}` {_DRAWS}"
         return ""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if writes_in_place(node):
@@ -150,7 +154,7 @@ def _why_not_twice(node: fx.Node, root: nn.Module) -> str:
     if name in _RANDOM:
         p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else None)
         if not (name.endswith("dropout") and p == 0):
-            return f"`{node.name}` draws random numbers"
+            return f"`{node.name}` {_DRAWS}"
     # what else may run twice: tensor methods and torch's and Python's functions; an object's method (a cache's
     # ``update``) or a helper kept opaque may change state
     if node.op == "call_method" and not hasattr(torch.Tensor, name):
@@ -249,7 +253,7 @@ def only_draws(node: fx.Node, root: nn.Module) -> bool:
     place), or a module whose one reason it cannot run twice is that it draws (a dropout, a counter stream, a
     module fusion patched with an op that draws). ``_randomness.draw_state`` puts every such source back."""
     if node.op == "call_module":
-        return _why_not_twice(node, root).endswith("draws random numbers")
+        return _why_not_twice(node, root).endswith(_DRAWS)  # its only reason: hooks, writes, buffers come first
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     return node.op in ("call_function", "call_method") and name in _RANDOM and not writes_in_place(node) \
         and "generator" not in node.kwargs
@@ -259,10 +263,8 @@ def only_draws(node: fx.Node, root: nn.Module) -> bool:
 def _drawing_aside(node: fx.Node, root: nn.Module, args):
     """Run a step that draws with every source of its draws put back afterwards (``_randomness.draw_state``):
     torch's generators, and the counter streams of a module the step calls."""
-    tensors: list[torch.Tensor] = []
-    fx.node.map_aggregate(args, lambda a: tensors.append(a) if isinstance(a, torch.Tensor) else None)
     streams = draw_streams(root.get_submodule(node.target)) if node.op == "call_module" else ()
-    put_back = draw_state(streams, tensors)
+    put_back = draw_state(streams, flatten_tensors(args))
     try:
         yield
     finally:
@@ -280,6 +282,7 @@ class Answers:
         self._cursor = 0
         self._values: dict = {}  # (node, structural) -> its value on the example
         self._structural = False  # answering a ``len`` or a rank: dropouts count as their input (``_plain_dropout``)
+        self._facts: dict | None = None  # the example's tensor ranks, for ``_ranks_decide``
 
     @property
     def active(self) -> bool:
@@ -309,9 +312,10 @@ class Answers:
         return got
 
     def _ranks_decide(self, node: fx.Node) -> bool:
-        facts = {k: {"ndim": v.ndim, "is_nested": v.is_nested} for k, v in (self.example or {}).items()
-                 if isinstance(v, torch.Tensor)}
-        return rank_inputs(node, facts, self.root) is not None
+        if self._facts is None:  # the example's tensor facts, as regions.tensor_facts records them
+            self._facts = {k: {"ndim": v.ndim, "is_nested": v.is_nested} for k, v in (self.example or {}).items()
+                           if isinstance(v, torch.Tensor)}
+        return rank_inputs(node, self._facts, self.root) is not None
 
     def _value(self, node: fx.Node):
         key = (node, self._structural)
