@@ -74,18 +74,23 @@ def probe_modules(model: nn.Module) -> None:
             name, _ = activation_name(m)
             if name is not None:
                 Probed.activation[m] = name
-        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)) and m not in Probed.bn_act \
-                and own_forward(m) is not own_forward(nn.GroupNorm if isinstance(m, nn.GroupNorm) else nn.BatchNorm2d):
+        elif _norm_subclass(m) and m not in Probed.bn_act:
             norms.append(m)
     for m in norms:  # after the activations: the act child may be one probed above
         ok, act = inner_activation(m)
         if not ok or (act is not None and canonical_module(act) not in ACTIVATIONS):
             continue
-        if computes_group_norm(m, act) if isinstance(m, nn.GroupNorm) else computes_batch_norm(m, act):
+        if _computes_group_norm(m, act) if isinstance(m, nn.GroupNorm) else computes_batch_norm(m, act):
             Probed.bn_act[m] = act
 
 
-def computes_group_norm(norm: nn.GroupNorm, act: nn.Module | None) -> bool:
+def _norm_subclass(m: nn.Module) -> bool:
+    """A BatchNorm2d or GroupNorm subclass with a forward of its own."""
+    base = next((b for b in (nn.BatchNorm2d, nn.GroupNorm) if isinstance(m, b)), None)
+    return base is not None and own_forward(m) is not own_forward(base)
+
+
+def _computes_group_norm(norm: nn.GroupNorm, act: nn.Module | None) -> bool:
     """Whether ``norm``'s forward computes ``act(F.group_norm(x))`` (the norm alone with ``act=None``)."""
     like = norm.weight if norm.weight is not None else torch.zeros(())
     if not _usable(like):
