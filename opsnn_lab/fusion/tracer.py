@@ -454,6 +454,8 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
                 for node in graph.nodes:  # the call of a submodule named ``self`` (ConvBERT's attention.self):
                     if node.name == "self":  # fx names its result ``self``, which shadows the module in the code
                         node._rename("self_module")
+                    if isinstance(node.type, str):  # an annotation left a string (``from __future__ import
+                        node.type = None  # annotations``): fx makes it a global of the code, which cannot pickle
                 gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
                 gm.meta["output_type"] = flattened_output or tracer.output_type
                 gm.meta["facts_read"] = tracer.facts_read

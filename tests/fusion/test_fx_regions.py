@@ -5,6 +5,7 @@ and the hooks of the submodules whose forwards its code runs inline."""
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 import warnings
 
@@ -1000,3 +1001,26 @@ def test_a_parent_that_traced_would_call_its_child_region_otherwise_runs_its_own
     slot.register_forward_hook(lambda *_: calls.append(1))
     torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)
     assert calls == [1]  # the block's fused op runs
+
+
+class Annotated(nn.Module):
+    """A forward annotated in a file with ``from __future__ import annotations`` (as this one is): its annotations
+    are strings, which fx made globals of the traced code, and the fused model did not pickle (``torch.save``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.fc(x)
+        return self.ln(x + (h if mask is None else h * mask))
+
+
+def test_a_forward_with_string_annotations_is_rewritten_and_the_fused_model_pickles():
+    torch.manual_seed(0)
+    model, x = AroundRegion(Annotated()).double().train(), seeded(2, 3, 8, dtype=torch.float64)
+    assert isinstance(inspect.signature(Annotated.forward).parameters["x"].annotation, str)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert [d.pattern for d in plan.fused] == ["add_layer_norm"] and plan.fused[0].route.startswith("fx:")
+    restored = pickle.loads(pickle.dumps(fused))
+    torch.testing.assert_close(restored(x), model(x), rtol=1e-12, atol=1e-12)
