@@ -122,8 +122,10 @@ class CounterRNG:
         """``(seed, offset)`` for this training-mode call on input ``x``; advances ``rng_step``, except in a
         checkpoint's recomputation, which replays the draw of the forward it recomputes. A module sharing
         another's stream (``share_rng``) draws from that one."""
-        name = self.__dict__.get("rng_name")
-        if name and ":" in name:  # it absorbed an inline F.dropout: under make_reproducible, that call's seed
+        # it absorbed an inline F.dropout: under make_reproducible, that call's seed, keyed by the call's path in
+        # the model being made reproducible (``rng_stream``, set as its streams are linked), else in the fused one
+        name = self.__dict__.get("rng_stream") or self.__dict__.get("rng_name")
+        if name and ":" in name:
             seed = functional_seed(name)
             if seed is not None:
                 return seed, 0

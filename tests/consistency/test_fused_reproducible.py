@@ -15,7 +15,7 @@ from torch import nn
 import opsnn_lab as ol
 from opsnn_lab._hooks import passive
 from opsnn_lab.consistency import get_step, make_reproducible
-from opsnn_lab.consistency.seed_pool import counter_streams
+from opsnn_lab.consistency.seed_pool import _absorbed_name, counter_streams
 from opsnn_lab.models import Encoder, EncoderConfig
 from opsnn_lab.testing import AroundRegion
 
@@ -267,3 +267,69 @@ def test_an_absorbed_inline_dropout_between_two_layers_draws_its_calls_mask(conv
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
         for k, g in want_grads.items():
             torch.testing.assert_close(grads[k], g, atol=1e-5 * g.abs().max().item() + 1e-7, rtol=1e-4, msg=k)
+
+
+class Wrapper(nn.Module):
+    """What DDP, a Lightning module or a user's training wrapper does: the model under ``module``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def _inline():
+    torch.manual_seed(0)
+    return AroundRegion(InlineMLP(False)).train(), torch.randn(4, 6, 8)
+
+
+def _draws():
+    torch.manual_seed(0)
+    return AroundRegion(Draws()).train(), torch.randn(2, 6, 16)
+
+
+@pytest.mark.parametrize("make", [_mlp, _encoder, _twice, _inline, _draws],
+                         ids=["mlp", "encoder", "dropout_called_twice", "inline_dropout", "sdpa_dropout"])
+@pytest.mark.parametrize("seeded", ["wrapper", "part"])
+def test_a_fused_model_draws_the_unfused_masks_when_made_reproducible_from_another_root(make, seeded):
+    """Fuse a model, then make a model that holds it reproducible (``seeded="wrapper"``); or fuse a wrapper and
+    make the model inside it reproducible (``"part"``): the absorbed streams are named from there, as the
+    unfused model's modules are (0.01-3.0 apart when they kept the fused model's paths)."""
+    model, x = make()
+    if seeded == "wrapper":
+        eager = make_reproducible(Wrapper(copy.deepcopy(model)), seed=5)
+        fused, plan = ol.fusion.fuse(model, (x,))
+        fused = make_reproducible(Wrapper(pickle.loads(pickle.dumps(fused))), seed=5)
+    else:
+        eager = make_reproducible(copy.deepcopy(model), seed=5)
+        fused_wrapper, plan = ol.fusion.fuse(Wrapper(model), (x,))
+        fused = make_reproducible(fused_wrapper.module, seed=5)
+    assert any(d.params.get("rng_name") or "dropout" in d.pattern for d in plan.fused)
+    for (out, grads), (want, want_grads) in zip(_steps(fused, x), _steps(eager, x)):
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        for k, g in want_grads.items():
+            torch.testing.assert_close(grads[k], g, atol=1e-4 * g.abs().max().item() + 1e-6, rtol=1e-4, msg=k)
+
+
+class _Op(nn.Module):
+    def __init__(self, rng_name, rng_host):
+        super().__init__()
+        self.rng_name, self.rng_host = rng_name, rng_host
+
+
+@pytest.mark.parametrize(("name", "at", "host", "want"), [
+    ("mlp.drop", "mlp.fc1", "mlp.fc1", "mlp.drop"),  # walked from the fused model itself
+    ("mlp.drop", "mlp.fc1", "module.mlp.fc1", "module.mlp.drop"),  # from a wrapper
+    ("mlp.drop", "mlp.fc1", "fc1", "drop"),  # from the part `mlp`
+    ("mlp.drop", "mlp.fc1", "", None),  # from the host itself: the absorbed module is outside it
+    ("mlp.drop", "mlp.fc1", "other.fc1", None),  # a host seen elsewhere: not this model's path
+    ("mlp.drop", "mlp", "", "drop"),  # from the host `mlp`: its `drop` is below it
+    ("<root>:dropout.1", "", "module", "module:dropout.1"),  # an inline call of the fused model's own forward
+    ("block:dropout.0", "block.fused_attention_0", "net.block.fused_attention_0", "net.block:dropout.0"),
+    ("block:dropout.0", "block.fused_attention_0", "fused_attention_0", "<root>:dropout.0"),
+    ("head.drop", "block.fc", "fc", None),  # from the part `block`: `head` is not in it
+])
+def test_an_absorbed_stream_is_named_from_the_model_walked(name, at, host, want):
+    assert _absorbed_name(_Op(name, at), host) == want
