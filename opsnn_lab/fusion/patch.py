@@ -12,7 +12,8 @@ trace saw (``runtime.ModuleCall``), in one of three ways (``Decision.route``):
   fused op returned (``x is`` that tensor) and raises otherwise (that dropout given p > 0 later, a call the
   analysis did not see), so a fused result never goes on wrong. A hook added to one of the chain's modules after
   fusion makes the chain run unfused while it is there (``hooked``; every module its own forward, so the hook
-  sees eager's tensors), with one warning.
+  sees eager's tensors), with one warning; so does a setting of one changed since (``changed``: a Dropout's
+  ``p`` the op took as it was).
 * ``module:qkv`` (b) sibling Linears reading one tensor: a shared core runs one packed GEMM on the first
   call and the siblings read their slice, guarded by the input tensor's identity and ``_version``. A call
   the analysis did not see (another input, an in-place change in between, another order) runs the plain
@@ -47,13 +48,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from opsnn_lab._hooks import hooks_in_effect
+from opsnn_lab._randomness import streams_made
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import arg
 from opsnn_lab.fusion.patterns import Match, op_name, pattern_of
 from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace, tensor_version
 
 __all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches", "CONSTANT", "hooked", "warn_hooked",
-           "qualified"]
+           "qualified", "settings", "changed", "warn_changed"]
 
 CONSTANT = "_opsnn_constant_"  # the prefix of a constant tensor a rewritten region's code reads from the region
 
@@ -224,6 +226,22 @@ class Patch:
         if op.training != self.host.training:  # model.train()/eval() set the host's flag
             op.train(self.host.training)
 
+    def _modules_now(self, key, paths) -> list[nn.Module]:
+        """The submodules of ``host`` at ``paths`` (relative to it), found again once a counter stream was made
+        anywhere since: ``make_reproducible`` swaps a Dropout for its counter twin in place, and hooks or settings
+        are then the twin's."""
+        made, found = self.__dict__.get("_found", (-1, {}))
+        if made != streams_made():
+            made, found = streams_made(), {}
+            self.__dict__["_found"] = (made, found)
+        if key not in found:
+            # (a patch pickled before it held paths holds the modules themselves)
+            found[key] = [p if isinstance(p, nn.Module) else self.host.get_submodule(p) for p in paths]
+        return found[key]
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_found"}  # found again after a load
+
 
 def _defers(op: nn.Module, x) -> bool:
     """Under autocast, a norm fed another dtype than its weight runs the replaced modules' own forwards."""
@@ -257,6 +275,42 @@ def warn_hooked(patch: Patch, where: str, what: str, kind: str = "user") -> None
                   RuntimeWarning, stacklevel=4)
 
 
+def _plain(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(map(_plain, v)))
+
+
+def settings(modules, ops=()) -> tuple:
+    """``(index, name, value)`` for each setting of ``modules`` that a rewrite may take as it is at fusion: every
+    public attribute holding a plain value (a Dropout's ``p``, a norm's ``eps``, a drop path's rate, a
+    ``self.scaling`` that traced code holds as a constant). ``training``, which the patches follow, a counter
+    stream's ``rng_*`` state, and what one of the fused ``ops`` reads at every call (``op.live_settings()``: a
+    BatchNorm's ``momentum``) are not settings."""
+    live = {(id(m), k) for op in ops if hasattr(op, "live_settings") for m, k in op.live_settings()}
+    return tuple((i, k, v) for i, m in enumerate(modules) for k, v in m.__dict__.items()
+                 if k != "training" and not k.startswith(("_", "rng_")) and _plain(v) and (id(m), k) not in live)
+
+
+def changed(modules, recorded) -> tuple[int, str] | None:
+    """The first setting in ``recorded`` (from ``settings(modules)``) that ``modules`` no longer hold: the
+    module's index and ``"p 0.5 -> 0.0"``; None when all hold (~0.1 us each)."""
+    for i, k, v in recorded:
+        now = modules[i].__dict__.get(k, v)  # a twin swapped in without that attribute: not a change
+        if now is not v and now != v:
+            return i, f"{k} {v!r} -> {now!r}"
+    return None
+
+
+def warn_changed(patch: Patch, where: str, what: str, change: str) -> None:
+    """Say once per patch that a setting changed after fusion makes ``what`` run unfused."""
+    if patch.__dict__.get("warned_changed"):
+        return
+    patch.warned_changed = True
+    warnings.warn(f"opsnn_lab.fusion: a setting of `{where or '<model>'}` changed after {what} was fused ({change}), "
+                  "and the fused code holds the old value; it runs unfused (each module's own forward, with the new "
+                  "value) while the setting differs, and saves no memory. Fusing again fuses it as it is now",
+                  RuntimeWarning, stacklevel=4)
+
+
 def qualified(host: nn.Module, path: str, module: nn.Module) -> str:
     """The qualified name of ``module`` inside ``host`` (itself at ``path``)."""
     name = next((n for n, m in host.named_modules() if m is module), "")
@@ -266,19 +320,22 @@ def qualified(host: nn.Module, path: str, module: nn.Module) -> str:
 class ChainHead(Patch):
     """The first module of a chain: runs the fused op (or, under autocast, every step's own forward).
 
-    A hook put on one of the chain's modules after fusion (``hooked``) would see the fused op's tensors: while
-    one is there, every module of the chain runs its own forward (``unfused``; the pass-throughs follow), with
+    A hook put on one of the chain's modules after fusion (``hooked``) would see the fused op's tensors, and a
+    setting changed since (``changed``: a Dropout's ``p``, a BatchNorm's ``momentum``) is not the op's: while
+    either holds, every module of the chain runs its own forward (``unfused``; the pass-throughs follow), with
     a warning the first time."""
 
     warned = False  # defaults for a patch pickled before these fields existed
     unfused = False
     paths: tuple[str, ...] = ()
+    settings: tuple = ()
 
     def __init__(self, host: nn.Module, op: nn.Module, steps: list[nn.Module], pattern: str, path: str = "",
                  paths: tuple[str, ...] = ()):
         super().__init__(host)
         self.op, self.steps, self.pattern, self.path = op, steps, pattern, path
         self.paths = tuple(paths)  # the steps' qualified names, for the warning
+        self.settings = settings(steps, [op])
         self.last = None  # weakref to the tensor the last call returned: the pass-throughs check they receive it
         # under autocast, that tensor itself until the chain's last step has run: a forward may cast it to that
         # Linear's weight dtype on the way (T5's `wo`), after which nothing else holds it
@@ -287,11 +344,16 @@ class ChainHead(Patch):
     @opaque_to_compile  # opaque to torch.compile: the op draws its dropout stream in Python
     def __call__(self, x):
         hook, kind = hooked(self.steps)
-        self.unfused = hook is not None
-        if hook is not None:
-            i = next(i for i, m in enumerate(self.steps) if m is hook)
-            warn_hooked(self, self.paths[i] if i < len(self.paths) else type(hook).__name__,
-                        f"the {self.pattern} chain at `{self.path or '<model>'}`", kind)
+        change = changed(self.steps, self.settings) if hook is None else None
+        self.unfused = hook is not None or change is not None
+        if self.unfused:
+            i = next(i for i, m in enumerate(self.steps) if m is hook) if hook is not None else change[0]
+            where = self.paths[i] if i < len(self.paths) else type(self.steps[i]).__name__
+            what = f"the {self.pattern} chain at `{self.path or '<model>'}`"
+            if hook is not None:
+                warn_hooked(self, where, what, kind)
+            else:
+                warn_changed(self, where, what, change[1])
             self.last = self.held = None
             return type(self.host).forward(self.host, x)
         if _defers(self.op, x):
@@ -305,7 +367,7 @@ class ChainHead(Patch):
         return x
 
     def __getstate__(self):
-        return {**self.__dict__, "last": None, "held": None}  # a weakref does not pickle
+        return {**super().__getstate__(), "last": None, "held": None}  # a weakref does not pickle
 
 
 class PassThrough(Patch):
@@ -360,22 +422,31 @@ def _cast_of(x, last: torch.Tensor) -> bool:
 
 class WholeForward(Patch):
     """A module whose one call computes exactly the chain. A hook put on a module inside it after fusion
-    (``hooked``) makes it run its own forward while the hook is there (the host's own hooks see the tensors
-    they see in eager either way)."""
+    (``hooked``), or a setting of it or of a module inside changed since (``changed``), makes it run its own
+    forward while that holds (the host's own hooks see the tensors they see in eager either way)."""
 
     warned = False
+    settings: tuple = ()
 
     def __init__(self, host: nn.Module, op: nn.Module, pattern: str, path: str = ""):
         super().__init__(host)
         self.op, self.pattern, self.path = op, pattern, path
-        self.inner = [m for m in host.modules() if m is not host]
+        self.inner = [n for n, _ in host.named_modules() if n]
+        self.settings = settings([host, *self._modules_now("inner", self.inner)], [op])
 
     @opaque_to_compile
     def __call__(self, x):
-        hook, kind = hooked(self.__dict__.get("inner", ()))
-        if hook is not None:
-            warn_hooked(self, qualified(self.host, self.path, hook), f"the {self.pattern} chain at `{self.path}`", kind)
-        if hook is not None or _defers(self.op, x):
+        modules = [self.host, *self._modules_now("inner", self.__dict__.get("inner", ()))]
+        hook, kind = hooked(modules[1:])
+        change = changed(modules, self.settings) if hook is None else None
+        if hook is not None or change is not None:
+            what = f"the {self.pattern} chain at `{self.path}`"
+            if hook is not None:
+                warn_hooked(self, qualified(self.host, self.path, hook), what, kind)
+            else:
+                warn_changed(self, qualified(self.host, self.path, modules[change[0]]), what, change[1])
+            return type(self.host).forward(self.host, x)
+        if _defers(self.op, x):
             return type(self.host).forward(self.host, x)
         self._sync(self.op)
         return self.op(x)

@@ -26,7 +26,20 @@ from opsnn_lab._checks import check_type
 from opsnn_lab._randomness import draw_state, draw_streams, draws_random, enter_module, exit_module, streams_made
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
-from opsnn_lab.fusion.patch import CONSTANT, Patch, Route, hooked, inline_after, install, qualified, revert, warn_hooked
+from opsnn_lab.fusion.patch import (
+    CONSTANT,
+    Patch,
+    Route,
+    changed,
+    hooked,
+    inline_after,
+    install,
+    qualified,
+    revert,
+    settings,
+    warn_changed,
+    warn_hooked,
+)
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.patterns_blocks import norm_verdicts
 from opsnn_lab.fusion.plan import Decision, FusionPlan
@@ -140,6 +153,10 @@ class FxForward(Patch):
         # the submodules whose forwards the traced code runs inline: if one gains hooks later (a user's, or Hugging
         # Face's output capture installed on first use), this region runs its original forward, so they fire
         self.inlined = {k: _inlined(host, gm) for k, gm in variants.items()}
+        # the plain attributes of the region and of those submodules, which the code holds as constants (a dropout's
+        # p, a drop path's rate) or a fused op took over: if one changes, this region runs its original forward
+        self.settings = {k: settings([host, *self._modules_now(k, self.inlined[k])], _slot_ops(gm))
+                         for k, gm in variants.items()}
         # traced without the forward's wrapper (fusion.wrappers): with gradient checkpointing on, the wrapper
         # checkpoints (Hugging Face's layers), so the original runs
         self.unwrapped = any(gm.meta.get("unwrapped") for gm in variants.values())
@@ -157,11 +174,11 @@ class FxForward(Patch):
         return streams
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_draw_streams"}  # found again after a load
+        return {k: v for k, v in super().__getstate__().items() if k != "_draw_streams"}  # found after a load
 
     def __setstate__(self, state):  # a model saved before these fields existed: no rebuild, no hook check
         self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, "unwrapped": False,
-                              "restore_rng": {}, **state})
+                              "restore_rng": {}, "settings": {}, **state})
 
     def _bound(self, args, kwargs):
         bound = bind_call(self.host, (args, kwargs))
@@ -193,9 +210,16 @@ class FxForward(Patch):
 
     def __call__(self, *args, **kwargs):
         gm = self.variants.get(self.host.training)
-        hook, kind = (None, "") if gm is None else hooked(self.inlined.get(self.host.training, ()))
+        inlined = self._modules_now(self.host.training, self.inlined.get(self.host.training, ()))
+        hook, kind = (None, "") if gm is None else hooked(inlined)
         if hook is not None:
             warn_hooked(self, qualified(self.host, self.path, hook), f"the region `{self.path or '<model>'}`", kind)
+            gm = None
+        change = None if gm is None else changed([self.host, *inlined], self.settings.get(self.host.training, ()))
+        if change is not None:
+            module = ([self.host, *inlined])[change[0]]
+            warn_changed(self, qualified(self.host, self.path, module), f"the region `{self.path or '<model>'}`",
+                         change[1])
             gm = None
         if not self.host.training and not torch.is_grad_enabled():
             gm = None  # inference: nothing is saved for a backward, and the original may take a fast path
@@ -245,18 +269,25 @@ def _eliminate_dead_code(graph) -> None:
         graph.eliminate_dead_code(is_impure_node=_impure)
 
 
-def _inlined(host: nn.Module, gm) -> list[nn.Module]:
-    """``host``'s submodules that ``gm``'s code does not call, nor any module it calls holds."""
+def _slot_ops(gm) -> list[nn.Module]:
+    """The fused ops ``gm``'s code calls."""
+    slots = (gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module")
+    return [slot.op for slot in slots if isinstance(slot, FusedSlot)]
+
+
+def _inlined(host: nn.Module, gm) -> list[str]:
+    """The paths (from ``host``) of its submodules that ``gm``'s code does not call, nor any module it calls
+    holds."""
     called = {id(gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
-    out: list[nn.Module] = []
+    out: list[str] = []
 
-    def walk(module: nn.Module) -> None:
-        for child in module.children():
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
             if id(child) not in called:
-                out.append(child)
-                walk(child)
+                out.append(prefix + name)
+                walk(child, f"{prefix}{name}.")
 
-    walk(host)
+    walk(host, "")
     return out
 
 

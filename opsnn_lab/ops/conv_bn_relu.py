@@ -363,6 +363,11 @@ class FusedConvBNAct(nn.Module):
         reason = _why_not(conv, bn, act, maxpool, cls._act_attr, cls._relu_only)
         return (not reason, reason)
 
+    def live_settings(self) -> tuple:
+        """``(module, attribute)``: the BatchNorm's ``momentum`` and ``eps``, read at every call (a momentum
+        schedule reaches the fused op; a rewrite need not run the chain unfused when they change)."""
+        return (self.bn, "momentum"), (self.bn, "eps")
+
     def _config(self) -> _Config:
         conv, bn = self.conv, self.bn
         factor = 0.0

@@ -232,7 +232,7 @@ def test_a_random_call_a_region_runs_inline_is_keyed_by_its_submodule(helper, or
         fused = pickle.loads(pickle.dumps(fused))
     make_reproducible(fused, seed=5)
     inlined = fused[0].__dict__["forward"].inlined[True]  # each block is a region; its drop path runs inline
-    assert plan.summary()["conv_bn_relu"]["fused"] == 2 and fused[0].drop_path in inlined
+    assert plan.summary()["conv_bn_relu"]["fused"] == 2 and "drop_path" in inlined
     for (out, grads), (want, want_grads) in zip(_steps(fused, x), _steps(eager, x)):  # 5.8 apart unkeyed
         torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
         for k, g in want_grads.items():

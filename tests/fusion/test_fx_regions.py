@@ -17,6 +17,7 @@ import opsnn_lab as ol
 from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion.rewrite import FxForward
 from opsnn_lab.measuring import activation_bytes
+from opsnn_lab.models import Encoder, EncoderConfig
 from opsnn_lab.testing import AroundRegion, seeded
 
 
@@ -87,10 +88,10 @@ def test_a_hook_on_a_module_the_fx_code_would_inline_fires(when):
     fused = _fused(model, x)
     forward = fused.block.__dict__["forward"]
     if when == "after":  # inlined by the traced code: the region runs its original forward from now on
-        assert fused.block.inner in forward.inlined[True]
+        assert "inner" in forward.inlined[True]
         fused.block.inner.register_forward_hook(hook)
     else:
-        assert fused.block.inner not in forward.inlined[True]
+        assert "inner" not in forward.inlined[True]
     seen.clear()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -114,7 +115,7 @@ def test_opsnn_lab_own_hooks_do_not_make_a_region_fall_back():
     torch.manual_seed(0)
     model, x = Model().double(), seeded(3, 5, 8, dtype=torch.float64)
     fused = _fused(model, x)
-    inlined = fused.block.__dict__["forward"].inlined[True]
+    inlined = [fused.block.get_submodule(p) for p in fused.block.__dict__["forward"].inlined[True]]
     assert fused.block.inner in inlined
     ol.consistency.make_reproducible(fused, seed=1)  # names functional random calls with hooks on every module
     assert all(m._forward_hooks for m in inlined)
@@ -169,7 +170,7 @@ def test_hugging_face_capture_hooks_left_after_a_call_asking_for_attentions_keep
     fused, plan = ol.fusion.fuse(model, ids)
     layer = fused.model.decoder.layers[0]
     assert any(d.route == "fx:model.decoder.layers.0" for d in plan.fused)
-    assert layer.encoder_attn in layer.__dict__["forward"].inlined[True]
+    assert "encoder_attn" in layer.__dict__["forward"].inlined[True]
     fused_bytes = activation_bytes(lambda: fused(**ids).logits)
     assert fused_bytes < activation_bytes(lambda: model(**ids).logits)
     with warnings.catch_warnings():
@@ -1024,3 +1025,68 @@ def test_a_forward_with_string_annotations_is_rewritten_and_the_fused_model_pick
     assert [d.pattern for d in plan.fused] == ["add_layer_norm"] and plan.fused[0].route.startswith("fx:")
     restored = pickle.loads(pickle.dumps(fused))
     torch.testing.assert_close(restored(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+class ReadsSettings(nn.Module):
+    """A forward reading a plain attribute: the traced code holds ``alpha`` as a constant. (Its Dropout is called
+    as a module there, which reads its p at every call.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln, self.drop, self.alpha = nn.Linear(8, 8), nn.LayerNorm(8), nn.Dropout(0.0), 0.5
+
+    def forward(self, x):
+        return self.ln(x + self.alpha * self.drop(self.fc(x)))
+
+
+def _encoder():
+    cfg = EncoderConfig.tiny()
+    torch.manual_seed(0)
+    return Encoder(cfg).train(), torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(("where", "name", "value"), [
+    ("block", "alpha", 2.0),
+    ("block.drop", "p", 0.3),  # read at every call: no change to see
+    ("layers.0.attention.attn_dropout", "p", 0.0),  # the fused attention core absorbed it: the op holds 0.1
+])
+@pytest.mark.parametrize("reproducible", [False, True])
+def test_a_setting_the_traced_code_holds_changed_after_fusion_runs_the_original_forward(where, name, value,
+                                                                                      reproducible):
+    """Changed after fusion, such a setting runs the region's original forward (with one warning) until it is set
+    back; ``make_reproducible`` swapping a Dropout for its counter twin does not hide the change."""
+    if where.startswith("block"):
+        torch.manual_seed(0)
+        model, x = AroundRegion(ReadsSettings()).double().train(), seeded(2, 3, 8, dtype=torch.float64)
+    else:
+        model, x = _encoder()
+    fused, plan = ol.fusion.fuse(model, (x,))
+    region = where.split(".")[0] if where.startswith("block") else "layers.0"
+    assert f"fx:{region}" in {d.route for d in plan.fused}
+    if reproducible:
+        for m in (model, fused):
+            ol.consistency.make_reproducible(m, 4)
+        assert type(fused.get_submodule("block.drop" if region == "block" else where)) is ol.ops.Dropout
+    fused_bytes, _ = activation_bytes(lambda: fused(x)), activation_bytes(lambda: model(x))  # a step each
+    old = getattr(model.get_submodule(where), name)
+    for m in (model, fused):
+        setattr(m.get_submodule(where), name, value)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", RuntimeWarning)
+        torch.manual_seed(1)
+        got = fused(x)
+    said = [str(w.message) for w in seen if "changed after" in str(w.message)]
+    if name == "p" and region == "block":
+        assert not said
+    else:
+        assert len(said) == 1 and f"a setting of `{where}` changed after the region `{region}` was fused " \
+            f"({name} {old!r} -> {value!r})" in said[0]
+    torch.manual_seed(1)
+    want = model(x)
+    if reproducible or region == "block":  # (unseeded, the encoder's fused MLP draws from its own stream)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for m in (model, fused):
+        setattr(m.get_submodule(where), name, old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert activation_bytes(lambda: fused(x)) == fused_bytes

@@ -410,3 +410,80 @@ def test_json_plan_applies_module_routes():
     _same(model, fused, X)
     with pytest.raises(ValueError, match="was the plan made for this model"):
         ol.fusion.apply(nn.Sequential(nn.Linear(8, 8)), ol.fusion.FusionPlan.from_json(plan.to_json()))
+
+
+class RMSNorm(nn.Module):  # written in Python, its epsilon a plain attribute: the module's one call is the chain
+    def __init__(self, d=8, eps=1e-6):
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.linspace(0.5, 1.5, d)), eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+class Settings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()
+        self.mlp, self.norm = ChainMLP(4), RMSNorm(4)
+
+    def forward(self, x):
+        h = self.act(self.bn(self.conv(x))).mean((2, 3))
+        return self.norm(self.mlp(h))
+
+
+@pytest.mark.parametrize(("where", "name", "value", "chain"), [
+    ("mlp.drop", "p", 0.5, "the linear_gelu_dropout_linear chain at `mlp.fc1`"),
+    ("norm", "variance_epsilon", 1.0, "the rms_norm chain at `norm`"),
+    ("bn", "momentum", 0.5, None),  # the fused Conv->BN->act op reads these at every call: it stays fused
+    ("bn", "eps", 1e-1, None),
+])
+def test_a_setting_changed_after_fusion_runs_its_chain_unfused_while_it_differs(where, name, value, chain):
+    """A fused op may take its modules' settings as they are at fusion (a Dropout's p, a norm's epsilon); one
+    changed afterwards (a dropout schedule) runs that chain unfused, with the new value and one warning, until it
+    is set back. Before, the fused op went on with the old value. A setting the op reads at every call
+    (``live_settings``: a BatchNorm's momentum and eps) keeps the chain fused."""
+    torch.manual_seed(0)
+    model, x = Settings().train(), seeded(4, 3, 6, 6)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert {d.pattern for d in plan.fused} >= {"conv_bn_relu", "linear_gelu_dropout_linear", "rms_norm"}
+    fused_bytes, eager_bytes = activation_bytes(lambda: fused(x)), activation_bytes(lambda: model(x))
+    assert fused_bytes < eager_bytes  # (and both ran a step: the BatchNorm statistics moved alike)
+    old = getattr(model.get_submodule(where), name)
+    for m in (model, fused):
+        setattr(m.get_submodule(where), name, value)
+    for step in range(2):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", RuntimeWarning)
+            torch.manual_seed(step)
+            got, got_grads = _grads(fused, x)
+        torch.manual_seed(step)
+        want, want_grads = _grads(model, x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for k, g in want_grads.items():
+            torch.testing.assert_close(got_grads[k], g, atol=1e-5, rtol=1e-5, msg=k)
+        for k, b in model.named_buffers():
+            torch.testing.assert_close(fused.get_buffer(k), b, atol=1e-6, rtol=1e-6, msg=k)
+        said = [str(w.message) for w in seen if "changed after" in str(w.message)]
+        assert len(said) == (step == 0 and chain is not None), said  # once per chain
+        if said:
+            assert f"a setting of `{where}` changed after {chain} was fused ({name} {old!r} -> {value!r})" in said[0]
+    if chain is None:
+        assert activation_bytes(lambda: fused(x)) == fused_bytes
+    for m in (model, fused):
+        setattr(m.get_submodule(where), name, old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert activation_bytes(lambda: fused(x)) == fused_bytes  # set back: fused again
+
+
+def test_a_setting_check_ignores_the_stream_state_and_what_train_sets():
+    torch.manual_seed(0)
+    model = Settings()
+    fused, _ = ol.fusion.fuse(model.train(), (seeded(2, 3, 6, 6),))
+    ol.consistency.make_reproducible(fused, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for mode in (True, False, True):
+            fused.train(mode)
+            fused(seeded(2, 3, 6, 6)).sum().backward()
