@@ -16,6 +16,7 @@ fusion failure (``stage`` says where a failure happened).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import math
@@ -214,11 +215,26 @@ def autocast_errors(step, model, fused, fp32, r: dict) -> None:
     r["amp_grad_err"] = {"eager": _rel(g_e, g_a, largest), "fused": _rel(g_f, g_a, largest)}
 
 
+@contextlib.contextmanager
+def unfused_at_run(r: dict):
+    """Warnings silenced, except that ``r["ran_unfused"]`` lists each fused chain or region that ran unfused at a
+    call of the checks (a hook added after fusion, a setting changed since: ``patch.warn_hooked``,
+    ``patch.warn_changed``). The checks change neither, so any is a bug, as a failed rewrite is."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            said = {str(w.message).split(";")[0] for w in seen if str(w.message).startswith("opsnn_lab.fusion: ")
+                    and ("changed after" in str(w.message) or "has a hook added after" in str(w.message))}
+            if said:
+                r["ran_unfused"] = sorted(said)
+
+
 def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, running=build_running) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself).
     ``running(name, dtype, r)``: the model and its keyword inputs, run once (diffusers_sweep.py hands its own)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with unfused_at_run(r):
         model, inputs = running(name, dtype, r)
         fused = fuse_recorded(model, inputs, r)
         r["stage"] = "train"
@@ -276,6 +292,8 @@ def _line(r: dict) -> str:
     if "amp_out_err" in r:  # fused / eager error of the bf16 step against the fp32 one
         line += "  bf16 fused/eager error: " + ", ".join(
             f"{k} {r[k]['fused'] / max(r[k]['eager'], 1e-30):.2f}" for k in ("amp_out_err", "amp_grad_err"))
+    if r.get("ran_unfused"):
+        line = f"{len(r['ran_unfused'])} RAN UNFUSED, " + line
     if r.get("rewrite_failed"):  # first: the printed line is cut at 150 characters (the JSON has the reasons)
         line = f"{len(r['rewrite_failed'])} fx REWRITES FAILED, " + line
     return line

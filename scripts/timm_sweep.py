@@ -118,8 +118,7 @@ def _train_step(model, x):
 def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=build) -> None:
     """The checks of the module docstring on ``build(name, dtype, small)``'s model and input (torchvision_sweep.py
     hands its own)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with S.unfused_at_run(r):
         r["stage"] = "build"
         model, x = _without_dropout(*build(name, dtype))
         r["stage"] = "eager"
