@@ -419,8 +419,14 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
             m.training = flag
         restore()
         streams()
-    with own_dtypes(model, args, kwargs):  # ops are built (and some validated) as the chains' own dtypes run them
-        plan = analysis.plan(patterns)
+    # ops are built (and some validated) as the chains' own dtypes run them; a region's size questions run its
+    # code on the example, which moves buffers too (a spectral norm's power iteration): restored again
+    try:
+        with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs):
+            plan = analysis.plan(patterns)
+    finally:
+        restore()
+        streams()
     plan.analysis_seconds = time.perf_counter() - t0
     return plan
 

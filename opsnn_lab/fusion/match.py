@@ -6,6 +6,7 @@ import importlib
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion.graph import Graph, Node, Probed, arg, canonical_module
@@ -117,6 +118,12 @@ def _common_checks(g: Graph, nodes: list[Node]) -> str:
         if n.kind == "module" and n.obj is not None and has_hooks(n.obj):
             return (f"`{n.label}` has a hook of its own (forward, forward-pre or backward): fused, it would be called "
                     "with the fused op's tensors, not the ones it sees in eager; remove the hook to fuse this chain")
+    for n in nodes:  # its weight is computed at each access (weight_norm, spectral_norm): the ops take Parameters
+        if n.kind == "module" and n.obj is not None and parametrize.is_parametrized(n.obj):
+            return (f"`{n.label}` has a parametrization ({', '.join(n.obj.parametrizations)}: weight_norm, "
+                    "spectral_norm or torch.nn.utils.parametrize), computed from other Parameters at each access, "
+                    "which the fused op would not read; fold it (`parametrize.remove_parametrizations(module, name, "
+                    "leave_parametrized=True)`) to fuse this chain")
     for n in nodes:
         writer = next((u for u in g.users.get(n.name, []) if u.op == "setitem"), None)
         if writer is not None:

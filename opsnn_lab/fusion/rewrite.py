@@ -490,6 +490,9 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     check_type("model", model, nn.Module)
     check_type("plan", plan, FusionPlan)
     fused = copy.deepcopy(model, graph_free_memo(model))
+    # probing and tracing run the copy's code, which may move a buffer (a spectral norm's power iteration): each
+    # is put back as the model has it
+    buffers = [(b, b.detach().clone()) for b in fused.buffers()]
     with own_dtypes(fused):  # the copy's own Linear subclasses and activations, as analysis found the model's
         probe_modules(fused)
     memo = _copy_memo(model, fused)  # the op of a module-level decision shares the copy's Parameters
@@ -523,4 +526,7 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     from opsnn_lab.consistency.seed_pool import name_hosts
 
     name_hosts(fused)  # a fused op's absorbed stream, named in ``fused``, is found from a model that wraps it
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
     return fused

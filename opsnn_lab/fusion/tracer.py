@@ -325,13 +325,24 @@ def _tracing_patches(tracer: _Tracer):
         # (diffusers' UNet2DModel wrapped its timestep tensor in torch.tensor([...]))
         raise fx.proxy.TraceError(f"torch.is_tensor of a traced value (`{obj.node.name}`) is not known here")
 
+    def assign(module, name, value):
+        if isinstance(value, fx.Proxy) and (name in module.__dict__.get("_buffers", ()) or
+                                            name in module.__dict__.get("_parameters", ())):
+            # fx records no assignment: the code would compute the new value and drop it (``self.count += 1``, an
+            # EMA written ``self.avg = m * self.avg + ...``); stopping here keeps that module one call
+            raise fx.proxy.TraceError(f"`{type(module).__name__}.{name}` (a buffer or Parameter) is assigned a "
+                                      "computed value in the forward, which traced code would not write")
+        _SETATTR(module, name, value)
+
     torch.autograd.Function.apply = classmethod(apply)
     torch.finfo, torch.iinfo, torch.is_tensor = info(_FINFO), info(_IINFO), is_tensor
+    nn.Module.__setattr__ = assign
     for name, real in _FACTORIES.items():
         setattr(torch, name, drawn(real))
     try:
         yield
     finally:
+        nn.Module.__setattr__ = _SETATTR
         torch.autograd.Function.apply = _APPLY
         torch.finfo, torch.iinfo, torch.is_tensor = _FINFO, _IINFO, _IS_TENSOR
         for name, real in _FACTORIES.items():
@@ -346,6 +357,7 @@ def _proxies(args, kwargs) -> list:
 
 
 _FINFO, _IINFO, _IS_TENSOR = torch.finfo, torch.iinfo, torch.is_tensor
+_SETATTR = nn.Module.__setattr__
 # random factories called with plain sizes only (``torch.rand(8)``): fx would run them once, while it traces, and
 # the code would replay that one draw as a constant at every call; each is one call of the traced code instead
 _FACTORIES = {name: getattr(torch, name) for name in ("rand", "randn", "randint", "randperm")}
