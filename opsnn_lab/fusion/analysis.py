@@ -204,10 +204,11 @@ class Analysis:
                 d.carriers, d.first, d.ops = list(route.carriers), route.first, [act_kind(n) for n in m.nodes]
                 for label, path in zip(route.after, route.carriers):
                     if label:
-                        d.reason += (f"; the `{label.rpartition('.')[2]}` run inline in "
-                                     f"`{label.rpartition('.')[0] or '<model>'}`.forward before `{path}` has p=0 here "
-                                     f"and runs as it is on the fused output: `{path}` checks at each call that it "
-                                     "receives the fused op's output, and raises if that dropout is given p > 0")
+                        host = label.rpartition('.')[0] or '<model>'
+                        d.reason += (f"; the `{label.rpartition('.')[2]}` run inline in `{host}`.forward before "
+                                     f"`{path}` has p=0 here and runs as it is on the fused output: a setting of "
+                                     f"`{host}` changed later (that p) runs the chain unfused, and `{path}` checks at "
+                                     "each call that it receives the fused op's output")
             if route is not None and route.kind == "sdpa":
                 d.reason += (f"; `{route.carriers[0]}` runs its own forward (fx cannot trace it: see the plan's "
                              "routes), its scaled_dot_product_attention call redirected to the fused core")

@@ -321,21 +321,24 @@ class ChainHead(Patch):
     """The first module of a chain: runs the fused op (or, under autocast, every step's own forward).
 
     A hook put on one of the chain's modules after fusion (``hooked``) would see the fused op's tensors, and a
-    setting changed since (``changed``: a Dropout's ``p``, a BatchNorm's ``momentum``) is not the op's: while
-    either holds, every module of the chain runs its own forward (``unfused``; the pass-throughs follow), with
-    a warning the first time."""
+    setting changed since (``changed``: a Dropout's ``p``, a norm's ``eps``; or one of a module whose forward runs
+    an identity step of the chain inline, ``inline_hosts``: Bart's ``activation_dropout``, 0 when fused) is not
+    the op's: while either holds, every module of the chain runs its own forward (``unfused``; the pass-throughs
+    follow), with a warning the first time."""
 
     warned = False  # defaults for a patch pickled before these fields existed
     unfused = False
     paths: tuple[str, ...] = ()
     settings: tuple = ()
+    inline_hosts: tuple = ()
 
     def __init__(self, host: nn.Module, op: nn.Module, steps: list[nn.Module], pattern: str, path: str = "",
-                 paths: tuple[str, ...] = ()):
+                 paths: tuple[str, ...] = (), inline_hosts: tuple = ()):
         super().__init__(host)
         self.op, self.steps, self.pattern, self.path = op, steps, pattern, path
         self.paths = tuple(paths)  # the steps' qualified names, for the warning
-        self.settings = settings(steps, [op])
+        self.inline_hosts = tuple(inline_hosts)  # (path, module) pairs
+        self.settings = settings([*steps, *(m for _, m in self.inline_hosts)], [op])
         self.last = None  # weakref to the tensor the last call returned: the pass-throughs check they receive it
         # under autocast, that tensor itself until the chain's last step has run: a forward may cast it to that
         # Linear's weight dtype on the way (T5's `wo`), after which nothing else holds it
@@ -344,11 +347,15 @@ class ChainHead(Patch):
     @opaque_to_compile  # opaque to torch.compile: the op draws its dropout stream in Python
     def __call__(self, x):
         hook, kind = hooked(self.steps)
-        change = changed(self.steps, self.settings) if hook is None else None
+        change = None
+        if hook is None:
+            change = changed([*self.steps, *(m for _, m in self.inline_hosts)], self.settings)
         self.unfused = hook is not None or change is not None
         if self.unfused:
             i = next(i for i, m in enumerate(self.steps) if m is hook) if hook is not None else change[0]
-            where = self.paths[i] if i < len(self.paths) else type(self.steps[i]).__name__
+            n = len(self.steps)
+            where = self.inline_hosts[i - n][0] if i >= n else \
+                self.paths[i] if i < len(self.paths) else type(self.steps[i]).__name__
             what = f"the {self.pattern} chain at `{self.path or '<model>'}`"
             if hook is not None:
                 warn_hooked(self, where, what, kind)
@@ -552,9 +559,11 @@ def install(model: nn.Module, route: Route, op: nn.Module, pattern: str) -> None
         if isinstance(mod.__dict__.get("forward"), Patch):
             raise ValueError(f"module {route.carriers[mods.index(mod)]!r} is already rewritten by another chain")
     if route.kind == "chain":
-        head = mods[0].__dict__["forward"] = ChainHead(mods[0], op, mods, pattern, route.carriers[0],
-                                                           route.carriers)
         after = route.after or ("",) * len(mods)
+        hosts = dict.fromkeys(a.rpartition(".")[0] for a in after if a)  # whose forward runs an identity step
+        head = mods[0].__dict__["forward"] = ChainHead(mods[0], op, mods, pattern, route.carriers[0],
+                                                           route.carriers,
+                                                           tuple((p, model.get_submodule(p)) for p in hosts))
         for mod, path, inline in zip(mods[1:], route.carriers[1:], after[1:]):
             mod.__dict__["forward"] = PassThrough(mod, head, path, inline)
     elif route.kind == "whole":
