@@ -48,14 +48,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from opsnn_lab._hooks import hooks_in_effect
-from opsnn_lab._randomness import streams_made
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.graph import arg
 from opsnn_lab.fusion.patterns import Match, op_name, pattern_of
 from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace, tensor_version
 
 __all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches", "CONSTANT", "hooked", "warn_hooked",
-           "qualified", "settings", "changed", "warn_changed"]
+           "qualified", "settings", "changed", "drifted", "warn_changed"]
 
 CONSTANT = "_opsnn_constant_"  # the prefix of a constant tensor a rewritten region's code reads from the region
 
@@ -226,18 +225,29 @@ class Patch:
         if op.training != self.host.training:  # model.train()/eval() set the host's flag
             op.train(self.host.training)
 
-    def _modules_now(self, key, paths) -> list[nn.Module]:
-        """The submodules of ``host`` at ``paths`` (relative to it), found again once a counter stream was made
-        anywhere since: ``make_reproducible`` swaps a Dropout for its counter twin in place, and hooks or settings
-        are then the twin's."""
-        made, found = self.__dict__.get("_found", (-1, {}))
-        if made != streams_made():
-            made, found = streams_made(), {}
-            self.__dict__["_found"] = (made, found)
+    def _modules_now(self, key, paths) -> list[nn.Module | None]:
+        """The modules now at ``paths`` (from ``host``; None where nothing is), each read from its parent's children
+        (~0.1 us): a module put in place of one after fusion (a LoRA wrapper, ``make_reproducible``'s counter twin
+        of a Dropout) is the one returned, and a replaced parent shows at its own path."""
+        found = self.__dict__.setdefault("_found", {})
         if key not in found:
-            # (a patch pickled before it held paths holds the modules themselves)
-            found[key] = [p if isinstance(p, nn.Module) else self.host.get_submodule(p) for p in paths]
-        return found[key]
+            found[key] = [self._parent_of(p) for p in paths]
+        return [held if name is None else held._modules.get(name) if held is not None else None
+                for held, name in found[key]]
+
+    def _parent_of(self, path) -> tuple:
+        if isinstance(path, nn.Module):  # a patch pickled before it held paths holds the modules themselves
+            return path, None
+        parent, _, name = path.rpartition(".")
+        try:
+            return self.host.get_submodule(parent), name
+        except AttributeError:
+            return None, name
+
+    def _where(self, paths, i: int) -> str:
+        """The qualified name of module ``i`` of ``[host, *paths]``."""
+        path = self.__dict__.get("path", "")
+        return path if i == 0 else ".".join(p for p in (path, str(paths[i - 1])) if p)
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_found"}  # found again after a load
@@ -290,6 +300,17 @@ def settings(modules, ops=()) -> tuple:
                  if k != "training" and not k.startswith(("_", "rng_")) and _plain(v) and (id(m), k) not in live)
 
 
+def drifted(modules, recorded, recorded_settings) -> tuple[int, str] | None:
+    """What makes fused code stale for ``modules`` (found now where ``recorded`` were at fusion): the first one
+    replaced since (``make_reproducible``'s counter twin of a Dropout aside): its index and ``"replaced by a
+    `LoraLinear`"``; else the first setting changed (``changed``)."""
+    for i, (old, new) in enumerate(zip(recorded, modules)):
+        if new is not old and not (isinstance(old, nn.Dropout) and hasattr(new, "next_draw")):
+            return i, f"replaced by {'a `' + type(new).__name__ + '`' if new is not None else 'nothing'}"
+    change = changed(modules, recorded_settings)
+    return None if change is None else (change[0], f"a setting changed: {change[1]}")
+
+
 def changed(modules, recorded) -> tuple[int, str] | None:
     """The first setting in ``recorded`` (from ``settings(modules)``) that ``modules`` no longer hold: the
     module's index and ``"p 0.5 -> 0.0"``; None when all hold (~0.1 us each)."""
@@ -301,14 +322,13 @@ def changed(modules, recorded) -> tuple[int, str] | None:
 
 
 def warn_changed(patch: Patch, where: str, what: str, change: str) -> None:
-    """Say once per patch that a setting changed after fusion makes ``what`` run unfused."""
+    """Say once per patch that a module changed after fusion (``drifted``) makes ``what`` run unfused."""
     if patch.__dict__.get("warned_changed"):
         return
     patch.warned_changed = True
-    warnings.warn(f"opsnn_lab.fusion: a setting of `{where or '<model>'}` changed after {what} was fused ({change}), "
-                  "and the fused code holds the old value; it runs unfused (each module's own forward, with the new "
-                  "value) while the setting differs, and saves no memory. Fusing again fuses it as it is now",
-                  RuntimeWarning, stacklevel=4)
+    warnings.warn(f"opsnn_lab.fusion: `{where or '<model>'}` changed after {what} was fused ({change}), and the "
+                  "fused code holds it as it was; it runs unfused (each module's own forward, as it is now) while "
+                  "that holds, and saves no memory. Fusing again fuses it as it is now", RuntimeWarning, stacklevel=4)
 
 
 def qualified(host: nn.Module, path: str, module: nn.Module) -> str:
@@ -360,7 +380,7 @@ class ChainHead(Patch):
             if hook is not None:
                 warn_hooked(self, where, what, kind)
             else:
-                warn_changed(self, where, what, change[1])
+                warn_changed(self, where, what, f"a setting changed: {change[1]}")
             self.last = self.held = None
             return type(self.host).forward(self.host, x)
         if _defers(self.op, x):
@@ -439,19 +459,21 @@ class WholeForward(Patch):
         super().__init__(host)
         self.op, self.pattern, self.path = op, pattern, path
         self.inner = [n for n, _ in host.named_modules() if n]
-        self.settings = settings([host, *self._modules_now("inner", self.inner)], [op])
+        self.recorded = [host, *self._modules_now("inner", self.inner)]
+        self.settings = settings(self.recorded, [op])
 
     @opaque_to_compile
     def __call__(self, x):
-        modules = [self.host, *self._modules_now("inner", self.__dict__.get("inner", ()))]
-        hook, kind = hooked(modules[1:])
-        change = changed(modules, self.settings) if hook is None else None
-        if hook is not None or change is not None:
+        inner = self.__dict__.get("inner", ())
+        modules = [self.host, *self._modules_now("inner", inner)]
+        hook, kind = hooked(m for m in modules[1:] if m is not None)
+        drift = drifted(modules, self.__dict__.get("recorded", modules), self.settings) if hook is None else None
+        if hook is not None or drift is not None:
             what = f"the {self.pattern} chain at `{self.path}`"
             if hook is not None:
                 warn_hooked(self, qualified(self.host, self.path, hook), what, kind)
             else:
-                warn_changed(self, qualified(self.host, self.path, modules[change[0]]), what, change[1])
+                warn_changed(self, self._where(inner, drift[0]), what, drift[1])
             return type(self.host).forward(self.host, x)
         if _defers(self.op, x):
             return type(self.host).forward(self.host, x)

@@ -30,7 +30,7 @@ from opsnn_lab.fusion.patch import (
     CONSTANT,
     Patch,
     Route,
-    changed,
+    drifted,
     hooked,
     inline_after,
     install,
@@ -155,8 +155,8 @@ class FxForward(Patch):
         self.inlined = {k: _inlined(host, gm) for k, gm in variants.items()}
         # the plain attributes of the region and of those submodules, which the code holds as constants (a dropout's
         # p, a drop path's rate) or a fused op took over: if one changes, this region runs its original forward
-        self.settings = {k: settings([host, *self._modules_now(k, self.inlined[k])], _slot_ops(gm))
-                         for k, gm in variants.items()}
+        self.recorded = {k: [host, *self._modules_now(k, self.inlined[k])] for k in variants}
+        self.settings = {k: settings(self.recorded[k], _slot_ops(gm)) for k, gm in variants.items()}
         # traced without the forward's wrapper (fusion.wrappers): with gradient checkpointing on, the wrapper
         # checkpoints (Hugging Face's layers), so the original runs
         self.unwrapped = any(gm.meta.get("unwrapped") for gm in variants.values())
@@ -178,7 +178,7 @@ class FxForward(Patch):
 
     def __setstate__(self, state):  # a model saved before these fields existed: no rebuild, no hook check
         self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, "unwrapped": False,
-                              "restore_rng": {}, "settings": {}, **state})
+                              "restore_rng": {}, "settings": {}, "recorded": {}, **state})
 
     def _bound(self, args, kwargs):
         bound = bind_call(self.host, (args, kwargs))
@@ -210,16 +210,16 @@ class FxForward(Patch):
 
     def __call__(self, *args, **kwargs):
         gm = self.variants.get(self.host.training)
-        inlined = self._modules_now(self.host.training, self.inlined.get(self.host.training, ()))
-        hook, kind = (None, "") if gm is None else hooked(inlined)
+        paths = self.inlined.get(self.host.training, ())
+        modules = [self.host, *self._modules_now(self.host.training, paths)]
+        hook, kind = (None, "") if gm is None else hooked(m for m in modules[1:] if m is not None)
         if hook is not None:
             warn_hooked(self, qualified(self.host, self.path, hook), f"the region `{self.path or '<model>'}`", kind)
             gm = None
-        change = None if gm is None else changed([self.host, *inlined], self.settings.get(self.host.training, ()))
-        if change is not None:
-            module = ([self.host, *inlined])[change[0]]
-            warn_changed(self, qualified(self.host, self.path, module), f"the region `{self.path or '<model>'}`",
-                         change[1])
+        drift = None if gm is None else drifted(modules, self.recorded.get(self.host.training, modules),
+                                                self.settings.get(self.host.training, ()))
+        if drift is not None:  # a module replaced, or a setting the code holds as a constant changed
+            warn_changed(self, self._where(paths, drift[0]), f"the region `{self.path or '<model>'}`", drift[1])
             gm = None
         if not self.host.training and not torch.is_grad_enabled():
             gm = None  # inference: nothing is saved for a backward, and the original may take a fast path

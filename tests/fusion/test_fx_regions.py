@@ -1079,8 +1079,8 @@ def test_a_setting_the_traced_code_holds_changed_after_fusion_runs_the_original_
     if name == "p" and region == "block":
         assert not said
     else:
-        assert len(said) == 1 and f"a setting of `{where}` changed after the region `{region}` was fused " \
-            f"({name} {old!r} -> {value!r})" in said[0]
+        assert len(said) == 1 and f"`{where}` changed after the region `{region}` was fused (a setting changed: " \
+            f"{name} {old!r} -> {value!r})" in said[0]
     torch.manual_seed(1)
     want = model(x)
     if reproducible or region == "block":  # (unseeded, the encoder's fused MLP draws from its own stream)
@@ -1090,3 +1090,19 @@ def test_a_setting_the_traced_code_holds_changed_after_fusion_runs_the_original_
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         assert activation_bytes(lambda: fused(x)) == fused_bytes
+
+
+def test_a_module_the_traced_code_holds_replaced_after_fusion_runs_the_original_forward():
+    """The fused add + LayerNorm holds ``ln``: a new LayerNorm put in its place went unseen."""
+    torch.manual_seed(0)
+    model, x = AroundRegion(ReadsSettings()).double().train(), seeded(2, 3, 8, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert [d.pattern for d in plan.fused] == ["add_layer_norm"]
+    new = nn.LayerNorm(8, eps=0.5).double()
+    with torch.no_grad():
+        new.weight.uniform_(0.5, 1.5)
+    model.block.ln, fused.block.ln = new, copy.deepcopy(new)
+    with pytest.warns(RuntimeWarning, match=r"`block.ln` changed after the region `block` was fused \(replaced by a "
+                                            r"`LayerNorm`\)"):
+        got = fused(x)
+    torch.testing.assert_close(got, model(x), rtol=1e-12, atol=1e-12)

@@ -467,7 +467,8 @@ def test_a_setting_changed_after_fusion_runs_its_chain_unfused_while_it_differs(
         said = [str(w.message) for w in seen if "changed after" in str(w.message)]
         assert len(said) == (step == 0 and chain is not None), said  # once per chain
         if said:
-            assert f"a setting of `{where}` changed after {chain} was fused ({name} {old!r} -> {value!r})" in said[0]
+            assert f"`{where}` changed after {chain} was fused (a setting changed: {name} {old!r} -> {value!r})" \
+                in said[0]
     if chain is None:
         assert activation_bytes(lambda: fused(x)) == fused_bytes
     for m in (model, fused):
@@ -487,3 +488,32 @@ def test_a_setting_check_ignores_the_stream_state_and_what_train_sets():
         for mode in (True, False, True):
             fused.train(mode)
             fused(seeded(2, 3, 6, 6)).sum().backward()
+
+
+class LowRank(nn.Module):
+    """What a LoRA library puts in place of a Linear: the Linear itself plus a low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank=2):
+        super().__init__()
+        self.base, self.a, self.b = base, nn.Linear(base.in_features, rank, bias=False), nn.Linear(rank,
+                                                                                                    base.out_features)
+
+    def forward(self, x):
+        return self.base(x) + self.b(self.a(x))
+
+
+def test_a_module_replaced_inside_a_module_fused_whole_runs_it_unfused():
+    """``inline`` is fused whole (its op holds fc1's weight): fc1 wrapped afterwards (LoRA applied to the fused
+    model) went unseen, the op computing the old fc1. Now the module runs its own forward, with one warning."""
+    torch.manual_seed(0)
+    model = Net().train()
+    fused, plan = _fused(model)
+    assert isinstance(ol.fusion.patches(fused)["inline"], WholeForward)
+    torch.manual_seed(1)
+    low = LowRank(model.inline.fc1)
+    model.inline.fc1 = low
+    fused.inline.fc1 = LowRank(fused.inline.fc1)
+    fused.inline.fc1.load_state_dict(low.state_dict())
+    with pytest.warns(RuntimeWarning, match=r"`inline.fc1` changed after the linear_gelu_linear chain at "
+                                            r"`inline` was fused \(replaced by a `LowRank`\)"):
+        _same(model, fused, X)
