@@ -46,6 +46,17 @@ def check_tensor(
     return value
 
 
+def first_derivative_only(op: str) -> None:
+    """At the top of a fused op's backward: raise when autograd records that backward to differentiate it again
+    (``create_graph=True``: a gradient penalty, a Hessian-vector product). The hand-written backward has no
+    derivative of its own, and the result would be silently wrong (1.8 apart on a Linear -> GELU -> Linear)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{op} has no second derivative: a gradient of its gradient (create_graph=True: a "
+                           "gradient penalty, a Hessian-vector product) would be wrong. Run that computation "
+                           "unfused: the original model, a copy with ol.fusion.revert(copy), or fuse(model, "
+                           "example, patterns=...) without this op's pattern")
+
+
 def check_positive(name: str, value, *, allow_zero: bool = False, integer: bool = False):
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):

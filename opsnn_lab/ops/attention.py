@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opsnn_lab._checks import check_positive, check_range, check_tensor, check_type, same_device
+from opsnn_lab._checks import check_positive, check_range, check_tensor, check_type, first_derivative_only, same_device
 from opsnn_lab.kernels import rng
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops.dropout import CounterRNG
@@ -125,6 +125,7 @@ class AttentionDropoutFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad, grad_probs=None):
+        first_derivative_only("FusedAttention")
         if grad_probs is not None:
             raise RuntimeError(
                 "a fused attention (FusedAttention, return_probs=True) returns its attention probabilities for "

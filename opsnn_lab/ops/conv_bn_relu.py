@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
-from opsnn_lab._checks import check_tensor, check_type
+from opsnn_lab._checks import check_tensor, check_type, first_derivative_only
 from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, acc_dtype, bn_act_backward, bn_act_forward
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops._activations import activation_of
@@ -200,9 +199,9 @@ class ConvBNActFunction(torch.autograd.Function):
         return _like_input(out, x)
 
     @staticmethod
-    @once_differentiable
     @_amp.no_autocast
     def backward(ctx, grad_out):
+        first_derivative_only("FusedConvBNAct")
         if ctx.empty:
             return _empty_grads(ctx, *ctx.saved_tensors)
         # With a pool, the sentinel-masking pass also moves the gradient to the index's layout.

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opsnn_lab._checks import check_range, check_tensor, check_type, same_device
+from opsnn_lab._checks import check_range, check_tensor, check_type, first_derivative_only, same_device
 from opsnn_lab.kernels.gelu_dropout import act_dropout_bwd, act_dropout_fwd, act_forward
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops._conv_grad import convolution_backward
@@ -95,6 +95,7 @@ class ConvActDropoutConvFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad):
+        first_derivative_only("FusedConvActDropoutConv")
         x, weight1, weight2, h_rows = ctx.saved_tensors
         geo1, geo2, p, seed, offset, act, shape, order, cl, has_b1, has_b2 = ctx.cfg
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]

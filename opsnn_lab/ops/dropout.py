@@ -35,7 +35,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_range, check_tensor, check_type
+from opsnn_lab._checks import check_range, check_tensor, check_type, first_derivative_only
 from opsnn_lab._randomness import functional_seed, stream_made
 from opsnn_lab.kernels import rng
 
@@ -185,6 +185,7 @@ class DropoutFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        first_derivative_only("the counter-RNG dropout")
         return apply_mask(grad, *ctx.rng), None, None, None
 
 

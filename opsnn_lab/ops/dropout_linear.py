@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opsnn_lab._checks import check_linear_input, check_range, check_type
+from opsnn_lab._checks import check_linear_input, check_range, check_type, first_derivative_only
 from opsnn_lab.kernels import rng
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops.dropout import CounterRNG, Dropout, _check_numel, _scale, apply_mask
@@ -48,6 +48,7 @@ class DropoutLinearFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad):
+        first_derivative_only("FusedDropoutLinear")
         x, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         g2 = grad.reshape(-1, weight.shape[0])

@@ -33,7 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opsnn_lab._checks import check_choice, check_positive, check_range, check_tensor, check_type, same_device
+from opsnn_lab._checks import (
+    check_choice,
+    check_positive,
+    check_range,
+    check_tensor,
+    check_type,
+    first_derivative_only,
+    same_device,
+)
 from opsnn_lab.kernels.fused_linear_cross_entropy import cross_entropy_chunk
 from opsnn_lab.ops import _amp
 
@@ -161,6 +169,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad_loss):
+        first_derivative_only("FusedLinearCrossEntropy")
         go = grad_loss
         if ctx.recompute:
             h2, weight, bias, t, n_valid = ctx.saved_tensors

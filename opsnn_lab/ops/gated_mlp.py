@@ -26,7 +26,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_choice, check_like, check_linear_input, check_range, check_type
+from opsnn_lab._checks import (
+    check_choice,
+    check_like,
+    check_linear_input,
+    check_range,
+    check_type,
+    first_derivative_only,
+)
 from opsnn_lab.kernels.gated_mlp import gated_act_bwd, gated_act_fwd
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops import _mlp_parts as parts
@@ -75,6 +82,7 @@ class GatedMLPFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad):
+        first_derivative_only("FusedGatedMLP")
         x2, w_gate, w_up, w_down, b_gate, b_up, gu = ctx.saved_tensors
         act, p, seed, offset, gate_first = ctx.cfg
         need = ctx.needs_input_grad

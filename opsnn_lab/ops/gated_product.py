@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_choice
+from opsnn_lab._checks import check_choice, first_derivative_only
 from opsnn_lab.kernels.gated_mlp import gated_product_bwd, gated_product_fwd
 from opsnn_lab.ops import _mlp_parts as parts
 
@@ -40,6 +40,7 @@ class GatedProductFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        first_derivative_only("FusedGatedProduct")
         gate, up = ctx.saved_tensors
         dg, du = gated_product_bwd(grad.to(gate.dtype), gate, up, ctx.act)
         need = ctx.needs_input_grad

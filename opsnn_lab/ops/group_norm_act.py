@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_tensor, check_type
+from opsnn_lab._checks import check_tensor, check_type, first_derivative_only
 from opsnn_lab.kernels.bn_act_spec import Act
 from opsnn_lab.kernels.group_norm_act import group_norm_act_backward, group_norm_act_forward
 from opsnn_lab.ops import _amp
@@ -52,6 +52,7 @@ class GroupNormActFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad):
+        first_derivative_only("FusedGroupNormAct")
         x, weight, bias, mean, rstd = ctx.saved_tensors
         groups, act = ctx.cfg
         need = ctx.needs_input_grad

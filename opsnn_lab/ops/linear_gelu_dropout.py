@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_choice, check_range, check_tensor, check_type, same_device
+from opsnn_lab._checks import check_choice, check_range, check_tensor, check_type, first_derivative_only, same_device
 from opsnn_lab.kernels import backend_for
 from opsnn_lab.kernels.gelu_dropout import act_dropout_bwd, act_dropout_fwd, act_forward
 from opsnn_lab.ops import _amp
@@ -98,6 +98,7 @@ class LinearActDropoutFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad):
+        first_derivative_only("the fused Linear -> activation -> Dropout")
         x2, weight, bias, h = ctx.saved_tensors
         p, seed, offset, act, _, transposed = ctx.cfg
         h = _saved_h(ctx, x2, h, weight, bias)
@@ -127,6 +128,7 @@ class LinearActDropoutLinearFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad):
+        first_derivative_only("the fused Linear -> activation -> Dropout -> Linear")
         x2, weight, bias, weight2, bias2, h = ctx.saved_tensors
         p, seed, offset, act, _, transposed = ctx.cfg
         t2 = ctx.transposed2

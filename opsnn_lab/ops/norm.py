@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opsnn_lab._checks import check_tensor, check_type, same_device
+from opsnn_lab._checks import check_tensor, check_type, first_derivative_only, same_device
 from opsnn_lab.kernels._dispatch import forced_backend
 from opsnn_lab.kernels.norm import norm_bwd, norm_bwd_from_output, norm_fwd, output_recoverable, uses_triton
 from opsnn_lab.ops import _amp
@@ -80,6 +80,7 @@ class AddNormFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad_y, grad_sum=None):
+        first_derivative_only("the fused norm")
         saved, mean, rstd, weight, bias = ctx.saved_tensors
         rms, weight_offset, has_bias, has_residual, from_output = ctx.cfg
         need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_like, check_linear_input, check_type
+from opsnn_lab._checks import check_like, check_linear_input, check_type, first_derivative_only
 from opsnn_lab.ops import _amp
 
 __all__ = ["FusedQKV", "QKVFunction"]
@@ -77,6 +77,7 @@ class QKVFunction(torch.autograd.Function):
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, gy):
+        first_derivative_only("FusedQKV")
         x2, wq, wk, wv = ctx.saved_tensors
         need_x, need_wq, need_wk, need_wv, need_bq, need_bk, need_bv = ctx.needs_input_grad
         grad_x = (gy @ _joined([wq, wk, wv])).view(*ctx.lead, x2.shape[1]) if need_x else None
