@@ -118,6 +118,11 @@ def _common_checks(g: Graph, nodes: list[Node]) -> str:
         if n.kind == "module" and n.obj is not None and has_hooks(n.obj):
             return (f"`{n.label}` has a hook of its own (forward, forward-pre or backward): fused, it would be called "
                     "with the fused op's tensors, not the ones it sees in eager; remove the hook to fuse this chain")
+    for n in nodes:  # a forward set on the instance: an earlier fusion's patch, a library's wrapper (accelerate's)
+        if n.kind == "module" and n.obj is not None and "forward" in n.obj.__dict__:
+            return (f"`{n.label}` has a forward of its own set on the instance (this model was fused before, or a "
+                    "library wraps that module's forward), which fusing would replace; fuse the model before that, "
+                    "or `ol.fusion.revert(model)` first to plan it anew")
     for n in nodes:  # its weight is computed at each access (weight_norm, spectral_norm): the ops take Parameters
         if n.kind == "module" and n.obj is not None and parametrize.is_parametrized(n.obj):
             return (f"`{n.label}` has a parametrization ({', '.join(n.obj.parametrizations)}: weight_norm, "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import io
 import warnings
@@ -517,3 +518,39 @@ def test_a_module_replaced_inside_a_module_fused_whole_runs_it_unfused():
     with pytest.warns(RuntimeWarning, match=r"`inline.fc1` changed after the linear_gelu_linear chain at "
                                             r"`inline` was fused \(replaced by a `LowRank`\)"):
         _same(model, fused, X)
+
+
+def test_fusing_a_fused_model_again_keeps_its_fusion_and_touches_no_patched_module():
+    """Running a notebook's fuse cell twice: the second analysis saw the patched modules' chains again and raised
+    ("module 'attn.k' is already rewritten by another chain"). Now such a chain is declined, saying why, and the
+    copy keeps the first fusion."""
+    torch.manual_seed(0)
+    model = Net().train()
+    fused, plan = _fused(model)
+    again, plan2 = ol.fusion.fuse(fused, X)
+    assert not plan2.fused
+    reasons = [d.reason for d in plan2.decisions]
+    assert any("has a forward of its own set on the instance (this model was fused before" in r for r in reasons)
+    assert set(ol.fusion.patches(again)) == set(ol.fusion.patches(fused))
+    _same(model, again, X)
+    assert activation_bytes(lambda: again(X)) == activation_bytes(lambda: fused(X))
+
+
+def test_a_forward_a_library_set_on_the_instance_is_not_replaced():
+    """A library's hook (accelerate's ``add_hook_to_module``) sets ``module.forward`` on the instance; fusing replaced
+    it with the fused op's patch, so the hook's work (moving tensors between devices) silently stopped."""
+    torch.manual_seed(0)
+    model = Net().train()
+    calls = []
+
+    def hooked_forward(module, x):
+        calls.append(1)
+        return type(module).forward(module, x)
+
+    model.chain.fc1.forward = functools.partial(hooked_forward, model.chain.fc1)  # as accelerate binds it
+    fused, plan = _fused(model)
+    mlp = next(d for d in plan.decisions if d.modules[0] == "chain.fc1")
+    assert not mlp.fused and "`chain.fc1` has a forward of its own set on the instance" in mlp.reason
+    calls.clear()
+    _same(model, fused, X)
+    assert len(calls) == 2  # the eager model's call and the fused copy's
