@@ -25,7 +25,7 @@ from opsnn_lab.fusion.patterns import (
 )
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.regions import Region, find_regions, library_hooks
-from opsnn_lab.fusion.runtime import RuntimeTrace, own_dtypes, trace_runtime
+from opsnn_lab.fusion.runtime import RuntimeTrace, buffers_kept, own_dtypes, trace_runtime
 
 __all__ = ["analyze", "Analysis", "split_inputs", "check_patterns"]
 
@@ -400,14 +400,9 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     # The model itself runs (a deep copy of BERT-base costs more than its forward); every mode flag, every
     # buffer (BatchNorm running stats) and the global RNG are restored afterwards.
     flags = {m: m.training for m in model.modules()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    restore = buffers_kept(model)
     streams = _dropout_streams(model)
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-
-    def restore() -> None:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
 
     try:
         with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs), \

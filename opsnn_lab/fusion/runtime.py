@@ -133,6 +133,19 @@ def _held_tensors(value, depth: int = 0):
             yield from _held_tensors(v, depth + 1)
 
 
+def buffers_kept(model: nn.Module):
+    """A function putting every buffer of ``model`` back as it is now: running the model's code to analyse or rewrite
+    it moves BatchNorm statistics, a spectral norm's power iteration, counts."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+    return restore
+
+
 @contextlib.contextmanager
 def own_dtypes(model: nn.Module, *values):
     """Autocast off on every device the model and ``values`` live on (and the CPU): inside, a forward, a probe
