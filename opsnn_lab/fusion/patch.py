@@ -244,6 +244,20 @@ class Patch:
         except AttributeError:
             return None, name
 
+    def _stale(self, key, paths, recorded, recorded_settings, what: str) -> bool:
+        """Whether the fused code must not run now: a module it runs inline (``host`` and those at ``paths``) has a
+        hook (``hooked``), or was replaced or had a setting changed since fusion (``drifted``, against
+        ``recorded`` - None for a patch pickled before it kept them - and ``recorded_settings``); says so once."""
+        modules = [self.host, *self._modules_now(key, paths)]
+        hook, kind = hooked(m for m in modules[1:] if m is not None)
+        if hook is not None:
+            warn_hooked(self, qualified(self.host, self.path, hook), what, kind)
+            return True
+        drift = drifted(modules, recorded or modules, recorded_settings)
+        if drift is not None:
+            warn_changed(self, self._where(paths, drift[0]), what, drift[1])
+        return drift is not None
+
     def _where(self, paths, i: int) -> str:
         """The qualified name of module ``i`` of ``[host, *paths]``."""
         path = self.__dict__.get("path", "")
@@ -464,18 +478,8 @@ class WholeForward(Patch):
 
     @opaque_to_compile
     def __call__(self, x):
-        inner = self.__dict__.get("inner", ())
-        modules = [self.host, *self._modules_now("inner", inner)]
-        hook, kind = hooked(m for m in modules[1:] if m is not None)
-        drift = drifted(modules, self.__dict__.get("recorded", modules), self.settings) if hook is None else None
-        if hook is not None or drift is not None:
-            what = f"the {self.pattern} chain at `{self.path}`"
-            if hook is not None:
-                warn_hooked(self, qualified(self.host, self.path, hook), what, kind)
-            else:
-                warn_changed(self, self._where(inner, drift[0]), what, drift[1])
-            return type(self.host).forward(self.host, x)
-        if _defers(self.op, x):
+        if self._stale("inner", self.__dict__.get("inner", ()), self.__dict__.get("recorded"), self.settings,
+                       f"the {self.pattern} chain at `{self.path}`") or _defers(self.op, x):
             return type(self.host).forward(self.host, x)
         self._sync(self.op)
         return self.op(x)

@@ -30,15 +30,10 @@ from opsnn_lab.fusion.patch import (
     CONSTANT,
     Patch,
     Route,
-    drifted,
-    hooked,
     inline_after,
     install,
-    qualified,
     revert,
     settings,
-    warn_changed,
-    warn_hooked,
 )
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.patterns_blocks import norm_verdicts
@@ -53,7 +48,7 @@ from opsnn_lab.fusion.regions import (
     signature,
     trace_region,
 )
-from opsnn_lab.fusion.runtime import flatten_tensors, graph_free_memo, own_dtypes
+from opsnn_lab.fusion.runtime import buffers_kept, flatten_tensors, graph_free_memo, own_dtypes
 from opsnn_lab.fusion.specialise import GUARDS, SpecialisationMiss, writes_in_place
 from opsnn_lab.fusion.tracer import apply_function, kwargs_values
 
@@ -210,16 +205,10 @@ class FxForward(Patch):
 
     def __call__(self, *args, **kwargs):
         gm = self.variants.get(self.host.training)
-        paths = self.inlined.get(self.host.training, ())
-        modules = [self.host, *self._modules_now(self.host.training, paths)]
-        hook, kind = (None, "") if gm is None else hooked(m for m in modules[1:] if m is not None)
-        if hook is not None:
-            warn_hooked(self, qualified(self.host, self.path, hook), f"the region `{self.path or '<model>'}`", kind)
-            gm = None
-        drift = None if gm is None else drifted(modules, self.recorded.get(self.host.training, modules),
-                                                self.settings.get(self.host.training, ()))
-        if drift is not None:  # a module replaced, or a setting the code holds as a constant changed
-            warn_changed(self, self._where(paths, drift[0]), f"the region `{self.path or '<model>'}`", drift[1])
+        key = self.host.training
+        # a hook on a module the code runs inline, a module replaced, a setting the code holds as a constant changed
+        if gm is not None and self._stale(key, self.inlined.get(key, ()), self.recorded.get(key),
+                                          self.settings.get(key, ()), f"the region `{self.path or '<model>'}`"):
             gm = None
         if not self.host.training and not torch.is_grad_enabled():
             gm = None  # inference: nothing is saved for a backward, and the original may take a fast path
@@ -492,7 +481,7 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     fused = copy.deepcopy(model, graph_free_memo(model))
     # probing and tracing run the copy's code, which may move a buffer (a spectral norm's power iteration): each
     # is put back as the model has it
-    buffers = [(b, b.detach().clone()) for b in fused.buffers()]
+    put_back = buffers_kept(fused)
     with own_dtypes(fused):  # the copy's own Linear subclasses and activations, as analysis found the model's
         probe_modules(fused)
     memo = _copy_memo(model, fused)  # the op of a module-level decision shares the copy's Parameters
@@ -526,7 +515,5 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     from opsnn_lab.consistency.seed_pool import name_hosts
 
     name_hosts(fused)  # a fused op's absorbed stream, named in ``fused``, is found from a model that wraps it
-    with torch.no_grad():
-        for b, saved in buffers:
-            b.copy_(saved)
+    put_back()
     return fused
