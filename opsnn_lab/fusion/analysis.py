@@ -164,10 +164,13 @@ class Analysis:
         why = why_not.get(m.key, "")
         return f"cannot be rewritten: {why}" if why else "cannot be rewritten here"
 
-    def not_worth(self, m: Match) -> str:
+    def not_worth(self, m: Match, worse: dict | None = None) -> str:
         """Why a rewritable match is not worth fusing where it is ('' when it is): a pattern whose gain is
         memory must save its share of the chain's activation bytes (``Pattern.min_share``), or at least not keep
-        more than eager (``Pattern.never_worse``)."""
+        more than eager (``Pattern.never_worse``); and not keep more beside the plan's other fused chains than
+        unfused there (``worse``: site -> why, from ``_worse_together``)."""
+        if worse and _site(m) in worse:
+            return worse[_site(m)]
         pat = pattern_of(m.pattern)
         if not (pat.min_share or pat.never_worse) or _site(m) not in self.costs:
             return ""
@@ -180,7 +183,8 @@ class Analysis:
         return (f"not fused: saves {saved:,} of its {eager:,} activation bytes here (under {pat.min_share:.0%}); "
                 f"{pat.needs}")
 
-    def decision(self, m: Match, rewritable: dict | None = None, why_not: dict | None = None) -> Decision:
+    def decision(self, m: Match, rewritable: dict | None = None, why_not: dict | None = None,
+                 worse: dict | None = None) -> Decision:
         """``m``'s decision under a plan's routes (default: the analysis's own)."""
         rewritable = self.rewritable if rewritable is None else rewritable
         d = Decision(m.pattern, m.modules, m.ok, m.reason, chain=[n.label for n in m.nodes],
@@ -191,7 +195,7 @@ class Analysis:
             d.fused, d.reason = False, self._not_rewritable(m, self.why_not if why_not is None else why_not)
         elif m.ok:
             d.saved_bytes, d.traffic_bytes = self.costs[_site(m)][:2]  # a declined match shows what it would save
-            why = self.not_worth(m)
+            why = self.not_worth(m, worse)
             if why:
                 d.fused, d.reason = False, why
                 return d
@@ -217,16 +221,56 @@ class Analysis:
                 d.reason += f"; `{path}` runs {n} times per forward, each call this chain: its one rewrite serves all"
         return d
 
-    def _decide(self, patterns, rewritable: dict, why_not: dict) -> list[Decision]:
+    def _decide(self, patterns, rewritable: dict, why_not: dict, worse: dict) -> list[Decision]:
         with torch.random.fork_rng(devices=[]):  # ops may draw a dropout seed when built to validate a chain
-            return [self.decision(m, rewritable, why_not)
+            return [self.decision(m, rewritable, why_not, worse)
                     for m in find_all(self.trace.graph, patterns,
-                                      claims=lambda m: m.key in rewritable and not self.not_worth(m))]
+                                      claims=lambda m: m.key in rewritable and not self.not_worth(m, worse))]
 
     def plan(self, patterns=None) -> FusionPlan:
         patterns = check_patterns(patterns)
-        rewritable, why_not = dict(self.rewritable), dict(self.why_not)
-        decisions = self._decide(patterns, rewritable, why_not)
+        rewritable, why_not, worse = dict(self.rewritable), dict(self.why_not), {}
+        decisions = self._settle(patterns, rewritable, why_not, worse)
+        for _ in range(len(decisions)):  # one chain declined a round, the worst first: the others' costs change
+            declined = self._worse_together(decisions)
+            if not declined:
+                break
+            worse.update(declined)
+            decisions = self._settle(patterns, rewritable, why_not, worse)
+        total = sum(dict((k, b) for _, k, b in self.trace.saved).values())
+        together = total - self.cost.fused_total([(d.key, tuple(d.nodes)) for d in decisions if d.fused])
+        return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
+                          graph=graph_data(self.trace), saved_together=together,
+                          not_analysed=dict(self.not_analysed), _analysis=self)
+
+    def _worse_together(self, decisions: list[Decision]) -> dict:
+        """The fused chain of a memory pattern (``min_share`` / ``never_worse``) that keeps the most activation
+        bytes beside the other fused chains, more than the plan keeps with it unfused, as {site: why}; {} if none.
+        Alone it saved enough, but what it shares with another op changes: an attention core reading views of a
+        packed QKV output keeps that whole buffer alive where eager's projections keep three tensors."""
+        sites = [(d.key, tuple(d.nodes)) for d in decisions if d.fused]
+        held = self.cost.fused_total(sites)
+        worst = None
+        for d, site in zip([d for d in decisions if d.fused], sites):
+            pat = pattern_of(d.pattern)
+            if not (pat.min_share or pat.never_worse):
+                continue
+            others = [s for s in sites if s != site]
+            extra = held - self.cost.fused_total(others)
+            if extra > 0 and (worst is None or extra > worst[0]):
+                worst = (extra, d, site, others)
+        if worst is None:
+            return {}
+        extra, d, site, others = worst
+        alone = [s for s in others if self.cost.fused_total([site, s]) > self.cost.fused_total([s])]
+        beside = ", ".join(f"{p} ({', '.join(mods)})" for (p, mods), _ in alone) or "the other fused chains"
+        return {site: (f"not fused: beside the fused {beside} it would keep {extra:,} activation bytes more than "
+                       f"unfused there (alone it saves {d.saved_bytes:,}): what one op keeps holds a storage the other "
+                       "would let go (a saved view keeps its whole buffer alive)")}
+
+    def _settle(self, patterns, rewritable: dict, why_not: dict, worse: dict) -> list[Decision]:
+        """The decisions once every rewritten key's call sites agree (see below)."""
+        decisions = self._decide(patterns, rewritable, why_not, worse)
         # A rewrite serves every call site of its key: a patch of a shared module runs at each call; the fx rewrite
         # takes each site that matches there and that no other planned chain holds, so a site declined for its
         # bytes would be fused too. Where one site is fused and another is not, the key goes to its fx route when
@@ -238,7 +282,7 @@ class Analysis:
                 if not others or len(others) == len(sites):
                     continue
                 overlaps = all(d.reason.startswith("overlaps the fused ") for d in others)
-                declined = next((d.reason for d in others if d.reason.startswith("not fused: saves")), "")
+                declined = next((d.reason for d in others if d.reason.startswith(_FOR_BYTES)), "")
                 if rewritable[key].startswith("module:") or declined:
                     split[key] = (overlaps, declined or others[0].reason)
             if not split:
@@ -253,12 +297,11 @@ class Analysis:
                     f"{', '.join(f'`{p}`' for p in m.modules)} run at several call sites and"
                 why_not[key] = (f"{where} its rewrite ({route}) changes every call, but one is not fused ({why}); to "
                                 f"fuse the others alone, call opsnn_lab.ops.{op_name(m)} there")
-            decisions = self._decide(patterns, rewritable, why_not)
-        total = sum(dict((k, b) for _, k, b in self.trace.saved).values())
-        together = total - self.cost.fused_total([(d.key, tuple(d.nodes)) for d in decisions if d.fused])
-        return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
-                          graph=graph_data(self.trace), saved_together=together,
-                          not_analysed=dict(self.not_analysed), _analysis=self)
+            decisions = self._decide(patterns, rewritable, why_not, worse)
+        return decisions
+
+
+_FOR_BYTES = ("not fused: saves", "not fused: beside")  # a site declined for its bytes (not_worth, _worse_together)
 
 
 def _innermost(regions: list[Region], route: str, m: Match, holds) -> Region | None:
