@@ -13,6 +13,7 @@ _EXPORTS = {
     "FusedSlot": "rewrite",
     "revert": "patch",
     "patches": "patch",
+    "repack": "patch",
     "fuse": "api",
     "measure": "measurement",  # the module is not named `measure`: importing it would shadow the function
     "Measurement": "measurement",

@@ -54,7 +54,8 @@ from opsnn_lab.fusion.patterns import Match, op_name, pattern_of
 from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace, tensor_version
 
 __all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches", "CONSTANT", "hooked", "warn_hooked",
-           "qualified", "settings", "changed", "drifted", "warn_changed"]
+           "qualified", "settings", "changed", "drifted", "warn_changed", "fused_ops", "repack",
+           "RepackAfterApply"]
 
 CONSTANT = "_opsnn_constant_"  # the prefix of a constant tensor a rewritten region's code reads from the region
 
@@ -220,6 +221,11 @@ class Patch:
         (``Pattern.keeps_rank``); a module that passes on what its chain's head computed says True."""
         pattern = self.__dict__.get("pattern")
         return pattern is not None and pattern_of(pattern).keeps_rank
+
+    def ops(self) -> list[nn.Module]:
+        """The fused ops this patch runs."""
+        op = self.__dict__.get("op")
+        return [op] if op is not None else []
 
     def _sync(self, op: nn.Module) -> None:
         if op.training != self.host.training:  # model.train()/eval() set the host's flag
@@ -574,6 +580,9 @@ class QKVMember(Patch):
     def keeps_rank(self) -> bool:
         return True  # a Linear's output, from the packed projection
 
+    def ops(self) -> list[nn.Module]:
+        return [self.core.op]
+
     def __call__(self, x):
         return self.core.get(self.index, x, self.host)
 
@@ -612,10 +621,51 @@ def patches(model: nn.Module) -> dict[str, Patch]:
 
 def revert(model: nn.Module) -> nn.Module:
     """Remove every module-level patch (in place): each module runs its class's forward again. The constants a
-    rewritten region's code read (``rewrite._keep_constants``) go with it."""
+    rewritten region's code read (``rewrite._keep_constants``) and the repack after conversion (packing.py) go
+    with it."""
     for m in model.modules():
         if isinstance(m.__dict__.get("forward"), Patch):
             del m.__dict__["forward"]
+        if isinstance(m.__dict__.get("_apply"), RepackAfterApply):
+            del m.__dict__["_apply"]
         for name in [k for k in m.__dict__ if k.startswith(CONSTANT)]:
             del m.__dict__[name]
     return model
+
+
+def fused_ops(model: nn.Module) -> list[nn.Module]:
+    """Every fused op the patches of ``model`` run, once each."""
+    ops: dict[int, nn.Module] = {}
+    for m in model.modules():
+        patch = m.__dict__.get("forward")
+        if isinstance(patch, Patch):
+            ops.update((id(op), op) for op in patch.ops())
+    return list(ops.values())
+
+
+def repack(model: nn.Module) -> int:
+    """Put the weights of each fused op of ``model`` that packs them (``FusedQKV``, ``FusedGatedMLP``) back into
+    one buffer, where they share a dtype and a device; returns how many ops were unpacked before."""
+    moved = [op for op in fused_ops(model) if hasattr(op, "repack") and not op.packed]
+    for op in moved:
+        op.repack()
+    return len(moved)
+
+
+class RepackAfterApply:
+    """Bound as the fused model's ``__dict__["_apply"]`` by ``apply``: the class's ``_apply``, then ``repack``.
+
+    Those ops read their projections' weights from one buffer without a copy (ops/qkv.py). ``model.to(dtype)``,
+    ``.half()``, ``.cuda()`` give every Parameter a tensor of its own, after which each forward and backward
+    concatenated the weights again: correct, and 1.055x the step time of a packed model (a bf16 attention +
+    SwiGLU block, width 1024, 256 tokens, one CPU thread). The buffers are made again once the whole model is
+    converted; a submodule converted alone keeps the copying fallback until ``repack(model)``. A module-level
+    class holding the model, as the forward patches are, so the model pickles and deep-copies with it."""
+
+    def __init__(self, host: nn.Module):
+        self.host = host
+
+    def __call__(self, fn, recurse: bool = True):
+        out = type(self.host)._apply(self.host, fn, recurse)
+        repack(self.host)
+        return out

@@ -29,7 +29,9 @@ from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
 from opsnn_lab.fusion.patch import (
     CONSTANT,
     Patch,
+    RepackAfterApply,
     Route,
+    fused_ops,
     inline_after,
     install,
     revert,
@@ -158,6 +160,9 @@ class FxForward(Patch):
         # a guard comes after a draw (specialise.check_guards): the generators' state is kept at each call and put
         # back before the original forward runs on a miss, so it draws what eager draws
         self.restore_rng = {k: bool(gm.meta.get("restore_rng")) for k, gm in variants.items()}
+
+    def ops(self) -> list[nn.Module]:
+        return [op for gm in self.variants.values() for op in _slot_ops(gm)]
 
     def _streams(self) -> list:
         """The counter streams the region's code may draw from (``_randomness.draw_streams``): found again once
@@ -516,4 +521,6 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
 
     name_hosts(fused)  # a fused op's absorbed stream, named in ``fused``, is found from a model that wraps it
     put_back()
+    if any(hasattr(op, "repack") for op in fused_ops(fused)):  # packed weights: packed again after .to()/.half()
+        fused.__dict__["_apply"] = RepackAfterApply(fused)
     return fused

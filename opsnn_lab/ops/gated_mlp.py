@@ -38,7 +38,7 @@ from opsnn_lab.kernels.gated_mlp import gated_act_bwd, gated_act_fwd
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops import _mlp_parts as parts
 from opsnn_lab.ops.dropout import CounterRNG, Dropout
-from opsnn_lab.ops.qkv import _adjacent, _joined, _joined_bias
+from opsnn_lab.ops.qkv import _adjacent, _joined, _joined_bias, pack
 
 __all__ = ["FusedGatedMLP", "FusedPackedGatedMLP", "GatedMLPFunction"]
 
@@ -254,17 +254,11 @@ class FusedGatedMLP(CounterRNG, nn.Module):
         gate, up, _ = self.linears
         return _adjacent([gate.weight, up.weight])
 
-    @torch.no_grad()
     def repack(self) -> None:
         """Move gate's and up's weights (and biases, if both have one) into one buffer; Parameters keep identity."""
         gate, up, _ = self.linears
         for attr in ("weight", "bias"):
-            params = [getattr(gate, attr), getattr(up, attr)]
-            if any(p is None for p in params) or _adjacent(params):
-                continue
-            buf = torch.cat([p.detach() for p in params])
-            for p, part in zip(params, buf.split([p.shape[0] for p in params])):
-                p.data = part
+            pack([getattr(gate, attr), getattr(up, attr)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.linears

@@ -10,7 +10,8 @@ Parameters is seen at once because it writes into the buffer. ``torch.cat`` per 
 
 Every call checks that the three Parameters still sit back to back in one storage; if something
 re-pointed one of them (``module.to(...)``, ``param.data = ...``), that call falls back to ``torch.cat``
-(correct, one copy), and ``repack()`` restores the zero-copy layout. Gradients come from one GEMM and
+(correct, one copy), and ``repack()`` restores the zero-copy layout (a model ``ol.fusion`` fused does so itself
+after ``.to()``: ``fusion.patch.RepackAfterApply``). Gradients come from one GEMM and
 are handed back as slices of one buffer.
 """
 
@@ -34,6 +35,18 @@ def _adjacent(tensors: list[torch.Tensor]) -> bool:
         ptr += t.numel() * t.element_size()
     base = tensors[0].untyped_storage().data_ptr()
     return all(t.untyped_storage().data_ptr() == base for t in tensors[1:])
+
+
+@torch.no_grad()
+def pack(params: list) -> None:
+    """Move ``params`` into one buffer, rows after rows, and re-point each one's ``.data`` at its slice (the
+    Parameter objects stay). Nothing when one is None, when they are adjacent already, or when they differ in
+    dtype or device (a conversion half done: concatenating would change one's dtype)."""
+    if any(p is None for p in params) or _adjacent(params) or len({(p.dtype, p.device) for p in params}) > 1:
+        return
+    buf = torch.cat([p.detach() for p in params])
+    for p, part in zip(params, buf.split([p.shape[0] for p in params])):
+        p.data = part
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -136,16 +149,10 @@ class FusedQKV(nn.Module):
         """Whether the next forward reads the weights without a copy."""
         return _adjacent([lin.weight for lin in self.linears])
 
-    @torch.no_grad()
     def repack(self) -> None:
         """Move the weights (and biases, if all three have one) into one buffer; Parameters keep identity."""
         for attr in ("weight", "bias"):
-            params = [getattr(lin, attr) for lin in self.linears]
-            if any(p is None for p in params) or _adjacent(params):
-                continue
-            buf = torch.cat([p.detach() for p in params])
-            for p, part in zip(params, buf.split([p.shape[0] for p in params])):
-                p.data = part
+            pack([getattr(lin, attr) for lin in self.linears])
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.linears
