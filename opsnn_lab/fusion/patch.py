@@ -312,12 +312,19 @@ def _plain(v) -> bool:
 def settings(modules, ops=()) -> tuple:
     """``(index, name, value)`` for each setting of ``modules`` that a rewrite may take as it is at fusion: every
     public attribute holding a plain value (a Dropout's ``p``, a norm's ``eps``, a drop path's rate, a
-    ``self.scaling`` that traced code holds as a constant). ``training``, which the patches follow, a counter
-    stream's ``rng_*`` state, and what one of the fused ``ops`` reads at every call (``op.live_settings()``: a
-    BatchNorm's ``momentum``) are not settings."""
+    ``self.scaling`` that traced code holds as a constant); and each Parameter and buffer, the tensor itself: the
+    fused op holds those objects (fx code copies them too), so one put in its place (a new ``nn.Parameter``
+    assigned, ``torch.func.functional_call``'s tensors, a wrapper's flattened views) is not what the op reads.
+    ``training``, which the patches follow, a counter stream's ``rng_*`` state, and what one of the fused ``ops``
+    reads at every call (``op.live_settings()``: a BatchNorm's ``momentum``) are not settings."""
     live = {(id(m), k) for op in ops if hasattr(op, "live_settings") for m, k in op.live_settings()}
-    return tuple((i, k, v) for i, m in enumerate(modules) for k, v in m.__dict__.items()
-                 if k != "training" and not k.startswith(("_", "rng_")) and _plain(v) and (id(m), k) not in live)
+    plain = tuple((i, k, v) for i, m in enumerate(modules) for k, v in m.__dict__.items()
+                  if k != "training" and not k.startswith(("_", "rng_")) and _plain(v) and (id(m), k) not in live)
+    return plain + tuple((i, k, t) for i, m in enumerate(modules) for k, t in _tensors(m) if t is not None)
+
+
+def _tensors(m: nn.Module):
+    return (*m.__dict__.get("_parameters", {}).items(), *m.__dict__.get("_buffers", {}).items())
 
 
 def drifted(modules, recorded, recorded_settings) -> tuple[int, str] | None:
@@ -327,17 +334,24 @@ def drifted(modules, recorded, recorded_settings) -> tuple[int, str] | None:
     for i, (old, new) in enumerate(zip(recorded, modules)):
         if new is not old and not (isinstance(old, nn.Dropout) and hasattr(new, "next_draw")):
             return i, f"replaced by {'a `' + type(new).__name__ + '`' if new is not None else 'nothing'}"
-    change = changed(modules, recorded_settings)
-    return None if change is None else (change[0], f"a setting changed: {change[1]}")
+    return changed(modules, recorded_settings)
 
 
 def changed(modules, recorded) -> tuple[int, str] | None:
     """The first setting in ``recorded`` (from ``settings(modules)``) that ``modules`` no longer hold: the
-    module's index and ``"p 0.5 -> 0.0"``; None when all hold (~0.1 us each)."""
+    module's index and ``"a setting changed: p 0.5 -> 0.0"``; None when all hold (~0.1 us each)."""
     for i, k, v in recorded:
-        now = modules[i].__dict__.get(k, v)  # a twin swapped in without that attribute: not a change
+        m = modules[i]
+        if isinstance(v, torch.Tensor):
+            now = m._parameters[k] if k in m._parameters else m._buffers[k] if k in m._buffers else \
+                m.__dict__.get(k)
+            if now is not v:
+                return i, (f"`{k}` is not the tensor it held at fusion: a tensor put in its place (a new Parameter "
+                           "assigned, torch.func.functional_call) is not what the fused op reads")
+            continue
+        now = m.__dict__.get(k, v)  # a twin swapped in without that attribute: not a change
         if now is not v and now != v:
-            return i, f"{k} {v!r} -> {now!r}"
+            return i, f"a setting changed: {k} {v!r} -> {now!r}"
     return None
 
 
@@ -400,7 +414,7 @@ class ChainHead(Patch):
             if hook is not None:
                 warn_hooked(self, where, what, kind)
             else:
-                warn_changed(self, where, what, f"a setting changed: {change[1]}")
+                warn_changed(self, where, what, change[1])
             self.last = self.held = None
             return type(self.host).forward(self.host, x)
         if _defers(self.op, x):
