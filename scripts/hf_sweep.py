@@ -11,6 +11,7 @@ fusion failure (``stage`` says where a failure happened).
     python scripts/hf_sweep.py --dtype float32 --models Llama,Qwen2,T5
     python scripts/hf_sweep.py --dtype float32 --models all   # + every other causal / masked LM installed
     python scripts/hf_sweep.py --dtype float32 --autocast     # + a bf16 autocast step, fused and eager vs fp32
+    python scripts/hf_sweep.py --dtype float32 --no-cache     # use_cache=False before fusion, as training sets it
 """
 
 from __future__ import annotations
@@ -231,11 +232,15 @@ def unfused_at_run(r: dict):
                 r["ran_unfused"] = sorted(said)
 
 
-def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, running=build_running) -> None:
+def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, running=build_running,
+          no_cache: bool = False) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself).
-    ``running(name, dtype, r)``: the model and its keyword inputs, run once (diffusers_sweep.py hands its own)."""
+    ``running(name, dtype, r)``: the model and its keyword inputs, run once (diffusers_sweep.py hands its own).
+    ``no_cache``: ``use_cache = False`` in the model's configs before fusion (training scripts set it)."""
     with unfused_at_run(r):
         model, inputs = running(name, dtype, r)
+        if no_cache:
+            without_cache(model)
         fused = fuse_recorded(model, inputs, r)
         r["stage"] = "train"
         (outs_a, g_a), (outs_b, g_b) = (_train_step(m, inputs) for m in (model, fused))
@@ -256,6 +261,19 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, runnin
         if autocast:  # last: its updates of BatchNorm running statistics differ between the two models
             autocast_errors(lambda m: _train_step(m, inputs), model, fused, (outs_a, g_a), r)
     del r["stage"]
+
+
+def without_cache(model) -> None:
+    """``use_cache = False`` in every config the model's modules hold that has it (nested ones too)."""
+    seen, todo = set(), [m.config for m in model.modules() if hasattr(m, "config")]
+    while todo:
+        cfg = todo.pop()
+        if id(cfg) in seen or not hasattr(cfg, "to_dict"):
+            continue
+        seen.add(id(cfg))
+        if hasattr(cfg, "use_cache"):
+            cfg.use_cache = False
+        todo.extend(v for v in vars(cfg).values() if hasattr(v, "to_dict"))
 
 
 def model_names(arg: str) -> list[str]:
@@ -313,11 +331,13 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     ap.add_argument("--autocast", action="store_true", help="also a training step under bf16 autocast, eager and "
                     "fused, each against the float32 eager step")
+    ap.add_argument("--no-cache", action="store_true", help="use_cache=False in the configs before fusion")
     args = ap.parse_args(argv)
     if args.autocast and args.dtype != "float32":
         ap.error("--autocast compares with the float32 step: use it with --dtype float32")
     dtype = getattr(torch, args.dtype)
-    run_sweep(model_names(args.models), lambda name, r: check(name, dtype, r, args.autocast), _line, args.out)
+    run_sweep(model_names(args.models), lambda name, r: check(name, dtype, r, args.autocast, no_cache=args.no_cache),
+              _line, args.out)
 
 
 if __name__ == "__main__":

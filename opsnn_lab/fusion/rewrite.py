@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import inspect
 import operator
+import re
 import types
 import warnings
 
@@ -194,18 +195,24 @@ class FxForward(Patch):
 
     def _routes(self, gm) -> list[tuple[str, str, inspect._ParameterKind]]:
         """``(original parameter, traced parameter, its kind)`` per argument of the traced code, made once per
-        variant (two signatures and a filter: ~10 us a call otherwise)."""
+        variant (two signatures and a filter: ~10 us a call otherwise). By name: fx keeps a parameter's name or
+        suffixes it (a specialised ``use_cache`` -> ``use_cache_1``, ``input`` -> ``input_1``); by position only
+        where a name is neither. Positions alone went wrong where fx leaves out a parameter the original has (a
+        keyword-only one: Bart's decoder layers), which fed each specialised value its default instead: a
+        ``use_cache`` specialised False then failed fx's own check (``model.config.use_cache = False``)."""
         routes = self.__dict__.setdefault("_route_cache", {})
         key = self.host.training
         if key not in routes:
             traced = list(signature(type(gm).forward).parameters.items())[1:]
-            # a **kwargs the traced code took as {} or as constants: not an argument of the traced code
-            facts = self.facts.get(key, {})
-            original = [n for n in list(signature(type(self.host).forward).parameters)[1:]
-                        if kwargs_values(facts.get(n, {})) is None]
-            if len(original) != len(traced):
-                original = [name for name, _ in traced]
-            routes[key] = [(source, name, p.kind) for source, (name, p) in zip(original, traced)]
+            names = list(signature(type(self.host).forward).parameters)[1:]
+            by_name = [n if n in names else re.sub(r"_\d+$", "", n) for n, _ in traced]
+            if not set(by_name) <= set(names):
+                # a **kwargs the traced code took as {} or as constants: not an argument of the traced code
+                facts = self.facts.get(key, {})
+                by_name = [n for n in names if kwargs_values(facts.get(n, {})) is None]
+                if len(by_name) != len(traced):
+                    by_name = [name for name, _ in traced]
+            routes[key] = [(source, name, p.kind) for source, (name, p) in zip(by_name, traced)]
         return routes[key]
 
     def __call__(self, *args, **kwargs):

@@ -5,12 +5,14 @@ and the hooks of the submodules whose forwards its code runs inline."""
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import pickle
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import opsnn_lab as ol
@@ -1106,3 +1108,72 @@ def test_a_module_the_traced_code_holds_replaced_after_fusion_runs_the_original_
                                             r"`LayerNorm`\)"):
         got = fused(x)
     torch.testing.assert_close(got, model(x), rtol=1e-12, atol=1e-12)
+
+
+def _renamed_keyword(fn):
+    """A decorator as transformers' ``deprecate_kwarg(..., expose_in_signature=True)``: the wrapper's signature
+    shows a keyword-only ``past`` (the old name of ``cache``) that the wrapped function does not have."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, past=None, **kwargs):
+        if past is not None:
+            kwargs["cache"] = past
+        return fn(self, *args, **kwargs)
+
+    params = list(inspect.signature(fn).parameters.values())
+    wrapper.__signature__ = inspect.signature(fn).replace(
+        parameters=[*params, inspect.Parameter("past", inspect.Parameter.KEYWORD_ONLY, default=None)])
+    return wrapper
+
+
+class RenamedKeywordLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    @_renamed_keyword
+    def forward(self, x, extra=None, cache=None, use_cache: bool = True):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        return h * 2 if use_cache else h
+
+
+class CallsWithoutCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = RenamedKeywordLayer()
+
+    def forward(self, x):
+        if float(x.abs().sum()) > 1e9:  # data-dependent: fx cannot trace this forward, the layer is the region
+            x = x / 2
+        return self.layer(x, None, cache=None, use_cache=False)
+
+
+def test_a_specialised_argument_reaches_the_traced_code_by_name_when_the_signatures_differ_in_length():
+    """The region's arguments went to the traced code by position once the original signature had a parameter
+    fx's code lacks (a decorator's keyword-only one: Bart's decoder layers): each specialised value was dropped
+    and the traced code took its default, so ``use_cache`` specialised False failed fx's own check
+    (``AssertionError: use_cache has been specialized to have value False``) on the fused model's first call,
+    for any Bart-family model whose config says ``use_cache=False`` (as training scripts set it)."""
+    torch.manual_seed(0)
+    model, x = CallsWithoutCache().double().train(), seeded(3, 8, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert [d.route for d in plan.fused] == ["fx:layer"]
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)
+    assert activation_bytes(lambda: fused(x)) < activation_bytes(lambda: model(x))
+
+
+def test_mbart_fused_with_use_cache_off_runs_and_matches_eager():
+    """MBart's decoder calls its layers with the keyword the layer's decorator renames (``past_key_values``)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MBartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0, use_cache=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.MBartForCausalLM(cfg).double().train()
+    ids = {"input_ids": torch.randint(3, 64, (2, 7)), "labels": torch.randint(3, 64, (2, 7))}
+    fused, plan = ol.fusion.fuse(model, ids)
+    assert any(d.route == "fx:model.decoder.layers.0" for d in plan.fused)
+    want, got = model(**ids), fused(**ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=1e-12)
