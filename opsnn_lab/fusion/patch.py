@@ -227,9 +227,16 @@ class Patch:
         op = self.__dict__.get("op")
         return [op] if op is not None else []
 
-    def _sync(self, op: nn.Module) -> None:
-        if op.training != self.host.training:  # model.train()/eval() set the host's flag
-            op.train(self.host.training)
+    def _sync(self, op: nn.Module, mode: bool | None = None) -> None:
+        mode = self.host.training if mode is None else mode  # model.train()/eval() set the host's flag
+        if op.training != mode:
+            op.train(mode)
+
+    def _odd_mode(self, modules) -> int | None:
+        """The index of a module in ``modules`` (the host first) whose training flag the fused code does not take:
+        traced code runs every module it inlines in the host's mode (a Dropout set to eval inside a training
+        layer, a frozen BatchNorm); None when all agree."""
+        return next((i for i, m in enumerate(modules) if m is not None and m.training != self.host.training), None)
 
     def _modules_now(self, key, paths) -> list[nn.Module | None]:
         """The modules now at ``paths`` (from ``host``; None where nothing is), each read from its parent's children
@@ -260,6 +267,9 @@ class Patch:
             warn_hooked(self, qualified(self.host, self.path, hook), what, kind)
             return True
         drift = drifted(modules, recorded or modules, recorded_settings)
+        if drift is None:
+            odd = self._odd_mode(modules)
+            drift = None if odd is None else (odd, mode_change(modules, odd))
         if drift is not None:
             warn_changed(self, self._where(paths, drift[0]), what, drift[1])
         return drift is not None
@@ -355,6 +365,29 @@ def changed(modules, recorded) -> tuple[int, str] | None:
     return None
 
 
+_MODAL = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
+
+
+def op_mode(modules) -> tuple[bool, int | None]:
+    """The training flag one fused op of ``modules`` (its host first) runs with: that of the modules whose forward
+    depends on it (a Dropout, a BatchNorm, a counter-based twin: a BatchNorm frozen in eval mode inside a training
+    model keeps its chain fused, in eval mode), else the host's; and the index of the first such module in another
+    mode than the one before (None when they agree: one op cannot run both)."""
+    mode = None
+    for i, m in enumerate(modules):
+        if m is not None and (isinstance(m, _MODAL) or hasattr(m, "next_draw")):
+            if mode is not None and m.training != mode:
+                return mode, i
+            mode = m.training
+    return (modules[0].training if mode is None else mode), None
+
+
+def mode_change(modules, i: int) -> str:
+    """What ``_odd_mode`` / ``op_mode`` found: ``"in eval mode while its host is in training mode"``."""
+    name = {True: "training", False: "eval"}
+    return f"in {name[modules[i].training]} mode, where the fused code runs it in {name[not modules[i].training]} mode"
+
+
 def warn_changed(patch: Patch, where: str, what: str, change: str) -> None:
     """Say once per patch that a module changed after fusion (``drifted``) makes ``what`` run unfused."""
     if patch.__dict__.get("warned_changed"):
@@ -404,6 +437,9 @@ class ChainHead(Patch):
         change = None
         if hook is None:
             change = changed([*self.steps, *(m for _, m in self.inline_hosts)], self.settings)
+        mode, odd = op_mode(self.steps)
+        if change is None and odd is not None:
+            change = (odd, mode_change(self.steps, odd))
         self.unfused = hook is not None or change is not None
         if self.unfused:
             i = next(i for i, m in enumerate(self.steps) if m is hook) if hook is not None else change[0]
@@ -421,7 +457,7 @@ class ChainHead(Patch):
             for step in self.steps:
                 x = type(step).forward(step, x)
         else:
-            self._sync(self.op)
+            self._sync(self.op, mode)
             x = self.op(x)
         self.last = weakref.ref(x) if isinstance(x, torch.Tensor) else None
         self.held = x if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type) else None
@@ -501,8 +537,11 @@ class WholeForward(Patch):
         if self._stale("inner", self.__dict__.get("inner", ()), self.__dict__.get("recorded"), self.settings,
                        f"the {self.pattern} chain at `{self.path}`") or _defers(self.op, x):
             return type(self.host).forward(self.host, x)
-        self._sync(self.op)
+        self._sync(self.op, op_mode([self.host, *self._modules_now("inner", self.inner)])[0])
         return self.op(x)
+
+    def _odd_mode(self, modules) -> int | None:
+        return op_mode(modules)[1]  # one op: the modules whose forward depends on the mode must agree
 
 
 class SDPACallSite(Patch):

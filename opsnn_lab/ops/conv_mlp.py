@@ -202,12 +202,14 @@ class FusedConvActDropoutConv(CounterRNG, nn.Module):
             if x.dtype != w1.dtype:
                 raise TypeError(f"x has dtype {x.dtype} but the weights are {w1.dtype}; cast one of them")
             same_device(weight=w1, x=x)
-            if not self.training:
+            if not self.training and not torch.is_grad_enabled():  # nothing to save: plain ops
                 return _plain(self.geometry, x, w1, b1, w2, b2, self.act)
-            seed, offset = self.next_draw(x)
+            # eval with grad (a Dropout switched off in a training model): the fused op without a draw
+            seed, offset = self.next_draw(x) if self.training else (0, 0)
             if x.numel() == 0:  # nothing to drop; the draw still counts as a step (the dropout contract)
                 return _plain(self.geometry, x, w1, b1, w2, b2, self.act)
-            return ConvActDropoutConvFunction.apply(x, w1, b1, w2, b2, geo1, geo2, self.p, seed, offset, self.act)
+            p = self.p if self.training else 0.0
+            return ConvActDropoutConvFunction.apply(x, w1, b1, w2, b2, geo1, geo2, p, seed, offset, self.act)
 
     def extra_repr(self) -> str:
         conv1, conv2 = self.convs

@@ -197,6 +197,8 @@ class _FusedActBase(CounterRNG, nn.Module):
                            self.act).view(*x.shape[:-1], self.hidden_features)
 
     def _draw(self, x):
+        if not self.training:  # eval with grad (a Dropout switched off in a training model): no draw, no mask
+            return 0.0, 0, 0, self.act, self.recompute, self.transposed
         seed, offset = self.next_draw(x)
         return self.p, seed, offset, self.act, self.recompute, self.transposed
 
@@ -253,7 +255,7 @@ class FusedLinearActDropout(_FusedActBase):
         with _amp.region(x) as cast:  # under autocast: its matmul casts, autocast off inside
             x, weight, bias = cast(x, self.weight, self.bias)
             _check_input(x, weight, self.in_features)
-            if not self.training:
+            if not self.training and not torch.is_grad_enabled():  # nothing to save: plain ops
                 return self._first(x, weight, bias)
             return _unflatten(LinearActDropoutFunction.apply(x, weight, bias, *self._draw(x)), x)
 
@@ -345,7 +347,7 @@ class FusedLinearActDropoutLinear(_FusedActBase):
         with _amp.region(x) as cast:
             x, weight, bias, weight2, bias2 = cast(x, self.weight, self.bias, self.weight2, self.bias2)
             _check_input(x, weight, self.in_features)
-            if not self.training:
+            if not self.training and not torch.is_grad_enabled():  # nothing to save: plain ops
                 h = self._first(x, weight, bias)
                 y = parts.linear2d(h.reshape(-1, h.shape[-1]), weight2, bias2, self.transposed2)
                 return y.view(*x.shape[:-1], self.out_features)

@@ -121,6 +121,19 @@ def test_empty_batch_draws_a_step_and_eval_mode_draws_none():
     assert_close_dtype(fused(x), _eager(convs, "silu")(x)) and fused.rng_step == 1
 
 
+def test_eval_mode_with_grad_runs_the_fused_op_without_a_draw():
+    convs = _convs()
+    fused, eager = _fused(convs, "gelu", 0.3).eval(), _eager(convs, "gelu")  # eager: the chain without dropout
+    x = seeded(2, 6, 4, 4, seed=5, requires_grad=True)
+    out, grads = run_fwd_bwd(fused, [x], _params(convs))
+    ref, ref_grads = run_fwd_bwd(eager, [x], _params(convs))
+    assert_close_dtype(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert_close_dtype(g, r)
+    assert fused.rng_step == 0
+    assert activation_bytes(lambda: fused(x)) < activation_bytes(lambda: eager(x))
+
+
 def test_an_already_counter_based_dropout_lends_its_stream():
     from opsnn_lab.ops import Dropout
 

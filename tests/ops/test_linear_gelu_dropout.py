@@ -95,6 +95,25 @@ def test_eval_mode_is_deterministic_and_matches_eager(chain):
 
 
 @pytest.mark.parametrize("chain", CHAINS)
+def test_eval_mode_with_grad_runs_the_fused_op_without_a_draw(chain):
+    """Eval with grad (a Dropout switched off in a training model, which ``ol.fusion`` runs the op in): the fused
+    op without dropout, so it keeps its bytes, instead of the plain ops; no draw, eager's values and gradients."""
+    mods = _modules(p=0.5)
+    fc1, gelu, drop, fc2 = mods
+    eager = (nn.Sequential(fc1, gelu, drop, fc2) if chain == "mlp" else nn.Sequential(fc1, gelu, drop)).eval()
+    fused = _fused(chain, mods).eval()
+    x = seeded(4, 16, seed=3, requires_grad=True)
+    out, grads = run_fwd_bwd(fused, [x], _params(chain, mods))
+    ref, ref_grads = run_fwd_bwd(eager, [x], _params(chain, mods))
+    assert_close_dtype(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert_close_dtype(g, r)
+    assert fused.rng_step == 0
+    fused_bytes, eager_bytes = activation_bytes(lambda: fused(x)), activation_bytes(lambda: eager(x))
+    assert fused_bytes < eager_bytes if chain == "mlp" else fused_bytes == eager_bytes  # alone: x and the GEMM's out
+
+
+@pytest.mark.parametrize("chain", CHAINS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_within_twice_eager_error(chain, dtype):
     mods64 = _modules(p=0.25, dtype=torch.float64)
