@@ -292,6 +292,15 @@ def _inlined(host: nn.Module, gm) -> list[str]:
     return out
 
 
+def _variant(m: Match) -> tuple:
+    """What a match's op is built from beyond its modules: one op serves the calls of a module called twice (ALBERT's
+    shared layer: the same settings, one stream), but two chains in one forward that share a key (DiffLlama's two
+    attention cores in one module: the first's probabilities returned, each its own dropout stream) get one each.
+    Sharing one gave the second the first's tuple output, where its code reads a tensor."""
+    return len(m.outputs), tuple(sorted((k, v) for k, v in m.params.items()
+                                        if v is None or isinstance(v, (bool, int, float, str))))
+
+
 def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> int:
     path = route["path"]
     region = model.get_submodule(path) if path else model
@@ -316,12 +325,13 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
             for k, v in keys[m.key].items():  # values fx sees only as formulas (a shape-derived scale), and what
                 if m.params.get(k, v) is None or k == "save_output":  # only the run-time record shows (in place)
                     m.params[k] = v
-            if m.key not in slots:
+            site = (m.key, _variant(m))
+            if site not in slots:
                 op = _name_stream(pattern_of(m.pattern).build(m), m)
-                slots[m.key] = (f"fused_{m.pattern}_{len(slots)}", FusedSlot(op, m.pattern, m.modules))
-                slots[m.key][1].train(region.training)
-                region.add_module(*slots[m.key])
-            name, slot = slots[m.key]
+                slots[site] = (f"fused_{m.pattern}_{len(slots)}", FusedSlot(op, m.pattern, m.modules))
+                slots[site][1].train(region.training)
+                region.add_module(*slots[site])
+            name, slot = slots[site]
             gm.add_submodule(name, slot)
             _rewrite(gm, g, m, name, moved)
             done += training
@@ -519,7 +529,7 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
                     raise ValueError(f"plan region {region!r} cannot be rewritten in this model "
                                      f"({type(exc).__name__}: {exc}); was the plan made for this model?") from exc
                 _leave_unfused(fused, plan, routes[region], slots, before, exc)
-    missing = {d.key for d in plan.decisions if d.fused and d.route.startswith("fx:")} - set(slots)
+    missing = {d.key for d in plan.decisions if d.fused and d.route.startswith("fx:")} - {k for k, _ in slots}
     if missing:
         raise ValueError(f"plan decisions not found in this model: {sorted(missing)[:3]}")
     if list(fused.state_dict()) != list(model.state_dict()):

@@ -1177,3 +1177,58 @@ def test_mbart_fused_with_use_cache_off_runs_and_matches_eager():
     want, got = model(**ids), fused(**ids)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=1e-12)
+
+
+def _attend(q, k, v, training, p):
+    """Eager attention code as Hugging Face writes it: the output and the probabilities."""
+    probs = torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1)
+    probs = F.dropout(probs, p, training)
+    return probs @ v, probs
+
+
+class TwoCores(nn.Module):
+    """Two attention cores in one forward (DiffLlama's differential attention): one key, two chains; the first
+    call's probabilities are returned, as its weights."""
+
+    def __init__(self, d=16, p=0.0):
+        super().__init__()
+        self.p = p
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (2, -1)).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        o1, p1 = _attend(q, k, v, self.training, self.p)
+        o2, _ = _attend(q, k, 2 * v, self.training, self.p)
+        return self.o((o1 - 0.5 * o2).transpose(1, 2).flatten(2)), p1
+
+
+class DropsTheWeights(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.attn = TwoCores(p=p)
+
+    def forward(self, x):
+        if float(x.abs().sum()) > 1e9:  # data-dependent: fx cannot trace this forward, the layer is the region
+            x = x / 2
+        return self.attn(x)[0]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_two_chains_of_one_key_in_a_region_get_an_op_each(p):
+    """Both cores have the key (attention, the module); the region's rewrite built one op for the key, so the
+    second call got the first's (output, probabilities) tuple where its code reads a tensor (a TypeError; DiffLlama
+    with ``use_cache=False``) and, with dropout, both drew from the first's stream. Each now has its own op."""
+    torch.manual_seed(0)
+    model, x = DropsTheWeights(p).double().train(), seeded(2, 12, 16, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    cores = [d for d in plan.fused if d.pattern == "attention"]
+    assert [(d.route, d.params["rng_name"]) for d in cores] == [("fx:attn", "attn:dropout.0"),
+                                                               ("fx:attn", "attn:dropout.1")]
+    for m in (model, fused):
+        ol.consistency.make_reproducible(m, seed=5)
+    want, got = model(x), fused(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grads = [torch.autograd.grad(out.square().sum(), list(m.parameters())) for out, m in ((want, model), (got, fused))]
+    for g, w in zip(*reversed(grads), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert activation_bytes(lambda: fused(x)) < activation_bytes(lambda: model(x))
