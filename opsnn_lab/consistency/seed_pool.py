@@ -166,6 +166,10 @@ class _ForwardScope:
         self.replay_mode = None  # the mode a checkpoint's recomputation runs under (see push)
 
 
+def _gone():
+    return None
+
+
 class _ReproducibleState:
     """What ``make_reproducible`` attaches to a model: pool, step, seeded modules, hooks."""
 
@@ -193,6 +197,19 @@ class _ReproducibleState:
         new.logs, new.warned = collections.deque(maxlen=_KEPT_FORWARDS), set()
         new.handles = copy.deepcopy(self.handles, memo)
         return new
+
+    def __getstate__(self):
+        """Pickled with the model (``torch.save(model)``): the model itself in place of the weak reference, which
+        does not pickle; what a running forward holds starts afresh."""
+        return {"pool": self.pool, "step": self.step, "functional": self.functional, "model": self.model_ref(),
+                "handles": self.handles}
+
+    def __setstate__(self, state):
+        state = dict(state)
+        model = state.pop("model")
+        self.__dict__.update(state)
+        self.model_ref = weakref.ref(model) if model is not None else _gone
+        self.local, self.logs, self.warned = _ForwardScope(), collections.deque(maxlen=_KEPT_FORWARDS), set()
 
     # -- hooks (bound methods, so a deep copy of the model calls its own state) -----------------
     def pre_hook(self, module, args) -> None:
@@ -426,7 +443,8 @@ def make_reproducible(model: nn.Module, seed: int | SeedPool = 0, *, functional:
     _install_hooks(model, state)
     # plain attributes (not submodules, not buffers): the state_dict is unchanged
     object.__setattr__(model, "_opsnn_reproducible", state)
-    object.__setattr__(model, "set_step", lambda step: set_step(model, step))
+    # a partial, not a closure: it pickles with the model, and a deep copy's acts on the copy
+    object.__setattr__(model, "set_step", functools.partial(set_step, model))
     for name, module in link_streams(state.seeded_modules()):  # seeded already, for calls outside a forward
         module.set_rng(pool.seed_for(name, 0), 0)
     return model

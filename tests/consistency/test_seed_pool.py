@@ -1,3 +1,5 @@
+import copy
+import io
 import os
 import subprocess
 import sys
@@ -147,6 +149,26 @@ def test_step_advances_per_training_forward_only_and_set_step_rewinds():
     assert torch.equal(model(ids), first)
     set_step(model, 1)
     assert torch.equal(model(ids), second)
+
+
+def test_a_reproducible_model_pickles_and_its_copies_keep_their_own_step():
+    """``torch.save(model)`` failed on the state's weak reference and on ``model.set_step``, a closure; that
+    closure also held the original, so a deep copy's ``set_step`` moved the original's step."""
+    model = make_reproducible(_encoder(), seed=0)
+    ids = _ids()
+    first = model(ids)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for twin in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        assert get_step(twin) == 1
+        second = twin(ids)
+        assert get_step(twin) == 2 and get_step(model) == 1
+        twin.set_step(0)
+        assert get_step(twin) == 0 and get_step(model) == 1
+        assert torch.equal(twin(ids), first)
+        assert torch.equal(model(ids), second)  # the original, at its own step 1, draws what the copy drew there
+        model.set_step(1)
 
 
 def test_adding_a_dropout_elsewhere_leaves_existing_masks_unchanged():
