@@ -245,28 +245,31 @@ class Analysis:
 
     def _worse_together(self, decisions: list[Decision]) -> dict:
         """The fused chain of a memory pattern (``min_share`` / ``never_worse``) that keeps the most activation
-        bytes beside the other fused chains, more than the plan keeps with it unfused, as {site: why}; {} if none.
-        Alone it saved enough, but what it shares with another op changes: an attention core reading views of a
-        packed QKV output keeps that whole buffer alive where eager's projections keep three tensors."""
-        sites = [(d.key, tuple(d.nodes)) for d in decisions if d.fused]
+        bytes beside the other fused chains, more than the plan keeps with it unfused, as {site: why} (every call
+        site of its key: one rewrite serves them all, so they are weighed together); {} if none. Alone it saved
+        enough, but what it shares with another op changes: an attention core reading views of a packed QKV
+        output keeps that whole buffer alive where eager's projections keep three tensors."""
+        fused = [d for d in decisions if d.fused]
+        sites = [(d.key, tuple(d.nodes)) for d in fused]
         held = self.cost.fused_total(sites)
         worst = None
-        for d, site in zip([d for d in decisions if d.fused], sites):
-            pat = pattern_of(d.pattern)
-            if not (pat.min_share or pat.never_worse):
-                continue
-            others = [s for s in sites if s != site]
+        for key in dict.fromkeys(d.key for d in fused if _memory_pattern(d.pattern)):
+            others = [s for s in sites if s[0] != key]
             extra = held - self.cost.fused_total(others)
             if extra > 0 and (worst is None or extra > worst[0]):
-                worst = (extra, d, site, others)
+                worst = (extra, key, others)
         if worst is None:
             return {}
-        extra, d, site, others = worst
-        alone = [s for s in others if self.cost.fused_total([site, s]) > self.cost.fused_total([s])]
-        beside = ", ".join(f"{p} ({', '.join(mods)})" for (p, mods), _ in alone) or "the other fused chains"
-        return {site: (f"not fused: beside the fused {beside} it would keep {extra:,} activation bytes more than "
-                       f"unfused there (alone it saves {d.saved_bytes:,}): what one op keeps holds a storage the other "
-                       "would let go (a saved view keeps its whole buffer alive)")}
+        extra, key, others = worst
+        mine = [s for s in sites if s[0] == key]
+        alone = [s for s in others if self.cost.fused_total([*mine, s]) > self.cost.fused_total([s])]
+        beside = "the fused " + ", ".join(dict.fromkeys(f"{p} ({', '.join(mods)})" for (p, mods), _ in alone)) \
+            if alone else "the other fused chains"
+        saves = sum(d.saved_bytes for d in fused if d.key == key)
+        why = (f"not fused: beside {beside} it would keep {extra:,} activation bytes more than unfused "
+               f"there (alone it saves {saves:,}): what one op keeps holds a storage the other would let go (a saved "
+               "view keeps its whole buffer alive)")
+        return dict.fromkeys(mine, why)
 
     def _settle(self, patterns, rewritable: dict, why_not: dict, worse: dict) -> list[Decision]:
         """The decisions once every rewritten key's call sites agree (see below)."""
@@ -302,6 +305,11 @@ class Analysis:
 
 
 _FOR_BYTES = ("not fused: saves", "not fused: beside")  # a site declined for its bytes (not_worth, _worse_together)
+
+
+def _memory_pattern(name: str) -> bool:
+    pat = pattern_of(name)
+    return bool(pat.min_share or pat.never_worse)
 
 
 def _innermost(regions: list[Region], route: str, m: Match, holds) -> Region | None:
