@@ -674,7 +674,7 @@ def patches(model: nn.Module) -> dict[str, Patch]:
 
 def revert(model: nn.Module) -> nn.Module:
     """Remove every module-level patch (in place): each module runs its class's forward again. The constants a
-    rewritten region's code read (``rewrite._keep_constants``) and the repack after conversion (packing.py) go
+    rewritten region's code read (``rewrite._keep_constants``) and the repack after conversion (``RepackAfterApply``) go
     with it."""
     for m in model.modules():
         if isinstance(m.__dict__.get("forward"), Patch):

@@ -44,11 +44,13 @@ from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
 from opsnn_lab.fusion.regions import (
     bind_call,
+    concrete_args,
     error_line,
     facts_hold,
     fx_graph,
     library_hooks,
     signature,
+    tensor_facts,
     trace_region,
 )
 from opsnn_lab.fusion.runtime import buffers_kept, flatten_tensors, graph_free_memo, own_dtypes
@@ -57,7 +59,8 @@ from opsnn_lab.fusion.tracer import apply_function, kwargs_values
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert", "REWRITE_FAILED"]
 
-REWRITE_FAILED = "the fx rewrite of"  # how a decision whose region failed its rewrite starts (the sweep looks)
+REWRITE_FAILED = "the fx rewrite of"
+_MISSING = object()  # how a decision whose region failed its rewrite starts (the sweep looks)
 
 
 class FusedSlot(nn.Module):
@@ -140,9 +143,13 @@ class FxForward(Patch):
     warned = False  # defaults for a region pickled before these fields existed
     path = ""
 
-    def __init__(self, host: nn.Module, variants: dict, concrete: dict, path: str = ""):
+    def __init__(self, host: nn.Module, variants: dict, concrete: dict, path: str = "", route: dict | None = None,
+                 keys: dict | None = None):
         super().__init__(host)
         self.path = path  # the region's qualified name, for the warning a hook added later brings
+        # how it was traced and what it fused, to trace it again for a call with other plain arguments
+        # (``_alternate``); None for an alternate itself
+        self.route, self.keys, self.alternates = route, keys, {}
         # a tuple argument the code was specialised for is a list in a plan from JSON
         self.variants = variants
         self.concrete = {k: tuple(v) if isinstance(v, list) else v for k, v in concrete.items()}
@@ -163,7 +170,53 @@ class FxForward(Patch):
         self.restore_rng = {k: bool(gm.meta.get("restore_rng")) for k, gm in variants.items()}
 
     def ops(self) -> list[nn.Module]:
-        return [op for gm in self.variants.values() for op in _slot_ops(gm)]
+        return [op for gm in self.variants.values() for op in _slot_ops(gm)] + \
+            [op for alt in self.__dict__.get("alternates", {}).values() if alt is not None for op in alt.ops()]
+
+    MAX_ALTERNATES = 4  # plain arguments that take many values (a step counter) would trace without end
+
+    def _alternate(self, args, kwargs) -> FxForward | None:
+        """The region traced for this call's plain arguments, where they differ from those it was traced for
+        (None if they cannot be, or nothing planned fuses there): made on the first such call, kept for the next.
+
+        Hugging Face code hands a layer ``attention_mask=None`` where every token is real (the example one
+        usually is) and a tensor where a batch is padded, and ``use_cache`` or ``output_attentions`` flip between
+        calls: the code was traced for the example's values only, so every padded batch ran the original forward
+        (BERT: 0.83 of eager's activation bytes against 0.65). Traced again for such a call, with the plan's
+        chains and the same ops (``_region_slots``), the region stays fused; the new code checks hooks, settings and
+        modes as the first does."""
+        route, keys = self.__dict__.get("route"), self.__dict__.get("keys")
+        if not route or keys is None:
+            return None
+        concrete = concrete_args(self.host, (args, kwargs))
+        key = tuple(sorted(concrete.items()))
+        alternates = self.__dict__.setdefault("alternates", {})
+        if key not in alternates:
+            if len(alternates) >= self.MAX_ALTERNATES:
+                return None
+            alternates[key] = self._trace_alternate(concrete, args, kwargs, len(alternates))
+        return alternates[key]
+
+    def _trace_alternate(self, concrete: dict, args, kwargs, n: int) -> FxForward | None:
+        given = bind_call(self.host, (args, kwargs)).arguments
+        differs = ", ".join(f"`{k}` {v!r} -> {concrete[k]!r}" if k in concrete else
+                            f"`{k}` {v!r} -> a {type(given.get(k)).__name__}"
+                            for k, v in self.concrete.items() if concrete.get(k, _MISSING) != v)
+        route = {**self.route, "concrete": concrete, "tensors": tensor_facts(self.host, (args, kwargs)),
+                 "answers": None}
+        example = dict(given)
+        try:
+            alt, done = _traced_region(self.host, route, self.keys, _region_slots(self.host), f"alt{n}_", example)
+        except Exception as exc:  # noqa: BLE001 - tracer errors have many types: this call's values stay unfused
+            warnings.warn(f"opsnn_lab.fusion: the region `{self.path or '<model>'}` was fused for other arguments than "
+                          f"this call's ({differs}), and its code cannot be traced for these "
+                          f"({type(exc).__name__}: {error_line(exc)[:200]}); such calls run it unfused",
+                          RuntimeWarning, stacklevel=4)
+            return None
+        if not done:
+            return None
+        alt.route = None  # no alternates of its own
+        return alt
 
     def _streams(self) -> list:
         """The counter streams the region's code may draw from (``_randomness.draw_streams``): found again once
@@ -179,7 +232,14 @@ class FxForward(Patch):
 
     def __setstate__(self, state):  # a model saved before these fields existed: no rebuild, no hook check
         self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, "unwrapped": False,
-                              "restore_rng": {}, "settings": {}, "recorded": {}, **state})
+                              "restore_rng": {}, "settings": {}, "recorded": {}, "route": None, "keys": None,
+                              "alternates": {}, **state})
+
+    def _other_values(self, args, kwargs) -> bool:
+        """Whether this call's plain arguments differ from those the code was traced for."""
+        bound = bind_call(self.host, (args, kwargs))
+        return bound is not None and any(type(got := bound.arguments.get(k)) is not type(v) or got != v
+                                         for k, v in self.concrete.items())
 
     def _bound(self, args, kwargs):
         bound = bind_call(self.host, (args, kwargs))
@@ -228,7 +288,8 @@ class FxForward(Patch):
             gm = None
         bound = None if gm is None else self._bound(args, kwargs)
         if bound is None:
-            return type(self.host).forward(self.host, *args, **kwargs)
+            alt = self._alternate(args, kwargs) if gm is not None and self._other_values(args, kwargs) else None
+            return alt(*args, **kwargs) if alt is not None else type(self.host).forward(self.host, *args, **kwargs)
         pos, kw = [], {}
         for source, name, kind in self._routes(gm):
             if source not in bound.arguments:
@@ -304,12 +365,25 @@ def _variant(m: Match) -> tuple:
 def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> int:
     path = route["path"]
     region = model.get_submodule(path) if path else model
+    patch, done = _traced_region(region, route, keys, slots)
+    region.__dict__["forward"] = patch
+    return done
+
+
+def _traced_region(region: nn.Module, route: dict, keys: dict, slots: dict, tag: str = "",
+                   example: dict | None = None) -> tuple[FxForward, int]:
+    """The region's code traced for ``route``'s arguments, in train and eval mode, with the planned ``keys`` fused
+    (ops from ``slots``, new ones added there and to the region), and how many chains it fused in training.
+    ``tag`` names the constants of an alternate (``FxForward._alternate``), ``example`` answers its code's size
+    questions."""
+    path = route["path"]
     wrapped = [getattr(inspect.getmodule(type(region)), n) for n in route.get("wrapped", [])]
     variants, done = {}, 0
     for training in (True, False):
         try:
             gm, _ = trace_region(region, route["concrete"], training, wrapped, route.get("tensors") or None,
-                                 bool(route.get("unwrapped")), route.get("leaves", ()), answers=route.get("answers"))
+                                 bool(route.get("unwrapped")), route.get("leaves", ()), example=example,
+                                 answers=route.get("answers"))
         except Exception:  # noqa: BLE001 - eval mode, which the analysis did not trace: the original runs there
             if training:
                 raise
@@ -328,7 +402,10 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
             site = (m.key, _variant(m))
             if site not in slots:
                 op = _name_stream(pattern_of(m.pattern).build(m), m)
-                slots[site] = (f"fused_{m.pattern}_{len(slots)}", FusedSlot(op, m.pattern, m.modules))
+                name = next(n for i in range(len(slots), len(slots) + len(region._modules) + 1)
+                            if (n := f"fused_{m.pattern}_{i}") not in region._modules)
+                slots[site] = (name, FusedSlot(op, m.pattern, m.modules))
+                slots[site][1].variant = site[1]  # an alternate's trace finds it again (_region_slots)
                 slots[site][1].train(region.training)
                 region.add_module(*slots[site])
             name, slot = slots[site]
@@ -336,13 +413,18 @@ def _rewrite_region(model: nn.Module, route: dict, keys: dict, slots: dict) -> i
             _rewrite(gm, g, m, name, moved)
             done += training
         _eliminate_dead_code(gm.graph)
-        _keep_constants(gm, region, training)
+        _keep_constants(gm, region, training, tag)
         _name_inlined_draws(gm.graph)
         gm.graph.lint()
         gm.recompile()
         variants[training] = gm
-    region.__dict__["forward"] = FxForward(region, variants, route["concrete"], path)
-    return done
+    return FxForward(region, variants, route["concrete"], path, route=route, keys=keys), done
+
+
+def _region_slots(region: nn.Module) -> dict:
+    """The fused ops the region's rewrite registered on it, as ``_traced_region`` finds them by site."""
+    return {((s.pattern, tuple(s.fused_modules)), s.__dict__.get("variant")): (n, s)
+            for n, s in region._modules.items() if isinstance(s, FusedSlot)}
 
 
 def _name_inlined_draws(graph) -> None:
@@ -379,7 +461,7 @@ def _runs_model_code(node) -> bool:
 _LIBRARY_CODE = frozenset({"torch", "opsnn_lab", "operator", "builtins", "math"})  # they draw nothing of the model's
 
 
-def _keep_constants(gm, region: nn.Module, training: bool) -> None:
+def _keep_constants(gm, region: nn.Module, training: bool, tag: str = "") -> None:
     """The tensors the tracer made constants (``torch.ones(8)`` in a forward, from no traced value): fx stows each
     on the traced root as ``_tensor_constant<i>``, gone from it once traced, while the code reads it from ``self``,
     which is the region when the code runs. Each is kept on the region under a name of its own (``CONSTANT``), as
@@ -393,7 +475,7 @@ def _keep_constants(gm, region: nn.Module, training: bool) -> None:
         value = _attr(gm, node.target)
         if not isinstance(value, torch.Tensor) or "." in node.target:
             raise RuntimeError(f"the traced code reads `{node.target}`, which the region does not have")
-        name = renamed[node.target] = f"{CONSTANT}{int(training)}_{node.target}"
+        name = renamed[node.target] = f"{CONSTANT}{tag}{int(training)}_{node.target}"
         region.__dict__[name] = value
         setattr(gm, name, value)
         delattr(gm, node.target)  # one name per tensor: fx names a constant by its tensor when it re-traces the code

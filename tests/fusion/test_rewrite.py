@@ -336,10 +336,10 @@ def test_a_region_whose_rewrite_fails_runs_unfused_and_the_plan_says_so(monkeypa
 
     real = rewrite.FxForward.__init__
 
-    def fails_on_a_marked_host(self, host, *args):  # after the region's fused ops are registered
+    def fails_on_a_marked_host(self, host, *args, **kwargs):  # after the region's fused ops are registered
         if getattr(host, "fail_here", False):
             raise RuntimeError("simulated tracer failure")
-        real(self, host, *args)
+        real(self, host, *args, **kwargs)
 
     torch.manual_seed(0)
     model, x = _TwoBlocks().double().train(), seeded(2, 5, 8, dtype=torch.float64, requires_grad=True)
