@@ -2,7 +2,7 @@
 
 A fused region's fx code runs some submodules' forwards inline (no module call), so their hooks would not fire;
 the region falls back to its original forward when such a module has hooks (``fusion.rewrite.FxForward``), as a
-fused chain does when one of its modules has (``fusion.patch.hooked``). opsnn_lab's own hooks that only name or
+fused chain does when one of its modules has (``fusion.staleness.hooked``). opsnn_lab's own hooks that only name or
 measure what runs are marked ``passive`` and do not count. Hugging Face's output-capturing hooks (installed on a
 model's first call asking for ``output_hidden_states`` / ``output_attentions``, and kept) count at run time only in
 a call that collects what they record (``hooks_in_effect``); the analysis counts them always (``has_hooks``), so fx

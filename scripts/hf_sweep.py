@@ -216,18 +216,22 @@ def autocast_errors(step, model, fused, fp32, r: dict) -> None:
     r["amp_grad_err"] = {"eager": _rel(g_e, g_a, largest), "fused": _rel(g_f, g_a, largest)}
 
 
+_UNFUSED_AT_RUN = ("changed after", "has a hook added after", "was fused for other arguments")
+
+
 @contextlib.contextmanager
 def unfused_at_run(r: dict):
     """Warnings silenced, except that ``r["ran_unfused"]`` lists each fused chain or region that ran unfused at a
-    call of the checks (a hook added after fusion, a setting changed since: ``patch.warn_hooked``,
-    ``patch.warn_changed``). The checks change neither, so any is a bug, as a failed rewrite is."""
+    call of the checks (a hook added after fusion, a setting changed since: ``staleness.warn_hooked``,
+    ``staleness.warn_changed``; a region that cannot be traced for a call's values: ``FxForward._alternate``). The
+    checks change none of them, so any is a bug, as a failed rewrite is."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         try:
             yield
         finally:
             said = {str(w.message).split(";")[0] for w in seen if str(w.message).startswith("opsnn_lab.fusion: ")
-                    and ("changed after" in str(w.message) or "has a hook added after" in str(w.message))}
+                    and any(k in str(w.message) for k in _UNFUSED_AT_RUN)}
             if said:
                 r["ran_unfused"] = sorted(said)
 

@@ -12,7 +12,6 @@ from torch import nn
 
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion.cost import CostModel
-from opsnn_lab.fusion.patch import Route, RoutePlanner
 from opsnn_lab.fusion.patterns import (
     CONV_ACTS,
     FAMILIES,
@@ -25,6 +24,7 @@ from opsnn_lab.fusion.patterns import (
 )
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.regions import Region, find_regions, library_hooks
+from opsnn_lab.fusion.routes import Route, RoutePlanner
 from opsnn_lab.fusion.runtime import RuntimeTrace, buffers_kept, own_dtypes, trace_runtime
 
 __all__ = ["analyze", "Analysis", "split_inputs", "check_patterns"]
@@ -94,7 +94,7 @@ class Analysis:
                 self.routes[m.key] = route
             else:
                 self.why_not[m.key] = route
-        # module routes patching a module called more than once: every call is this chain (patch.RoutePlanner)
+        # module routes patching a module called more than once: every call is this chain (routes.RoutePlanner)
         self.shared: dict[tuple, tuple[str, int]] = {k: v for k, v in planner.shared.items() if k in self.routes}
         verdicts = {k: v for k, v in trace.graph.memo.items()
                     if isinstance(k, tuple) and k[0] in ("norm", "norm_shape")}

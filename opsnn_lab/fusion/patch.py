@@ -38,178 +38,34 @@ which Inductor compiles with the rest.
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from opsnn_lab._hooks import hooks_in_effect
 from opsnn_lab.fusion._opaque import opaque_to_compile
-from opsnn_lab.fusion.graph import arg
-from opsnn_lab.fusion.patterns import Match, op_name, pattern_of
-from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace, tensor_version
+from opsnn_lab.fusion.patterns import pattern_of
+from opsnn_lab.fusion.routes import Route
+from opsnn_lab.fusion.runtime import tensor_version
+from opsnn_lab.fusion.staleness import (
+    changed,
+    drifted,
+    hooked,
+    mode_change,
+    op_mode,
+    qualified,
+    settings,
+    warn_changed,
+    warn_hooked,
+)
 
-__all__ = ["Route", "RoutePlanner", "install", "revert", "Patch", "patches", "CONSTANT", "hooked", "warn_hooked",
-           "qualified", "settings", "changed", "drifted", "warn_changed", "fused_ops", "repack",
-           "RepackAfterApply"]
+__all__ = ["install", "revert", "Patch", "patches", "CONSTANT", "fused_ops", "repack", "RepackAfterApply"]
 
 CONSTANT = "_opsnn_constant_"  # the prefix of a constant tensor a rewritten region's code reads from the region
 
 
-@dataclass(frozen=True)
-class Route:
-    kind: str  # "chain" | "qkv" | "whole" | "sdpa"
-    carriers: tuple[str, ...]  # chain: the module of each step (first gets the op); qkv: q, k, v; whole, sdpa: one
-    first: int = 0  # qkv: which sibling the model calls first (it runs the packed GEMM)
-    after: tuple[str, ...] = ()  # chain: per carrier, the identity op run inline just before it ('' when none)
-
-    @property
-    def label(self) -> str:
-        return f"module:{self.kind}"
-
-
-class RoutePlanner:
-    """Finds, for a candidate chain, the module calls that carry it (or says why none does).
-
-    ``matches``: every viable candidate. A module called more than once per forward (ALBERT's shared layer)
-    carries a chain only when each of its calls is a step of a candidate with the same key: the one patch then
-    computes that chain at every call. ``shared`` names those keys with the module and its call count."""
-
-    def __init__(self, trace: RuntimeTrace, matches=()):
-        self.trace = trace
-        self.index = {n.name: i for i, n in enumerate(trace.graph.nodes)}
-        self.by_path: dict[str, list[ModuleCall]] = {}
-        self.order = {id(c): k for k, c in enumerate(trace.module_calls)}
-        for c in trace.module_calls:
-            self.by_path.setdefault(c.path, []).append(c)
-        self.sites: dict[tuple, list[Match]] = {}
-        for m in matches:
-            self.sites.setdefault(m.key, []).append(m)
-        self.shared: dict[tuple, tuple[str, int]] = {}  # match key -> (a module it patches, its calls per forward)
-
-    def _enclosing(self, i: int) -> list[ModuleCall]:
-        """Calls running while node ``i`` was recorded, innermost first."""
-        calls = (c for c in self.trace.module_calls if c.start <= i < c.end)
-        return sorted(calls, key=lambda c: (-c.start, c.end, -self.order[id(c)]))
-
-    def _once(self, path: str, m: Match, whole: bool = False) -> str:
-        """'' when every call of ``path`` is this chain (one call, or one per candidate with ``m``'s key), else why
-        a patch of ``path`` cannot carry it and what fuses this call site instead."""
-        n = len(self.by_path.get(path, []))
-        if n == 1:
-            return ""
-        same = self.sites.get(m.key, [m])
-        k = len(same) if whole else sum(node.module == path for s in same for node in s.nodes)
-        if k == n:
-            self.shared.setdefault(m.key, (path, n))
-            return ""
-        scope = m.nodes[0].scope or "<model>"
-        return (f"`{path}` runs {n} times per forward, {k} of them in this chain, and a module-level rewrite changes "
-                f"every call; to fuse this call site alone, `{scope}`.forward must be traceable (the fx rewrite goes "
-                f"call by call) or call opsnn_lab.ops.{op_name(m)} there")
-
-    def _carrier(self, n, reads: list[str]) -> tuple[ModuleCall | None, str]:
-        """The module call that computes exactly step ``n`` from ``reads``."""
-        i = self.index[n.name]
-        for c in self._enclosing(i):
-            if c.end - c.start != 1:
-                break  # the innermost call computing more than this step: no call isolates it
-            if c.outputs == [n.name] and c.bare and c.inputs == reads and c.n_args == 1 and not c.kwargs:
-                return c, ""
-        where = n.scope or "the model"
-        return None, f"`{n.op}` runs inline in `{where}`.forward, not in a module call of its own"
-
-    def _chain(self, m: Match) -> Route | str:
-        carriers, reads = [], list(m.inputs[:1])
-        for i, n in enumerate(m.nodes):
-            if carriers and i < len(m.nodes) - 1 and inline_identity(n) and n.inputs[:1] == reads:
-                reads = [n.name]  # runs in the model's own code between two steps; the next one checks it was one
-                continue
-            c, why = self._carrier(n, reads)
-            if c is None:
-                return why
-            if why := self._once(c.path, m):
-                return why
-            carriers.append(c.path)
-            reads = [n.name]
-        if len(set(carriers)) != len(carriers):
-            return "one module computes two steps of the chain"
-        return Route("chain", tuple(carriers), after=inline_after([n.label for n in m.nodes], carriers))
-
-    def _whole(self, m: Match) -> Route | str:
-        names = {n.name for n in m.nodes}
-        idx = [self.index[n.name] for n in m.nodes]
-        for c in self._enclosing(min(idx)):
-            if c.end <= max(idx):
-                continue
-            inside = {self.trace.graph.nodes[j].name for j in range(c.start, c.end)}
-            if inside != names:
-                extra = [self.trace.graph.nodes[j].op for j in range(c.start, c.end)
-                         if self.trace.graph.nodes[j].name not in names]
-                ops = ", ".join(dict.fromkeys(extra[:4]))
-                return (f"`{c.path or '<model>'}` also computes {ops} around the chain, and its steps are not "
-                        "separate module calls")
-            if c.inputs != list(m.inputs[:1]) or c.outputs != [m.outputs[-1].name] or not c.bare:
-                return f"`{c.path or '<model>'}` reads or returns more than the chain's input and output"
-            if c.n_args != 1 or c.kwargs:
-                return f"`{c.path or '<model>'}` takes arguments besides the chain's input"
-            return self._once(c.path, m, whole=True) or Route("whole", (c.path,))
-        return "no module call contains the whole chain"
-
-    def _qkv(self, m: Match) -> Route | str:
-        paths, starts = [], []
-        for n in m.nodes:
-            c, _ = self._carrier(n, list(m.inputs[:1]))
-            if c is None:
-                return f"`{n.label}` is not called as `module(x)` on the shared input"
-            if why := self._once(c.path, m):
-                return why
-            paths.append(c.path)
-            starts.append(c.start)
-        return Route("qkv", tuple(paths), starts.index(min(starts)))
-
-    def route(self, m: Match) -> Route | str:
-        """A Route, or the reason (about the computation) why no module boundary carries this chain."""
-        if m.pattern == "qkv":
-            return self._qkv(m)
-        if m.pattern == "attention" or len(m.outputs) != 1 or len(m.inputs) != 1:
-            first = m.nodes[0]
-            where = f"`{first.label}` runs inline in `{first.scope or '<model>'}`.forward" if first.kind == "function" \
-                else f"`{first.label}` is one step"
-            return (f"{where} and the chain reads {len(m.inputs)} tensors and returns {len(m.outputs)}; a module-level "
-                    "rewrite replaces a module call of one input and one output")
-        if any(n.inputs[:1] != [prev.name] for prev, n in zip(m.nodes, m.nodes[1:])):
-            return self._whole(m)  # not a straight chain (gated MLP, a norm's inner ops): one call must hold it all
-        chain = self._chain(m)
-        if isinstance(chain, Route):
-            return chain
-        whole = self._whole(m)
-        return whole if isinstance(whole, Route) else f"{chain}; {whole}"
-
-
-def inline_identity(n) -> bool:
-    """A dropout called inline (not as a module) with p=0 in the recorded call: it returned its input."""
-    return n.kind == "function" and n.op == "dropout" and arg(n, 1, "p", 0.5) == 0
-
-
-def inline_after(labels: list[str], carriers) -> tuple[str, ...]:
-    """Per carrier of a chain, the label of the inline step run just before it ('' when none): the chain's
-    labels that are no carrier's (``Decision.chain`` and ``Decision.carriers`` give them back from a plan)."""
-    after, pending, rest = [], "", list(carriers)
-    for label in labels:
-        if rest and label == rest[0]:
-            after.append(pending)
-            pending, rest = "", rest[1:]
-        else:
-            pending = label
-    return tuple(after) if any(after) else ()
-
-
-# --------------------------------------------------------------------------- the patches
 class Patch:
     """An instance ``forward``; ``host`` is the module it is bound on."""
 
@@ -287,121 +143,6 @@ def _defers(op: nn.Module, x) -> bool:
     """Under autocast, a norm fed another dtype than its weight runs the replaced modules' own forwards."""
     defers = getattr(op, "defers_under_autocast", None)
     return defers is not None and isinstance(x, torch.Tensor) and defers(x)
-
-
-def hooked(modules) -> tuple[nn.Module | None, str]:
-    """The first of ``modules`` with a hook that needs the module's own call now, and what kind
-    (``_hooks.hooks_in_effect``: "user", or "capture" for Hugging Face's output capture in a call that collects it);
-    ``(None, '')`` when none has. Reads four dicts per module (~0.1 us each) and looks closer only where one is
-    not empty."""
-    for m in modules:
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            kind = hooks_in_effect(m)
-            if kind:
-                return m, kind
-    return None, ""
-
-
-def warn_hooked(patch: Patch, where: str, what: str, kind: str = "user") -> None:
-    """Say once per patch that a hook added after fusion (on module ``where``) makes ``what`` (the chain, or the
-    rewritten region) run unfused. Not for Hugging Face's output capture: a call asking for hidden states or
-    attentions runs unfused, the others fused, as the user would want."""
-    if patch.warned or kind != "user":
-        return
-    patch.warned = True
-    warnings.warn(f"opsnn_lab.fusion: `{where or '<model>'}` has a hook added after {what} was fused; it runs "
-                  "unfused (each module's own forward, so the hook sees the tensors it sees in eager) while the hook "
-                  "is there, and saves no memory. Fusing again with the hook in place plans around that module",
-                  RuntimeWarning, stacklevel=4)
-
-
-def _plain(v) -> bool:
-    return v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(map(_plain, v)))
-
-
-def settings(modules, ops=()) -> tuple:
-    """``(index, name, value)`` for each setting of ``modules`` that a rewrite may take as it is at fusion: every
-    public attribute holding a plain value (a Dropout's ``p``, a norm's ``eps``, a drop path's rate, a
-    ``self.scaling`` that traced code holds as a constant); and each Parameter and buffer, the tensor itself: the
-    fused op holds those objects (fx code copies them too), so one put in its place (a new ``nn.Parameter``
-    assigned, ``torch.func.functional_call``'s tensors, a wrapper's flattened views) is not what the op reads.
-    ``training``, which the patches follow, a counter stream's ``rng_*`` state, and what one of the fused ``ops``
-    reads at every call (``op.live_settings()``: a BatchNorm's ``momentum``) are not settings."""
-    live = {(id(m), k) for op in ops if hasattr(op, "live_settings") for m, k in op.live_settings()}
-    plain = tuple((i, k, v) for i, m in enumerate(modules) for k, v in m.__dict__.items()
-                  if k != "training" and not k.startswith(("_", "rng_")) and _plain(v) and (id(m), k) not in live)
-    return plain + tuple((i, k, t) for i, m in enumerate(modules) for k, t in _tensors(m) if t is not None)
-
-
-def _tensors(m: nn.Module):
-    return (*m.__dict__.get("_parameters", {}).items(), *m.__dict__.get("_buffers", {}).items())
-
-
-def drifted(modules, recorded, recorded_settings) -> tuple[int, str] | None:
-    """What makes fused code stale for ``modules`` (found now where ``recorded`` were at fusion): the first one
-    replaced since (``make_reproducible``'s counter twin of a Dropout aside): its index and ``"replaced by a
-    `LoraLinear`"``; else the first setting changed (``changed``)."""
-    for i, (old, new) in enumerate(zip(recorded, modules)):
-        if new is not old and not (isinstance(old, nn.Dropout) and hasattr(new, "next_draw")):
-            return i, f"replaced by {'a `' + type(new).__name__ + '`' if new is not None else 'nothing'}"
-    return changed(modules, recorded_settings)
-
-
-def changed(modules, recorded) -> tuple[int, str] | None:
-    """The first setting in ``recorded`` (from ``settings(modules)``) that ``modules`` no longer hold: the
-    module's index and ``"a setting changed: p 0.5 -> 0.0"``; None when all hold (~0.1 us each)."""
-    for i, k, v in recorded:
-        m = modules[i]
-        if isinstance(v, torch.Tensor):
-            now = m._parameters[k] if k in m._parameters else m._buffers[k] if k in m._buffers else \
-                m.__dict__.get(k)
-            if now is not v:
-                return i, (f"`{k}` is not the tensor it held at fusion: a tensor put in its place (a new Parameter "
-                           "assigned, torch.func.functional_call) is not what the fused op reads")
-            continue
-        now = m.__dict__.get(k, v)  # a twin swapped in without that attribute: not a change
-        if now is not v and now != v:
-            return i, f"a setting changed: {k} {v!r} -> {now!r}"
-    return None
-
-
-_MODAL = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
-
-
-def op_mode(modules) -> tuple[bool, int | None]:
-    """The training flag one fused op of ``modules`` (its host first) runs with: that of the modules whose forward
-    depends on it (a Dropout, a BatchNorm, a counter-based twin: a BatchNorm frozen in eval mode inside a training
-    model keeps its chain fused, in eval mode), else the host's; and the index of the first such module in another
-    mode than the one before (None when they agree: one op cannot run both)."""
-    mode = None
-    for i, m in enumerate(modules):
-        if m is not None and (isinstance(m, _MODAL) or hasattr(m, "next_draw")):
-            if mode is not None and m.training != mode:
-                return mode, i
-            mode = m.training
-    return (modules[0].training if mode is None else mode), None
-
-
-def mode_change(modules, i: int) -> str:
-    """What ``_odd_mode`` / ``op_mode`` found: ``"in eval mode while its host is in training mode"``."""
-    name = {True: "training", False: "eval"}
-    return f"in {name[modules[i].training]} mode, where the fused code runs it in {name[not modules[i].training]} mode"
-
-
-def warn_changed(patch: Patch, where: str, what: str, change: str) -> None:
-    """Say once per patch that a module changed after fusion (``drifted``) makes ``what`` run unfused."""
-    if patch.__dict__.get("warned_changed"):
-        return
-    patch.warned_changed = True
-    warnings.warn(f"opsnn_lab.fusion: `{where or '<model>'}` changed after {what} was fused ({change}), and the "
-                  "fused code holds it as it was; it runs unfused (each module's own forward, as it is now) while "
-                  "that holds, and saves no memory. Fusing again fuses it as it is now", RuntimeWarning, stacklevel=4)
-
-
-def qualified(host: nn.Module, path: str, module: nn.Module) -> str:
-    """The qualified name of ``module`` inside ``host`` (itself at ``path``)."""
-    name = next((n for n, m in host.named_modules() if m is module), "")
-    return f"{path}.{name}" if path and name else (name or path)
 
 
 class ChainHead(Patch):
@@ -674,8 +415,8 @@ def patches(model: nn.Module) -> dict[str, Patch]:
 
 def revert(model: nn.Module) -> nn.Module:
     """Remove every module-level patch (in place): each module runs its class's forward again. The constants a
-    rewritten region's code read (``rewrite._keep_constants``) and the repack after conversion (``RepackAfterApply``) go
-    with it."""
+    rewritten region's code read (``region_rewrite.keep_constants``) and the repack after conversion
+    (``RepackAfterApply``) go with it."""
     for m in model.modules():
         if isinstance(m.__dict__.get("forward"), Patch):
             del m.__dict__["forward"]

@@ -78,7 +78,7 @@ def expect_dtype(value, answer: str) -> None:
 
 
 GUARDS = (expect, expect_len, expect_dtype)
-for _guard in GUARDS:  # kept by fx's dead-code elimination, as its own asserts are (rewrite._impure says so too)
+for _guard in GUARDS:  # kept by fx's dead-code elimination, as its own asserts are (region_rewrite._impure says so too)
     getattr(fx.node, "has_side_effect", lambda fn: fn)(_guard)
 
 _META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "is_nested", "layout", "is_sparse", "is_quantized",

@@ -165,7 +165,7 @@ class _Tracer(fx.Tracer):
     proxy_buffer_attributes = True
 
     def __init__(self, autowrap_functions=(), tensor_facts=None, leaves=(), example=None, answers=None, held=None):
-        # the rewrite's keying calls (rewrite._name_inlined_draws) stay calls when fx traces the rewritten code
+        # the rewrite's keying calls (region_rewrite._name_inlined_draws) stay calls when fx traces the rewritten code
         # again: it does so to unpickle a region (this class is the GraphModule's ``_tracer_cls``)
         super().__init__(autowrap_functions=(*autowrap_functions, enter_module, exit_module))
         self.held = dict(held or {})  # tuple arguments the code sees as constants (fx's own would flatten them)

@@ -97,7 +97,7 @@ def follow_owners(model: nn.Module) -> int:
                 sub._parameters[name] = owner._parameters[oname]
 
         # passive: it relinks the op's parameters and needs no tensor of the module's own, so a chain head carrying
-        # it still runs its fused op (fusion.patch.hooked)
+        # it still runs its fused op (fusion.staleness.hooked)
         slot.register_forward_pre_hook(passive(sync))
         count += len(links)
     return count

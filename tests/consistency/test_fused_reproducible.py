@@ -85,7 +85,7 @@ def test_the_pass_through_dropout_of_a_fused_chain_is_not_swapped_back_in():
     make_reproducible(fused, seed=1)
     assert type(fused[2]) is nn.Dropout and "forward" in fused[2].__dict__  # still the rewrite's pass-through
     seen = {}
-    # passive: a hook of the user's would run the chain unfused (fusion.patch.hooked); this one only looks
+    # passive: a hook of the user's would run the chain unfused (fusion.staleness.hooked); this one only looks
     fused[3].register_forward_pre_hook(passive(lambda m, a: seen.setdefault("x", a[0])))
     out = fused(x)
     assert torch.equal(seen["x"], out)  # fc2 passes the fused op's output through: no second dropout

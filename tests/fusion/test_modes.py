@@ -20,7 +20,7 @@ from torch import nn
 
 import opsnn_lab as ol
 from opsnn_lab.bench import activation_bytes
-from opsnn_lab.fusion.patch import op_mode
+from opsnn_lab.fusion.staleness import op_mode
 from opsnn_lab.models import Encoder, EncoderConfig
 from opsnn_lab.testing import seeded
 

@@ -1,0 +1,219 @@
+"""``FxForward``: a region's rewritten code bound as its forward, with the guards that keep it eager's.
+
+It runs the traced code (region_rewrite.py) in place of the region's forward where that code is what the call
+computes: the plain arguments it was traced for (else a code traced for the call's own, ``_alternate``), the ranks
+it relied on, no hook, setting, module, tensor or mode changed since fusion (staleness.py); otherwise the
+original forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import warnings
+
+import torch
+from torch import nn
+
+from opsnn_lab._randomness import draw_state, draw_streams, streams_made
+from opsnn_lab.fusion.patch import Patch
+from opsnn_lab.fusion.region_rewrite import inlined_paths, region_slots, slot_ops, trace_variants
+from opsnn_lab.fusion.regions import bind_call, concrete_args, error_line, facts_hold, signature, tensor_facts
+from opsnn_lab.fusion.runtime import flatten_tensors
+from opsnn_lab.fusion.specialise import SpecialisationMiss
+from opsnn_lab.fusion.staleness import settings
+from opsnn_lab.fusion.tracer import kwargs_values
+
+__all__ = ["FxForward"]
+
+_MISSING = object()
+
+
+class FxForward(Patch):
+    """A region's forward after an fx rewrite: the traced code in train or eval mode, the original otherwise.
+
+    In eval mode without grad (``torch.no_grad``, ``inference_mode``) the original runs: no activation is saved
+    there, so fusion gains nothing, and the original keeps its own inference path (``nn.TransformerEncoderLayer``'s
+    fast path: the traced code was 1.22x its time). Its results are then eager's, bit for bit.
+
+    Bound on the instance (``region.__dict__["forward"]``), never a class made at run time, so the model
+    pickles. Arguments are bound to the original signature first and handed to the traced code parameter by
+    parameter (fx keeps their order but renames a specialised one: ``height`` -> ``height_1``), so every
+    keyword the original accepts (``output_hidden_states=``, ``return_dict=``) is accepted. A dict subclass
+    the original returns (a Hugging Face ``ModelOutput``), which fx's code returns as a plain dict, is rebuilt.
+    """
+
+    warned = False  # defaults for a region pickled before these fields existed
+    path = ""
+
+    def __init__(self, host: nn.Module, variants: dict, concrete: dict, path: str = "", route: dict | None = None,
+                 keys: dict | None = None):
+        super().__init__(host)
+        self.path = path  # the region's qualified name, for the warning a hook added later brings
+        # how it was traced and what it fused, to trace it again for a call with other plain arguments
+        # (``_alternate``); None for an alternate itself
+        self.route, self.keys, self.alternates = route, keys, {}
+        # a tuple argument the code was specialised for is a list in a plan from JSON
+        self.variants = variants
+        self.concrete = {k: tuple(v) if isinstance(v, list) else v for k, v in concrete.items()}
+        self.output_types = {k: gm.meta.get("output_type") for k, gm in variants.items()}
+        self.facts = {k: gm.meta.get("facts_read", {}) for k, gm in variants.items()}  # tensor ranks it relied on
+        # the submodules whose forwards the traced code runs inline: if one gains hooks later (a user's, or Hugging
+        # Face's output capture installed on first use), this region runs its original forward, so they fire
+        self.inlined = {k: inlined_paths(host, gm) for k, gm in variants.items()}
+        # the plain attributes of the region and of those submodules, which the code holds as constants (a dropout's
+        # p, a drop path's rate) or a fused op took over: if one changes, this region runs its original forward
+        self.recorded = {k: [host, *self._modules_now(k, self.inlined[k])] for k in variants}
+        self.settings = {k: settings(self.recorded[k], slot_ops(gm)) for k, gm in variants.items()}
+        # traced without the forward's wrapper (fusion.wrappers): with gradient checkpointing on, the wrapper
+        # checkpoints (Hugging Face's layers), so the original runs
+        self.unwrapped = any(gm.meta.get("unwrapped") for gm in variants.values())
+        # a guard comes after a draw (specialise.check_guards): the generators' state is kept at each call and put
+        # back before the original forward runs on a miss, so it draws what eager draws
+        self.restore_rng = {k: bool(gm.meta.get("restore_rng")) for k, gm in variants.items()}
+
+    def ops(self) -> list[nn.Module]:
+        return [op for gm in self.variants.values() for op in slot_ops(gm)] + \
+            [op for alt in self.__dict__.get("alternates", {}).values() if alt is not None for op in alt.ops()]
+
+    MAX_ALTERNATES = 4  # plain arguments that take many values (a step counter) would trace without end
+
+    def _alternate(self, args, kwargs) -> FxForward | None:
+        """The region traced for this call's plain arguments, where they differ from those it was traced for
+        (None if they cannot be, or nothing planned fuses there): made on the first such call, kept for the next.
+
+        Hugging Face code hands a layer ``attention_mask=None`` where every token is real (the example one
+        usually is) and a tensor where a batch is padded, and ``use_cache`` or ``output_attentions`` flip between
+        calls: the code was traced for the example's values only, so every padded batch ran the original forward
+        (BERT: 0.83 of eager's activation bytes against 0.65). Traced again for such a call, with the plan's
+        chains and the same ops (``region_slots``), the region stays fused; the new code checks hooks, settings and
+        modes as the first does."""
+        route, keys = self.__dict__.get("route"), self.__dict__.get("keys")
+        if not route or keys is None:
+            return None
+        concrete = concrete_args(self.host, (args, kwargs))
+        key = tuple(sorted(concrete.items()))
+        alternates = self.__dict__.setdefault("alternates", {})
+        if key not in alternates:
+            if len(alternates) >= self.MAX_ALTERNATES:
+                return None
+            alternates[key] = self._trace_alternate(concrete, args, kwargs, len(alternates))
+        return alternates[key]
+
+    def _trace_alternate(self, concrete: dict, args, kwargs, n: int) -> FxForward | None:
+        given = bind_call(self.host, (args, kwargs)).arguments
+        differs = ", ".join(f"`{k}` {v!r} -> {concrete[k]!r}" if k in concrete else
+                            f"`{k}` {v!r} -> a {type(given.get(k)).__name__}"
+                            for k, v in self.concrete.items() if concrete.get(k, _MISSING) != v)
+        route = {**self.route, "concrete": concrete, "tensors": tensor_facts(self.host, (args, kwargs)),
+                 "answers": None}
+        example = dict(given)
+        try:
+            variants, done = trace_variants(self.host, route, self.keys, region_slots(self.host), f"alt{n}_", example)
+        except Exception as exc:  # noqa: BLE001 - tracer errors have many types: this call's values stay unfused
+            warnings.warn(f"opsnn_lab.fusion: the region `{self.path or '<model>'}` was fused for other arguments than "
+                          f"this call's ({differs}), and its code cannot be traced for these "
+                          f"({type(exc).__name__}: {error_line(exc)[:200]}); such calls run it unfused",
+                          RuntimeWarning, stacklevel=4)
+            return None
+        # no alternates of its own (route None)
+        return FxForward(self.host, variants, concrete, self.path) if done else None
+
+    def _streams(self) -> list:
+        """The counter streams the region's code may draw from (``_randomness.draw_streams``): found again once
+        a stream was made anywhere since (``make_reproducible`` swaps its dropouts in after fusion)."""
+        made, streams = self.__dict__.get("_draw_streams", (-1, None))
+        if made != streams_made():
+            made, streams = streams_made(), draw_streams(self.host)
+            self.__dict__["_draw_streams"] = (made, streams)
+        return streams
+
+    def __getstate__(self):
+        return {k: v for k, v in super().__getstate__().items() if k != "_draw_streams"}  # found after a load
+
+    def __setstate__(self, state):  # a model saved before these fields existed: no rebuild, no hook check
+        self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, "unwrapped": False,
+                              "restore_rng": {}, "settings": {}, "recorded": {}, "route": None, "keys": None,
+                              "alternates": {}, **state})
+
+    def _other_values(self, args, kwargs) -> bool:
+        """Whether this call's plain arguments differ from those the code was traced for."""
+        bound = bind_call(self.host, (args, kwargs))
+        return bound is not None and any(type(got := bound.arguments.get(k)) is not type(v) or got != v
+                                         for k, v in self.concrete.items())
+
+    def _bound(self, args, kwargs):
+        bound = bind_call(self.host, (args, kwargs))
+        if bound is None:
+            return None
+        for k, v in self.concrete.items():
+            got = bound.arguments.get(k)
+            if type(got) is not type(v) or got != v:
+                return None  # a call the rewrite was not specialised for
+        if not facts_hold(self.facts.get(self.host.training, {}), bound.arguments):
+            return None  # a tensor of another rank than the traced code assumed
+        return bound
+
+    def _routes(self, gm) -> list[tuple[str, str, inspect._ParameterKind]]:
+        """``(original parameter, traced parameter, its kind)`` per argument of the traced code, made once per
+        variant (two signatures and a filter: ~10 us a call otherwise). By name: fx keeps a parameter's name or
+        suffixes it (a specialised ``use_cache`` -> ``use_cache_1``, ``input`` -> ``input_1``); by position only
+        where a name is neither. Positions alone went wrong where fx leaves out a parameter the original has (a
+        keyword-only one: Bart's decoder layers), which fed each specialised value its default instead: a
+        ``use_cache`` specialised False then failed fx's own check (``model.config.use_cache = False``)."""
+        routes = self.__dict__.setdefault("_route_cache", {})
+        key = self.host.training
+        if key not in routes:
+            traced = list(signature(type(gm).forward).parameters.items())[1:]
+            names = list(signature(type(self.host).forward).parameters)[1:]
+            by_name = [n if n in names else re.sub(r"_\d+$", "", n) for n, _ in traced]
+            if not set(by_name) <= set(names):
+                # a **kwargs the traced code took as {} or as constants: not an argument of the traced code
+                facts = self.facts.get(key, {})
+                by_name = [n for n in names if kwargs_values(facts.get(n, {})) is None]
+                if len(by_name) != len(traced):
+                    by_name = [name for name, _ in traced]
+            routes[key] = [(source, name, p.kind) for source, (name, p) in zip(by_name, traced)]
+        return routes[key]
+
+    def __call__(self, *args, **kwargs):
+        gm = self.variants.get(self.host.training)
+        key = self.host.training
+        # a hook on a module the code runs inline, a module replaced, a setting the code holds as a constant changed
+        if gm is not None and self._stale(key, self.inlined.get(key, ()), self.recorded.get(key),
+                                          self.settings.get(key, ()), f"the region `{self.path or '<model>'}`"):
+            gm = None
+        if not self.host.training and not torch.is_grad_enabled():
+            gm = None  # inference: nothing is saved for a backward, and the original may take a fast path
+        if self.unwrapped and getattr(self.host, "gradient_checkpointing", False):
+            gm = None
+        bound = None if gm is None else self._bound(args, kwargs)
+        if bound is None:
+            alt = self._alternate(args, kwargs) if gm is not None and self._other_values(args, kwargs) else None
+            return alt(*args, **kwargs) if alt is not None else type(self.host).forward(self.host, *args, **kwargs)
+        pos, kw = [], {}
+        for source, name, kind in self._routes(gm):
+            if source not in bound.arguments:
+                continue
+            value = bound.arguments[source]
+            if kind == inspect.Parameter.VAR_POSITIONAL:
+                pos.extend(value)
+            elif kind == inspect.Parameter.VAR_KEYWORD:
+                kw.update(value)
+            elif kind == inspect.Parameter.POSITIONAL_ONLY:
+                pos.append(value)
+            else:
+                kw[name] = value
+        put_back = draw_state(self._streams(), flatten_tensors((args, kwargs))) \
+            if self.restore_rng.get(self.host.training) else None
+        try:
+            out = type(gm).forward(self.host, *pos, **kw)
+        except SpecialisationMiss:  # sizes the traced code branched on differ here; what ran before can run again
+            if put_back is not None:  # and draw again what it drew
+                put_back()
+            return type(self.host).forward(self.host, *args, **kwargs)
+        kind = self.output_types.get(self.host.training)
+        if kind is not None and type(out) is dict:
+            out = kind(**out) if dataclasses.is_dataclass(kind) else kind(out)
+        return out
