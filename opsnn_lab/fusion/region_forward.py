@@ -19,7 +19,15 @@ from torch import nn
 from opsnn_lab._randomness import draw_state, draw_streams, streams_made
 from opsnn_lab.fusion.patch import Patch
 from opsnn_lab.fusion.region_rewrite import inlined_paths, region_slots, slot_ops, trace_variants
-from opsnn_lab.fusion.regions import bind_call, concrete_args, error_line, facts_hold, signature, tensor_facts
+from opsnn_lab.fusion.regions import (
+    bind_call,
+    concrete_args,
+    error_line,
+    facts_hold,
+    object_facts,
+    signature,
+    tensor_facts,
+)
 from opsnn_lab.fusion.runtime import flatten_tensors
 from opsnn_lab.fusion.specialise import SpecialisationMiss
 from opsnn_lab.fusion.staleness import settings
@@ -106,8 +114,10 @@ class FxForward(Patch):
         differs = ", ".join(f"`{k}` {v!r} -> {concrete[k]!r}" if k in concrete else
                             f"`{k}` {v!r} -> a {type(given.get(k)).__name__}"
                             for k, v in self.concrete.items() if concrete.get(k, _MISSING) != v)
-        route = {**self.route, "concrete": concrete, "tensors": tensor_facts(self.host, (args, kwargs)),
-                 "answers": None}
+        # the call's tensor ranks, and the classes of its objects (a cache where the example had None), as the
+        # analysis gives its first trace (regions._first_trace)
+        facts = {**tensor_facts(self.host, (args, kwargs)), **object_facts(self.host, (args, kwargs))}
+        route = {**self.route, "concrete": concrete, "tensors": facts, "answers": None}
         example = dict(given)
         try:
             variants, done = trace_variants(self.host, route, self.keys, region_slots(self.host), f"alt{n}_", example)

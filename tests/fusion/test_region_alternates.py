@@ -147,3 +147,41 @@ def test_a_region_pickled_before_alternates_existed_runs_its_original_forward_fo
     ol.consistency.make_reproducible(twin, seed=2)
     _same(model, twin, x, padded)
     assert not any(r.alternates for r in _regions(twin))
+
+
+class Halving:
+    """An object argument whose class the code branches on (as Hugging Face code does on a cache's class)."""
+
+    def scale(self, t):
+        return t * 0.5
+
+
+class ObjectLayer(Layer):
+    def forward(self, x, mask=None, cache=None):
+        h = super().forward(x, mask)
+        return cache.scale(h) if isinstance(cache, Halving) else h
+
+
+class ObjectModel(Model):
+    def __init__(self):
+        super().__init__(layers=1)
+        self.layers = nn.ModuleList([ObjectLayer()])
+
+    def forward(self, x, cache=None):
+        if float(x.detach().abs().sum()) > 1e9:  # data-dependent: the layer is the region
+            x = x / 2
+        return self.layers[0](x, None, cache)
+
+
+def test_an_object_argument_is_traced_with_its_class():
+    """A call with an object where the example had None: the alternate is traced knowing the object's class, as
+    the analysis traces its first code, so a branch on it is the one the call takes."""
+    torch.manual_seed(0)
+    model, x = ObjectModel().double().train(), seeded(2, 6, 16, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert any(d.route == "fx:layers.0" for d in plan.fused)
+    for m in (model, fused):
+        ol.consistency.make_reproducible(m, seed=1)
+    _same(model, fused, x, Halving())
+    (alt,) = _regions(fused)[0].alternates.values()
+    assert alt is not None
