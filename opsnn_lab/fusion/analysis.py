@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import re
@@ -111,9 +112,19 @@ class Analysis:
         self.rewritable: dict[tuple, str] = {k: r.label for k, r in self.routes.items()}  # match key -> route
         self.fx_routes: dict[tuple, str] = {}  # match key -> fx region, for keys a module patch does not carry
         self.fx_params: dict[tuple, dict] = {}  # match key -> what its op is built with in that region's code
+        sites = collections.Counter(m.key for m in viable)
         for r in self.regions:
             if r.route == "fx":
+                calls = sum(c.path == r.path for c in trace.module_calls) if r.path else 1
+                here = collections.Counter(m.key for m in wanted(r.graph))
                 for m in wanted(r.graph):
+                    if here[m.key] * calls > sites[m.key]:  # the code would fuse a site the record turned down
+                        self.why_not.setdefault(m.key, "")
+                        self.why_not[m.key] += (f"{'; ' if self.why_not[m.key] else ''}the code of "
+                                                f"`{r.path or '<model>'}` holds {here[m.key]} of its chains a call, "
+                                                "and one of them is not viable in the run-time record (what it "
+                                                "computes is read after the region): fx would fuse them all")
+                        continue
                     self.fx_routes.setdefault(m.key, f"fx:{r.path or '<model>'}")
                     self.fx_params.setdefault(m.key, {k: v for k, v in m.params.items() if _plain(v)})
         for k, label in self.fx_routes.items():

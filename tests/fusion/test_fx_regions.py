@@ -1232,3 +1232,28 @@ def test_two_chains_of_one_key_in_a_region_get_an_op_each(p):
     for g, w in zip(*reversed(grads), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
     assert activation_bytes(lambda: fused(x)) < activation_bytes(lambda: model(x))
+
+
+class ReturnsTheWeights(DropsTheWeights):
+    def forward(self, x):
+        if float(x.abs().sum()) > 1e9:
+            x = x / 2
+        return self.attn(x)  # the first core's probabilities leave the model: a loss may use them
+
+
+def test_a_key_whose_region_code_would_fuse_a_site_the_record_turned_down_is_not_fused():
+    """The first core's probabilities are read after the region (returned by the model), so the run-time record
+    turns that site down; the region's code, which sees only its own output, finds both sites viable and fused them
+    both, and a loss on those probabilities raised in backward (the op returns them for reading only)."""
+    torch.manual_seed(0)
+    model, x = ReturnsTheWeights(0.0).double().train(), seeded(2, 12, 16, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    cores = [d for d in plan.decisions if d.pattern == "attention"]
+    assert len(cores) == 2 and not any(d.fused for d in cores)
+    assert "the code of `attn` holds 2 of its chains a call, and one of them is not viable" in cores[1].reason
+    (want, want_p), (got, got_p) = model(x), fused(x)
+    torch.testing.assert_close(got_p, want_p, rtol=1e-12, atol=1e-12)
+    loss = [(o.square().sum() + p.square().sum()) for o, p in ((want, want_p), (got, got_p))]
+    for g, w in zip(torch.autograd.grad(loss[1], list(fused.parameters())),
+                    torch.autograd.grad(loss[0], list(model.parameters())), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
