@@ -122,7 +122,7 @@ class Patch:
         if hook is not None:
             warn_hooked(self, qualified(self.host, self.path, hook), what, kind)
             return True
-        drift = drifted(modules, recorded or modules, recorded_settings)
+        drift = drifted(modules, recorded or modules, recorded_settings, not self.__dict__.get("follows_owners"))
         if drift is None:
             odd = self._odd_mode(modules)
             drift = None if odd is None else (odd, mode_change(modules, odd))
@@ -177,7 +177,8 @@ class ChainHead(Patch):
         hook, kind = hooked(self.steps)
         change = None
         if hook is None:
-            change = changed([*self.steps, *(m for _, m in self.inline_hosts)], self.settings)
+            change = changed([*self.steps, *(m for _, m in self.inline_hosts)], self.settings,
+                             not self.__dict__.get("follows_owners"))
         mode, odd = op_mode(self.steps)
         if change is None and odd is not None:
             change = (odd, mode_change(self.steps, odd))

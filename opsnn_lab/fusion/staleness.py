@@ -66,22 +66,27 @@ def _tensors(m: nn.Module):
     return (*m.__dict__.get("_parameters", {}).items(), *m.__dict__.get("_buffers", {}).items())
 
 
-def drifted(modules, recorded, recorded_settings) -> tuple[int, str] | None:
+def drifted(modules, recorded, recorded_settings, tensors: bool = True) -> tuple[int, str] | None:
     """What makes fused code stale for ``modules`` (found now where ``recorded`` were at fusion): the first one
     replaced since (``make_reproducible``'s counter twin of a Dropout aside): its index and ``"replaced by a
     `LoraLinear`"``; else the first setting changed (``changed``)."""
     for i, (old, new) in enumerate(zip(recorded, modules)):
         if new is not old and not (isinstance(old, nn.Dropout) and hasattr(new, "next_draw")):
             return i, f"replaced by {'a `' + type(new).__name__ + '`' if new is not None else 'nothing'}"
-    return changed(modules, recorded_settings)
+    return changed(modules, recorded_settings, tensors)
 
 
-def changed(modules, recorded) -> tuple[int, str] | None:
+def changed(modules, recorded, tensors: bool = True) -> tuple[int, str] | None:
     """The first setting in ``recorded`` (from ``settings(modules)``) that ``modules`` no longer hold: the
-    module's index and ``"a setting changed: p 0.5 -> 0.0"``; None when all hold (~0.1 us each)."""
+    module's index and ``"a setting changed: p 0.5 -> 0.0"``; None when all hold (~0.1 us each). ``tensors=False``
+    leaves out the Parameters and buffers: where the fused ops are relinked to their owners' tensors before each
+    call (``opsnn_lab.parallel.wrap.follow_owners``, for FSDP2, which puts other Parameter objects in place at every
+    forward), another tensor is what they will read."""
     for i, k, v in recorded:
         m = modules[i]
         if isinstance(v, torch.Tensor):
+            if not tensors:
+                continue
             now = m._parameters[k] if k in m._parameters else m._buffers[k] if k in m._buffers else \
                 m.__dict__.get(k)
             if now is not v:

@@ -100,6 +100,10 @@ def follow_owners(model: nn.Module) -> int:
         # it still runs its fused op (fusion.staleness.hooked)
         slot.register_forward_pre_hook(passive(sync))
         count += len(links)
+    for module in model.modules():  # their ops read what the owners hold now: another tensor there is not stale
+        patch = module.__dict__.get("forward")
+        if hasattr(patch, "ops") and hasattr(patch, "host"):
+            patch.follows_owners = True
     return count
 
 
