@@ -182,9 +182,9 @@ class Analysis:
         unfused there (``worse``: site -> why, from ``_worse_together``)."""
         if worse and _site(m) in worse:
             return worse[_site(m)]
-        pat = pattern_of(m.pattern)
-        if not (pat.min_share or pat.never_worse) or _site(m) not in self.costs:
+        if not _memory_pattern(m.pattern) or _site(m) not in self.costs:
             return ""
+        pat = pattern_of(m.pattern)
         saved, _, eager = self.costs[_site(m)]
         if saved >= 0 and (not pat.min_share or (saved > 0 and saved >= pat.min_share * eager)):
             return ""

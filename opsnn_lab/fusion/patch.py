@@ -113,11 +113,16 @@ class Patch:
         except AttributeError:
             return None, name
 
-    def _stale(self, key, paths, recorded, recorded_settings, what: str) -> bool:
-        """Whether the fused code must not run now: a module it runs inline (``host`` and those at ``paths``) has a
-        hook (``hooked``), or was replaced or had a setting changed since fusion (``drifted``, against
-        ``recorded`` - None for a patch pickled before it kept them - and ``recorded_settings``); says so once."""
-        modules = [self.host, *self._modules_now(key, paths)]
+    def _modules_at(self, key, paths) -> list[nn.Module | None]:
+        """``[host, *_modules_now(key, paths)]``: what ``_stale`` checks."""
+        return [self.host, *self._modules_now(key, paths)]
+
+    def _stale(self, modules, paths, recorded, recorded_settings, what: str) -> bool:
+        """Whether the fused code must not run now: a module it runs inline (``modules``: the host and those now at
+        ``paths``, ``_modules_at``) has a hook (``hooked``), was replaced or had a setting changed since fusion
+        (``drifted``, against ``recorded`` - None for a patch pickled before it kept them - and
+        ``recorded_settings``), or is in another mode than the fused code runs it in (``_odd_mode``); says so
+        once."""
         hook, kind = hooked(m for m in modules[1:] if m is not None)
         if hook is not None:
             warn_hooked(self, qualified(self.host, self.path, hook), what, kind)
@@ -276,10 +281,12 @@ class WholeForward(Patch):
 
     @opaque_to_compile
     def __call__(self, x):
-        if self._stale("inner", self.__dict__.get("inner", ()), self.__dict__.get("recorded"), self.settings,
+        inner = self.__dict__.get("inner", ())
+        modules = self._modules_at("inner", inner)
+        if self._stale(modules, inner, self.__dict__.get("recorded"), self.settings,
                        f"the {self.pattern} chain at `{self.path}`") or _defers(self.op, x):
             return type(self.host).forward(self.host, x)
-        self._sync(self.op, op_mode([self.host, *self._modules_now("inner", self.inner)])[0])
+        self._sync(self.op, op_mode(modules)[0])
         return self.op(x)
 
     def _odd_mode(self, modules) -> int | None:

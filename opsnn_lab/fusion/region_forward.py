@@ -147,23 +147,9 @@ class FxForward(Patch):
                               "restore_rng": {}, "settings": {}, "recorded": {}, "route": None, "keys": None,
                               "alternates": {}, **state})
 
-    def _other_values(self, args, kwargs) -> bool:
-        """Whether this call's plain arguments differ from those the code was traced for."""
-        bound = bind_call(self.host, (args, kwargs))
-        return bound is not None and any(type(got := bound.arguments.get(k)) is not type(v) or got != v
-                                         for k, v in self.concrete.items())
-
-    def _bound(self, args, kwargs):
-        bound = bind_call(self.host, (args, kwargs))
-        if bound is None:
-            return None
-        for k, v in self.concrete.items():
-            got = bound.arguments.get(k)
-            if type(got) is not type(v) or got != v:
-                return None  # a call the rewrite was not specialised for
-        if not facts_hold(self.facts.get(self.host.training, {}), bound.arguments):
-            return None  # a tensor of another rank than the traced code assumed
-        return bound
+    def _traced_for(self, bound) -> bool:
+        """Whether the call's plain arguments are those the code was traced for."""
+        return all(type(got := bound.arguments.get(k)) is type(v) and got == v for k, v in self.concrete.items())
 
     def _routes(self, gm) -> list[tuple[str, str, inspect._ParameterKind]]:
         """``(original parameter, traced parameter, its kind)`` per argument of the traced code, made once per
@@ -191,17 +177,20 @@ class FxForward(Patch):
         gm = self.variants.get(self.host.training)
         key = self.host.training
         # a hook on a module the code runs inline, a module replaced, a setting the code holds as a constant changed
-        if gm is not None and self._stale(key, self.inlined.get(key, ()), self.recorded.get(key),
+        inlined = self.inlined.get(key, ())
+        if gm is not None and self._stale(self._modules_at(key, inlined), inlined, self.recorded.get(key),
                                           self.settings.get(key, ()), f"the region `{self.path or '<model>'}`"):
             gm = None
         if not self.host.training and not torch.is_grad_enabled():
             gm = None  # inference: nothing is saved for a backward, and the original may take a fast path
         if self.unwrapped and getattr(self.host, "gradient_checkpointing", False):
             gm = None
-        bound = None if gm is None else self._bound(args, kwargs)
-        if bound is None:
-            alt = self._alternate(args, kwargs) if gm is not None and self._other_values(args, kwargs) else None
+        bound = None if gm is None else bind_call(self.host, (args, kwargs))
+        if bound is not None and not self._traced_for(bound):  # other plain arguments: the code traced for them
+            alt = self._alternate(args, kwargs)
             return alt(*args, **kwargs) if alt is not None else type(self.host).forward(self.host, *args, **kwargs)
+        if bound is None or not facts_hold(self.facts.get(key, {}), bound.arguments):
+            return type(self.host).forward(self.host, *args, **kwargs)  # no fit, or a tensor of another rank
         pos, kw = [], {}
         for source, name, kind in self._routes(gm):
             if source not in bound.arguments:

@@ -117,7 +117,8 @@ def op_mode(modules) -> tuple[bool, int | None]:
 
 
 def mode_change(modules, i: int) -> str:
-    """What ``_odd_mode`` / ``op_mode`` found: ``"in eval mode while its host is in training mode"``."""
+    """What ``_odd_mode`` / ``op_mode`` found at module ``i``: ``"in eval mode, where the fused code runs it in
+    training mode"``."""
     name = {True: "training", False: "eval"}
     return f"in {name[modules[i].training]} mode, where the fused code runs it in {name[not modules[i].training]} mode"
 
