@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from opsnn_lab.fusion import owners
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.patterns import pattern_of
 from opsnn_lab.fusion.routes import Route
@@ -127,7 +128,7 @@ class Patch:
         if hook is not None:
             warn_hooked(self, qualified(self.host, self.path, hook), what, kind)
             return True
-        drift = drifted(modules, recorded or modules, recorded_settings, not self.__dict__.get("follows_owners"))
+        drift = drifted(modules, recorded or modules, recorded_settings)
         if drift is None:
             odd = self._odd_mode(modules)
             drift = None if odd is None else (odd, mode_change(modules, odd))
@@ -182,8 +183,7 @@ class ChainHead(Patch):
         hook, kind = hooked(self.steps)
         change = None
         if hook is None:
-            change = changed([*self.steps, *(m for _, m in self.inline_hosts)], self.settings,
-                             not self.__dict__.get("follows_owners"))
+            change = changed([*self.steps, *(m for _, m in self.inline_hosts)], self.settings)
         mode, odd = op_mode(self.steps)
         if change is None and odd is not None:
             change = (odd, mode_change(self.steps, odd))
@@ -205,7 +205,7 @@ class ChainHead(Patch):
                 x = type(step).forward(step, x)
         else:
             self._sync(self.op, mode)
-            x = self.op(x)
+            x = owners.call(self.op, x)
         self.last = weakref.ref(x) if isinstance(x, torch.Tensor) else None
         self.held = x if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type) else None
         return x
@@ -287,7 +287,7 @@ class WholeForward(Patch):
                        f"the {self.pattern} chain at `{self.path}`") or _defers(self.op, x):
             return type(self.host).forward(self.host, x)
         self._sync(self.op, op_mode(modules)[0])
-        return self.op(x)
+        return owners.call(self.op, x)
 
     def _odd_mode(self, modules) -> int | None:
         return op_mode(modules)[1]  # one op: the modules whose forward depends on the mode must agree
@@ -353,7 +353,7 @@ class QKVCore:
         if i != self.first or torch.compiler.is_compiling():
             return F.linear(x, host.weight, host.bias)  # a call pattern the analysis did not see: plain Linear
         self.op.train(host.training)
-        self.outs = self.op(x)
+        self.outs = owners.call(self.op, x)
         self.x, self.version, self.read = weakref.ref(x), tensor_version(x), [False, False, False]
         self.read[i] = True
         return self.outs[i]
@@ -471,3 +471,4 @@ class RepackAfterApply:
         out = type(self.host)._apply(self.host, fn, recurse)
         repack(self.host)
         return out
+

@@ -14,6 +14,7 @@ import torch
 from torch import fx, nn
 
 from opsnn_lab._randomness import draws_random, enter_module, exit_module
+from opsnn_lab.fusion import owners
 from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.patch import CONSTANT
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
@@ -37,7 +38,7 @@ class FusedSlot(nn.Module):
     def forward(self, *args):
         if self.op.training != self.training:  # the slot's flag is the one model.train()/eval() sets
             self.op.train(self.training)
-        return self.op(*args)
+        return owners.call(self.op, *args)
 
     def _apply(self, fn, recurse=True):
         self.op._apply(fn)  # buffers the op holds itself follow .to()/.half(); shared ones are idempotent

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_type
+from opsnn_lab.fusion import owners
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
 from opsnn_lab.fusion.patch import RepackAfterApply, fused_ops, install, revert
 from opsnn_lab.fusion.patterns import Match, pattern_of
@@ -175,6 +176,8 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
 
     name_hosts(fused)  # a fused op's absorbed stream, named in ``fused``, is found from a model that wraps it
     put_back()
-    if any(hasattr(op, "repack") for op in fused_ops(fused)):  # packed weights: packed again after .to()/.half()
+    ops = fused_ops(fused)
+    owners.link(fused, ops)  # each op reads what its modules hold at each call (functional_call, a new Parameter)
+    if any(hasattr(op, "repack") for op in ops):  # packed weights: packed again after .to()/.half()
         fused.__dict__["_apply"] = RepackAfterApply(fused)
     return fused

@@ -1,5 +1,5 @@
 """What makes a fused chain's or region's code stale at a call: a hook added since fusion, a setting, a module or a
-tensor it holds replaced, a module in another mode than the fused code runs it in.
+tensor it holds given another shape, a module in another mode than the fused code runs it in.
 
 Each patch checks these at every call (about a microsecond for a chain) and runs its modules' own forwards while
 one holds, with one warning; set back, it runs fused again (patch.py).
@@ -14,8 +14,8 @@ from torch import nn
 
 from opsnn_lab._hooks import hooks_in_effect
 
-__all__ = ["hooked", "warn_hooked", "settings", "drifted", "changed", "op_mode", "mode_change", "warn_changed",
-           "qualified"]
+__all__ = ["hooked", "warn_hooked", "TensorShape", "settings", "drifted", "changed", "op_mode", "mode_change",
+           "warn_changed", "qualified"]
 
 
 def hooked(modules) -> tuple[nn.Module | None, str]:
@@ -48,50 +48,58 @@ def _plain(v) -> bool:
     return v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(map(_plain, v)))
 
 
+class TensorShape(tuple):
+    """The shape a Parameter or buffer had at fusion (``settings``): the fused op, and a region's traced code, were
+    made for it."""
+
+
 def settings(modules, ops=()) -> tuple:
     """``(index, name, value)`` for each setting of ``modules`` that a rewrite may take as it is at fusion: every
     public attribute holding a plain value (a Dropout's ``p``, a norm's ``eps``, a drop path's rate, a
-    ``self.scaling`` that traced code holds as a constant); and each Parameter and buffer, the tensor itself: the
-    fused op holds those objects (fx code copies them too), so one put in its place (a new ``nn.Parameter``
-    assigned, ``torch.func.functional_call``'s tensors, a wrapper's flattened views) is not what the op reads.
-    ``training``, which the patches follow, a counter stream's ``rng_*`` state, and what one of the fused ``ops``
-    reads at every call (``op.live_settings()``: a BatchNorm's ``momentum``) are not settings."""
+    ``self.scaling`` that traced code holds as a constant); and the shape of each Parameter and buffer
+    (``TensorShape``). Another tensor of that shape in a module's place (a new ``nn.Parameter``,
+    ``torch.func.functional_call``'s tensors, ``load_state_dict(assign=True)``) is what the fused op reads
+    (owners.py); one of another shape is a change. ``training``, which the patches follow, a counter stream's
+    ``rng_*`` state, and what one of the fused ``ops`` reads at every call (``op.live_settings()``: a BatchNorm's
+    ``momentum``) are not settings."""
     live = {(id(m), k) for op in ops if hasattr(op, "live_settings") for m, k in op.live_settings()}
     plain = tuple((i, k, v) for i, m in enumerate(modules) for k, v in m.__dict__.items()
                   if k != "training" and not k.startswith(("_", "rng_")) and _plain(v) and (id(m), k) not in live)
-    return plain + tuple((i, k, t) for i, m in enumerate(modules) for k, t in _tensors(m) if t is not None)
+    return plain + tuple((i, k, TensorShape(t.shape)) for i, m in enumerate(modules) for k, t in _tensors(m)
+                         if t is not None)
 
 
 def _tensors(m: nn.Module):
     return (*m.__dict__.get("_parameters", {}).items(), *m.__dict__.get("_buffers", {}).items())
 
 
-def drifted(modules, recorded, recorded_settings, tensors: bool = True) -> tuple[int, str] | None:
+def drifted(modules, recorded, recorded_settings) -> tuple[int, str] | None:
     """What makes fused code stale for ``modules`` (found now where ``recorded`` were at fusion): the first one
     replaced since (``make_reproducible``'s counter twin of a Dropout aside): its index and ``"replaced by a
     `LoraLinear`"``; else the first setting changed (``changed``)."""
     for i, (old, new) in enumerate(zip(recorded, modules)):
         if new is not old and not (isinstance(old, nn.Dropout) and hasattr(new, "next_draw")):
             return i, f"replaced by {'a `' + type(new).__name__ + '`' if new is not None else 'nothing'}"
-    return changed(modules, recorded_settings, tensors)
+    return changed(modules, recorded_settings)
 
 
-def changed(modules, recorded, tensors: bool = True) -> tuple[int, str] | None:
+def changed(modules, recorded) -> tuple[int, str] | None:
     """The first setting in ``recorded`` (from ``settings(modules)``) that ``modules`` no longer hold: the
-    module's index and ``"a setting changed: p 0.5 -> 0.0"``; None when all hold (~0.1 us each). ``tensors=False``
-    leaves out the Parameters and buffers: where the fused ops are relinked to their owners' tensors before each
-    call (``opsnn_lab.parallel.wrap.follow_owners``, for FSDP2, which puts other Parameter objects in place at every
-    forward), another tensor is what they will read."""
+    module's index and ``"a setting changed: p 0.5 -> 0.0"``; None when all hold (~0.1 us each). A tensor
+    recorded itself (a patch pickled before shapes were recorded, whose ops hold no owner links) must still be
+    that tensor."""
     for i, k, v in recorded:
         m = modules[i]
-        if isinstance(v, torch.Tensor):
-            if not tensors:
-                continue
+        if isinstance(v, (TensorShape, torch.Tensor)):
             now = m._parameters[k] if k in m._parameters else m._buffers[k] if k in m._buffers else \
                 m.__dict__.get(k)
-            if now is not v:
-                return i, (f"`{k}` is not the tensor it held at fusion: a tensor put in its place (a new Parameter "
-                           "assigned, torch.func.functional_call) is not what the fused op reads")
+            if isinstance(v, torch.Tensor):
+                if now is not v:
+                    return i, (f"`{k}` is not the tensor it held at fusion, and this model was fused before fused "
+                               "ops read their modules' tensors at each call: fusing it again lets them")
+            elif not isinstance(now, torch.Tensor) or now.shape != v:
+                got = f"shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) else "none"
+                return i, f"`{k}` has {got}, where the fused code was made for shape {tuple(v)}"
             continue
         now = m.__dict__.get(k, v)  # a twin swapped in without that attribute: not a change
         if now is not v and now != v:

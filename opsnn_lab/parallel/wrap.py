@@ -4,8 +4,8 @@ A fused op is held outside the module tree (``FusedSlot`` keeps it as a plain at
 keys stay those of the replaced modules) and some fused ops register the replaced modules' Parameter
 objects on themselves. FSDP2 only knows the owning modules: it swaps sharded and unsharded parameters
 there, and a fused op that kept the original Parameter would compute with a stale tensor and send its
-gradient nowhere. :func:`follow_owners` makes each fused op re-read, before every call, the parameter
-its owning module holds at that moment, so the fused op shards exactly like the modules it replaced.
+gradient nowhere. A fused op reads, at every call, the parameter its owning module holds at that moment
+(``opsnn_lab.fusion.owners``), so it shards exactly like the modules it replaced.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 from torch import nn
 
 from opsnn_lab._checks import check_choice, check_type
-from opsnn_lab._hooks import passive
 
 __all__ = ["layer_units", "shardable_units", "follow_owners", "wrap_model", "PARALLEL"]
 
@@ -60,51 +59,16 @@ def shardable_units(model: nn.Module) -> list[str]:
             if not any(not _inside(path, u) and any(_inside(m, u) for m in mods) for path, mods in slots)]
 
 
-def _fused_ops(model: nn.Module):
-    """(module to hook, fused op) for fx slots and for module-level patches (chain head, whole, QKV member)."""
-    for module in model.modules():
-        op = module.__dict__.get("op")
-        if isinstance(op, nn.Module):
-            yield module, op
-        patch = module.__dict__.get("forward")
-        inner = getattr(patch, "op", None) or getattr(getattr(patch, "core", None), "op", None)
-        if isinstance(inner, nn.Module):
-            yield module, inner
-
-
 def follow_owners(model: nn.Module) -> int:
-    """Before each call of a fused op, point its registered parameters at what their owning modules hold.
+    """Link each fused op of ``model`` to the modules that own its tensors (``fusion.owners.link``), so it reads
+    the Parameter its owner holds at each call; returns the number of links.
 
-    Returns the number of parameters that follow an owner (call before ``fully_shard``, while the
-    Parameter objects are still shared).
-    """
-    owners = {}
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), (module, name))
-    count, tree = 0, set(model.modules())
-    for slot, op in _fused_ops(model):
-        if op in tree:
-            continue
-        links = [(sub, name, *owners[id(p)]) for sub in op.modules() for name, p in sub._parameters.items()
-                 if p is not None and id(p) in owners and owners[id(p)][0] is not sub]
-        if not links:
-            continue
+    ``ol.fusion.fuse`` links them already; this links a model fused by an opsnn_lab that did not (call it before
+    ``fully_shard``, while the Parameter objects are still shared)."""
+    from opsnn_lab.fusion import owners
+    from opsnn_lab.fusion.patch import fused_ops
 
-        def sync(module, args, links=links):
-            for sub, name, owner, oname in links:
-                sub._parameters[name] = owner._parameters[oname]
-
-        # passive: it relinks the op's parameters and needs no tensor of the module's own, so a chain head carrying
-        # it still runs its fused op (fusion.staleness.hooked)
-        slot.register_forward_pre_hook(passive(sync))
-        count += len(links)
-    for module in model.modules():  # their ops read what the owners hold now: another tensor there is not stale
-        patch = module.__dict__.get("forward")
-        if hasattr(patch, "ops") and hasattr(patch, "host"):
-            patch.follows_owners = True
-    return count
+    return owners.link(model, fused_ops(model))
 
 
 def wrap_model(model: nn.Module, parallel: str, *, device=None, fp16_hook: bool = False,
