@@ -62,7 +62,8 @@ from opsnn_lab.fusion.staleness import (
     warn_hooked,
 )
 
-__all__ = ["install", "revert", "Patch", "patches", "CONSTANT", "fused_ops", "repack", "RepackAfterApply"]
+__all__ = ["install", "revert", "Patch", "patches", "CONSTANT", "fused_ops", "repack", "RepackAfterApply",
+           "repack_after_load"]
 
 CONSTANT = "_opsnn_constant_"  # the prefix of a constant tensor a rewritten region's code reads from the region
 
@@ -423,13 +424,15 @@ def patches(model: nn.Module) -> dict[str, Patch]:
 
 def revert(model: nn.Module) -> nn.Module:
     """Remove every module-level patch (in place): each module runs its class's forward again. The constants a
-    rewritten region's code read (``region_rewrite.keep_constants``) and the repack after conversion
-    (``RepackAfterApply``) go with it."""
+    rewritten region's code read (``region_rewrite.keep_constants``) and the repack after conversion and loading
+    (``RepackAfterApply``, ``repack_after_load``) go with it."""
     for m in model.modules():
         if isinstance(m.__dict__.get("forward"), Patch):
             del m.__dict__["forward"]
         if isinstance(m.__dict__.get("_apply"), RepackAfterApply):
             del m.__dict__["_apply"]
+        for key in [k for k, h in m._load_state_dict_post_hooks.items() if h is repack_after_load]:
+            del m._load_state_dict_post_hooks[key]
         for name in [k for k in m.__dict__ if k.startswith(CONSTANT)]:
             del m.__dict__[name]
     return model
@@ -472,3 +475,9 @@ class RepackAfterApply:
         repack(self.host)
         return out
 
+
+def repack_after_load(module: nn.Module, incompatible_keys) -> None:
+    """A ``load_state_dict`` post hook of the fused model (``apply`` registers it where an op packs weights):
+    ``load_state_dict(sd, assign=True)`` puts the checkpoint's own tensors in place, each on its own, after which
+    the packing ops would copy them together at every call; ``repack`` puts them back into one buffer."""
+    repack(module)

@@ -22,7 +22,7 @@ from torch import nn
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion import owners
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
-from opsnn_lab.fusion.patch import RepackAfterApply, fused_ops, install, revert
+from opsnn_lab.fusion.patch import RepackAfterApply, fused_ops, install, repack_after_load, revert
 from opsnn_lab.fusion.patterns import Match, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules
@@ -178,6 +178,7 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     put_back()
     ops = fused_ops(fused)
     owners.link(fused, ops)  # each op reads what its modules hold at each call (functional_call, a new Parameter)
-    if any(hasattr(op, "repack") for op in ops):  # packed weights: packed again after .to()/.half()
+    if any(hasattr(op, "repack") for op in ops):  # packed weights: packed again after .to()/.half(), a load
         fused.__dict__["_apply"] = RepackAfterApply(fused)
+        fused.register_load_state_dict_post_hook(repack_after_load)
     return fused

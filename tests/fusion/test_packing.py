@@ -125,6 +125,24 @@ def test_copies_convert_their_own_weights_and_revert_drops_the_repack():
     assert not any(op.packed for op in ops)
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["module routes", "fx region"])
+def test_a_state_dict_loaded_with_assign_is_packed_again(inline):
+    """``load_state_dict(sd, assign=True)`` gives every Parameter the checkpoint's own tensor; the fused model packs
+    them again (``patch.repack_after_load``)."""
+    model, fused, ops, x = _fused(inline)
+    torch.manual_seed(3)
+    checkpoint = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    for m in (model, fused):
+        m.load_state_dict({k: v.clone() for k, v in checkpoint.items()}, assign=True)
+    assert all(op.packed for op in ops)
+    for (name, p), (_, q) in zip(model.named_parameters(), fused.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-5)
+    fused.load_state_dict(model.state_dict())  # in place: still packed, and the hook leaves them as they are
+    assert all(op.packed for op in ops)
+    assert ol.fusion.revert(fused)._load_state_dict_post_hooks == {}
+
+
 def test_a_submodule_converted_alone_falls_back_until_repack():
     _, fused, ops, x = _fused()
     fused.block.to(torch.float64)  # not through the fused model's _apply
