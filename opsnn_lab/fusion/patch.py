@@ -38,6 +38,7 @@ which Inductor compiles with the rest.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -73,6 +74,14 @@ class Patch:
 
     def __init__(self, host: nn.Module):
         self.host = host
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The patched forward's signature, for code that reads ``inspect.signature(module.forward)``: Hugging
+        Face's ``generate`` looks for ``attention_mask``, ``position_ids`` and ``logits_to_keep`` there, its Trainer
+        for the dataset columns and loss keywords the model takes. A patch read ``(*args, **kwargs)`` (the root
+        region of a fused Mamba, FNet, LayoutLM or ViT-family classifier)."""
+        return inspect.signature(type(self.host).forward.__get__(self.host))
 
     def keeps_rank(self) -> bool:
         """Whether the patched module's output has its input's rank (ranks.py reads it): its fused op's row says

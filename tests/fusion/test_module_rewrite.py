@@ -16,7 +16,7 @@ from torch import nn
 
 import opsnn_lab as ol
 from opsnn_lab.bench import activation_bytes
-from opsnn_lab.fusion.patch import ChainHead, PassThrough, QKVMember, WholeForward
+from opsnn_lab.fusion.patch import ChainHead, PassThrough, Patch, QKVMember, WholeForward
 from opsnn_lab.testing import seeded
 
 
@@ -277,6 +277,33 @@ def test_hooks_outside_chains_fire_and_signature_is_kept():
     fused.attn.register_forward_pre_hook(lambda m, a, kw: seen.append("attn"), with_kwargs=True)
     fused(X, swap=False, scale=2.0)
     assert seen == ["attn", (3, 5, 3)]
+
+
+class RootMLP(InlineMLP):
+    def forward(self, x, scale: float = 1.0):
+        return self.fc2(F.gelu(self.fc1(x))) * scale
+
+
+def _signatures_hold(fused: nn.Module) -> list[str]:
+    """The patched modules of ``fused``, each checked: ``inspect.signature(module.forward)`` is the class forward's."""
+    patched = [(path, m) for path, m in fused.named_modules() if isinstance(m.__dict__.get("forward"), Patch)]
+    for path, m in patched:
+        assert inspect.signature(m.forward) == inspect.signature(type(m).forward.__get__(m)), path
+    return sorted({type(m.__dict__["forward"]).__name__ for _, m in patched})
+
+
+def test_a_patched_forward_keeps_the_signature_code_reads_from_it():
+    """Hugging Face's ``generate`` and Trainer read ``inspect.signature(model.forward)`` (``logits_to_keep``,
+    ``attention_mask``, the dataset columns to keep): a patched forward read ``(*args, **kwargs)``."""
+    torch.manual_seed(0)
+    assert _signatures_hold(_fused(Net())[0]) == ["ChainHead", "PassThrough", "QKVMember", "WholeForward"]
+    fused, plan = ol.fusion.fuse(RootMLP(), (X,))  # the chain inline in the root's forward: a region at the root
+    assert [d.route for d in plan.fused] == ["fx:<model>"], plan.decisions
+    assert _signatures_hold(fused) == ["FxForward"]
+    assert list(inspect.signature(fused.forward).parameters) == ["x", "scale"]
+    encoder = ol.models.Encoder(ol.models.EncoderConfig.tiny(layers=1))
+    fused, _ = ol.fusion.fuse(encoder, (torch.randint(0, 100, (2, 6)),))
+    assert "FxForward" in _signatures_hold(fused)
 
 
 def _recorder(seen: list):
