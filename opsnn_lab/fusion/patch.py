@@ -33,7 +33,9 @@ operands cast to autocast's dtype, autocast off inside), so autocast training ke
 another dtype than its weight runs its module's own forward (the module decides its output dtype).
 Under ``torch.compile`` a fused op is an opaque call (``torch.compiler.disable``: Dynamo breaks the graph
 around it, so its Python-side dropout stream never becomes a guard), and a QKV sibling runs its plain Linear,
-which Inductor compiles with the rest.
+which Inductor compiles with the rest. ``torch.export`` gets the model's own code from every patch: an exported
+program is the model's graph (fused ops, which read data pointers and draw in Python, would not trace; and what
+they save for a backward is no concern of an exported graph), with the model's outputs.
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ class Patch:
         for the dataset columns and loss keywords the model takes. A patch read ``(*args, **kwargs)`` (the root
         region of a fused Mamba, FNet, LayoutLM or ViT-family classifier)."""
         return inspect.signature(type(self.host).forward.__get__(self.host))
+
+    @property
+    def __code__(self):
+        """The class forward's code object: ``torch.export`` reads ``module.forward.__code__`` (non-strict mode)."""
+        return type(self.host).forward.__code__
 
     def keeps_rank(self) -> bool:
         """Whether the patched module's output has its input's rank (ranks.py reads it): its fused op's row says
@@ -188,8 +195,14 @@ class ChainHead(Patch):
         # Linear's weight dtype on the way (T5's `wo`), after which nothing else holds it
         self.held = None
 
-    @opaque_to_compile  # opaque to torch.compile: the op draws its dropout stream in Python
     def __call__(self, x):
+        if torch.compiler.is_exporting():  # an exported program is the model's own code (see the module docstring)
+            self.unfused, self.last, self.held = True, None, None
+            return type(self.host).forward(self.host, x)
+        return self._call(x)
+
+    @opaque_to_compile  # opaque to torch.compile: the op draws its dropout stream in Python
+    def _call(self, x):
         hook, kind = hooked(self.steps)
         change = None
         if hook is None:
@@ -289,8 +302,13 @@ class WholeForward(Patch):
         self.recorded = [host, *self._modules_now("inner", self.inner)]
         self.settings = settings(self.recorded, [op])
 
-    @opaque_to_compile
     def __call__(self, x):
+        if torch.compiler.is_exporting():  # the model's own code (see the module docstring)
+            return type(self.host).forward(self.host, x)
+        return self._call(x)
+
+    @opaque_to_compile
+    def _call(self, x):
         inner = self.__dict__.get("inner", ())
         modules = self._modules_at("inner", inner)
         if self._stale(modules, inner, self.__dict__.get("recorded"), self.settings,
@@ -311,8 +329,13 @@ class SDPACallSite(Patch):
         super().__init__(host)
         self.op, self.pattern = op, pattern
 
-    @opaque_to_compile
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_exporting():  # the model's own code (see the module docstring)
+            return type(self.host).forward(self.host, *args, **kwargs)
+        return self._call(*args, **kwargs)
+
+    @opaque_to_compile
+    def _call(self, *args, **kwargs):
         self._sync(self.op)
         if not self.op.training:
             return type(self.host).forward(self.host, *args, **kwargs)

@@ -181,8 +181,9 @@ class FxForward(Patch):
         if gm is not None and self._stale(self._modules_at(key, inlined), inlined, self.recorded.get(key),
                                           self.settings.get(key, ()), f"the region `{self.path or '<model>'}`"):
             gm = None
-        if not self.host.training and not torch.is_grad_enabled():
-            gm = None  # inference: nothing is saved for a backward, and the original may take a fast path
+        if not self.host.training and not torch.is_grad_enabled() or torch.compiler.is_exporting():
+            gm = None  # inference: nothing is saved for a backward, and the original may take a fast path (export:
+            # the model's own code, patch.py)
         if self.unwrapped and getattr(self.host, "gradient_checkpointing", False):
             gm = None
         bound = None if gm is None else bind_call(self.host, (args, kwargs))
