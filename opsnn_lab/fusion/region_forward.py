@@ -18,7 +18,7 @@ from torch import nn
 
 from opsnn_lab._randomness import draw_state, draw_streams, streams_made
 from opsnn_lab.fusion.patch import Patch
-from opsnn_lab.fusion.region_rewrite import inlined_paths, region_slots, slot_ops, trace_variants
+from opsnn_lab.fusion.region_rewrite import FusedSlot, inlined_paths, region_slots, slot_ops, trace_variants
 from opsnn_lab.fusion.regions import (
     bind_call,
     concrete_args,
@@ -30,7 +30,7 @@ from opsnn_lab.fusion.regions import (
 )
 from opsnn_lab.fusion.runtime import flatten_tensors
 from opsnn_lab.fusion.specialise import SpecialisationMiss
-from opsnn_lab.fusion.staleness import settings
+from opsnn_lab.fusion.staleness import modal, settings
 from opsnn_lab.fusion.tracer import kwargs_values
 
 __all__ = ["FxForward"]
@@ -80,6 +80,38 @@ class FxForward(Patch):
         # a guard comes after a draw (specialise.check_guards): the generators' state is kept at each call and put
         # back before the original forward runs on a miss, so it draws what eager draws
         self.restore_rng = {k: bool(gm.meta.get("restore_rng")) for k, gm in variants.items()}
+        self.modal_slots = {k: self._modal_slots(k, gm) for k, gm in variants.items()}
+
+    def _modal_slots(self, key, gm) -> tuple:
+        """``(exempt, groups)``: the modules (indices into ``[host, *inlined]``) whose mode a fused op takes over,
+        Dropouts and BatchNorms it absorbed that the code runs nowhere else, and per fused slot, those of its own
+        (``((slot, indices), ...)``). Each op runs in its modules' mode (``__call__``), so a BatchNorm frozen in
+        eval mode in a training model keeps its chain, and the region, fused; before, the region ran unfused."""
+        index = {p: i + 1 for i, p in enumerate(self.inlined.get(key, ()))}
+        prefix = f"{self.path}." if self.path else ""
+        elsewhere = {next(reversed(stack)).partition("@")[0] for n in gm.graph.nodes
+                     if (stack := n.meta.get("nn_module_stack"))}
+        groups = []
+        for n in gm.graph.nodes:
+            slot = gm.get_submodule(n.target) if n.op == "call_module" else None
+            if not isinstance(slot, FusedSlot):
+                continue
+            paths = [p.removeprefix(prefix) for p in slot.fused_modules if p.startswith(prefix)]
+            own = tuple(index[p] for p in paths if p in index and p not in elsewhere
+                        and modal(self.host.get_submodule(p)))
+            if own:
+                groups.append((slot, own))
+        return frozenset(i for _, own in groups for i in own), tuple(groups)
+
+    def _odd_mode(self, modules) -> int | None:
+        """A module the code runs inline in another mode than the host (the code holds the host's), or two that one
+        fused op takes over in two modes (one op runs one); None when neither."""
+        exempt, groups = self.__dict__.get("modal_slots", {}).get(self.host.training, (frozenset(), ()))
+        host = self.host.training
+        odd = next((i for i, m in enumerate(modules) if m is not None and i not in exempt and m.training != host), None)
+        if odd is None:
+            odd = next((i for _, own in groups for i in own if modules[i].training != modules[own[0]].training), None)
+        return odd
 
     def ops(self) -> list[nn.Module]:
         return [op for gm in self.variants.values() for op in slot_ops(gm)] + \
@@ -145,7 +177,7 @@ class FxForward(Patch):
     def __setstate__(self, state):  # a model saved before these fields existed: no rebuild, no hook check
         self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, "unwrapped": False,
                               "restore_rng": {}, "settings": {}, "recorded": {}, "route": None, "keys": None,
-                              "alternates": {}, **state})
+                              "alternates": {}, "modal_slots": {}, **state})
 
     def _traced_for(self, bound) -> bool:
         """Whether the call's plain arguments are those the code was traced for."""
@@ -178,8 +210,9 @@ class FxForward(Patch):
         key = self.host.training
         # a hook on a module the code runs inline, a module replaced, a setting the code holds as a constant changed
         inlined = self.inlined.get(key, ())
-        if gm is not None and self._stale(self._modules_at(key, inlined), inlined, self.recorded.get(key),
-                                          self.settings.get(key, ()), f"the region `{self.path or '<model>'}`"):
+        modules = self._modules_at(key, inlined) if gm is not None else ()
+        if gm is not None and self._stale(modules, inlined, self.recorded.get(key), self.settings.get(key, ()),
+                                          f"the region `{self.path or '<model>'}`"):
             gm = None
         if not self.host.training and not torch.is_grad_enabled() or torch.compiler.is_exporting():
             gm = None  # inference: nothing is saved for a backward, and the original may take a fast path (export:
@@ -205,6 +238,8 @@ class FxForward(Patch):
                 pos.append(value)
             else:
                 kw[name] = value
+        for slot, own in self.__dict__.get("modal_slots", {}).get(key, ((), ()))[1]:
+            slot.training = modules[own[0]].training  # its op runs in its modules' mode (FusedSlot.forward)
         put_back = draw_state(self._streams(), flatten_tensors((args, kwargs))) \
             if self.restore_rng.get(self.host.training) else None
         try:

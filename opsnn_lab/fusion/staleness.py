@@ -14,7 +14,7 @@ from torch import nn
 
 from opsnn_lab._hooks import hooks_in_effect
 
-__all__ = ["hooked", "warn_hooked", "TensorShape", "settings", "drifted", "changed", "op_mode", "mode_change",
+__all__ = ["hooked", "warn_hooked", "TensorShape", "settings", "drifted", "changed", "modal", "op_mode", "mode_change",
            "warn_changed", "qualified"]
 
 
@@ -110,6 +110,12 @@ def changed(modules, recorded) -> tuple[int, str] | None:
 _MODAL = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 
 
+def modal(m) -> bool:
+    """Whether ``m``'s forward depends on its training flag in a way a fused op takes over: a Dropout, a BatchNorm,
+    a counter-based twin."""
+    return isinstance(m, _MODAL) or hasattr(m, "next_draw")
+
+
 def op_mode(modules) -> tuple[bool, int | None]:
     """The training flag one fused op of ``modules`` (its host first) runs with: that of the modules whose forward
     depends on it (a Dropout, a BatchNorm, a counter-based twin: a BatchNorm frozen in eval mode inside a training
@@ -117,7 +123,7 @@ def op_mode(modules) -> tuple[bool, int | None]:
     mode than the one before (None when they agree: one op cannot run both)."""
     mode = None
     for i, m in enumerate(modules):
-        if m is not None and (isinstance(m, _MODAL) or hasattr(m, "next_draw")):
+        if m is not None and modal(m):
             if mode is not None and m.training != mode:
                 return mode, i
             mode = m.training

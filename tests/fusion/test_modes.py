@@ -5,8 +5,9 @@ A fused op ran in its host's mode: a BatchNorm frozen in eval mode inside a trai
 segmentation fine-tuning) was normalised with the batch's statistics and updated its running ones (3.6 apart
 from eager on two Conv -> BN -> act chains, float64); a Dropout set to eval in a training model still dropped
 (0.33 apart), and one kept training in an eval model (MC dropout) did not. A chain's op now runs in the mode of its
-modules whose forward depends on it (Dropout, BatchNorm); a region's traced code, which holds one mode for every
-module it runs inline, runs unfused while one of those is in another mode than the region.
+modules whose forward depends on it (Dropout, BatchNorm), in a region too (a fused op there takes over the mode of
+the modules it absorbed); a region's traced code, which holds one mode for every other module it runs inline, runs
+unfused while one of those is in another mode than the region.
 """
 
 from __future__ import annotations
@@ -109,27 +110,71 @@ def test_monte_carlo_dropout_in_an_eval_model_drops_as_eager_does():
     assert not torch.allclose(want, plain)
 
 
+class BasicBlock(nn.Module):
+    """A residual block whose ReLU runs twice (as torchvision's): its Conv -> BN -> ReLU is fused in an fx region."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + x)
+
+
+def test_a_frozen_batch_norm_a_fused_op_takes_over_keeps_its_region_fused():
+    """Before, the region ran unfused while a BatchNorm its Conv -> BN -> ReLU op absorbed was in eval mode."""
+    torch.manual_seed(0)
+    model, x = BasicBlock().double().train(), seeded(2, 8, 6, 6, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert [(d.pattern, d.route) for d in plan.fused] == [("conv_bn_relu", "fx:<model>")], plan.decisions
+    (op,) = ol.fusion.patch.fused_ops(fused)
+    calls = []
+    op.register_forward_pre_hook(lambda m, args: calls.append(m.training))
+    for frozen in (True, False):  # frozen (detection fine-tuning), then training again
+        for m in (model, fused):
+            for bn in (m.bn1, m.bn2):
+                bn.train(not frozen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # fused, no warning
+            _same(model, fused, x)
+        assert calls[-1] is not frozen and fused.bn1.num_batches_tracked == model.bn1.num_batches_tracked
+    assert len(calls) == 2
+
+
 def test_a_region_runs_unfused_while_a_module_it_runs_inline_is_in_another_mode():
     torch.manual_seed(0)
     model = Encoder(EncoderConfig.tiny(layers=1)).double().train()
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     fused, plan = ol.fusion.fuse(model, (ids,))
     assert any(d.route == "fx:layers.0" for d in plan.fused)
-    fused_bytes = activation_bytes(lambda: fused(ids))
     for m in (model, fused):
         for sub in m.modules():
             if isinstance(sub, nn.Dropout):
                 sub.eval()  # dropout off, the rest training: deterministic
+    # the attention op takes over its dropout's mode: still fused, without a word
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _same(model, fused, ids)
+        fused_bytes = activation_bytes(lambda: fused(ids))
+        assert fused_bytes < activation_bytes(lambda: model(ids))
+    for m in (model, fused):  # a module the code runs inline itself (its forward may read its flag)
+        m.layers[0].attention.eval()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", RuntimeWarning)
         _same(model, fused, ids)
     said = [str(w.message) for w in seen if "changed after the region `layers.0`" in str(w.message)]
-    assert said and "(in eval mode, where the fused code runs it in training mode)" in said[0], said
+    assert said and "`layers.0.attention` changed" in said[0], said
+    assert "(in eval mode, where the fused code runs it in training mode)" in said[0], said
     for m in (model, fused):
         m.train()
+        for sub in m.modules():
+            if isinstance(sub, nn.Dropout):
+                sub.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        assert activation_bytes(lambda: fused(ids)) == fused_bytes  # all in one mode again: fused
+        assert activation_bytes(lambda: fused(ids)) == fused_bytes  # back in one mode: fused
 
 
 @pytest.mark.parametrize(("modes", "want"), [
