@@ -98,8 +98,8 @@ def changed(modules, recorded) -> tuple[int, str] | None:
                     return i, (f"`{k}` is not the tensor it held at fusion, and this model was fused before fused "
                                "ops read their modules' tensors at each call: fusing it again lets them")
             elif not isinstance(now, torch.Tensor) or now.shape != v:
-                got = f"shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) else "none"
-                return i, f"`{k}` has {got}, where the fused code was made for shape {tuple(v)}"
+                got = f"of shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) else "gone"
+                return i, f"`{k}` is {got}, where the fused code was made for shape {tuple(v)}"
             continue
         now = m.__dict__.get(k, v)  # a twin swapped in without that attribute: not a change
         if now is not v and now != v:

@@ -157,4 +157,25 @@ def test_a_tensor_of_another_shape_runs_the_chain_unfused_and_says_so():
         got = fused(*inputs)
     torch.testing.assert_close(got, model(*inputs), rtol=1e-12, atol=1e-12)
     said = [str(w.message) for w in seen if "changed after" in str(w.message)]
-    assert len(said) == 1 and "`weight` has shape (6, 8), where the fused code was made for shape (4, 8)" in said[0]
+    assert len(said) == 1 and "`weight` is of shape (6, 8), where the fused code was made for shape (4, 8)" in said[0]
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_a_parametrization_registered_after_fusion_runs_the_chain_unfused_with_it():
+    """``weight`` leaves the module's Parameters (``parametrize``: computed at each access): no tensor to read."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)).double()
+    inputs = (seeded(3, 4, dtype=torch.float64),)
+    fused, _ = ol.fusion.fuse(model, inputs)
+    for m in (model, fused):
+        torch.nn.utils.parametrize.register_parametrization(m[0], "weight", _Doubled())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", RuntimeWarning)
+        got = fused(*inputs)
+    torch.testing.assert_close(got, model(*inputs), rtol=1e-12, atol=1e-12)
+    said = [str(w.message) for w in seen if "changed after" in str(w.message)]
+    assert len(said) == 1 and "`weight` is gone, where the fused code was made for shape (8, 4)" in said[0], said
