@@ -35,7 +35,8 @@ Under ``torch.compile`` a fused op is an opaque call (``torch.compiler.disable``
 around it, so its Python-side dropout stream never becomes a guard), and a QKV sibling runs its plain Linear,
 which Inductor compiles with the rest. ``torch.export`` gets the model's own code from every patch: an exported
 program is the model's graph (fused ops, which read data pointers and draw in Python, would not trace; and what
-they save for a backward is no concern of an exported graph), with the model's outputs.
+they save for a backward is no concern of an exported graph), with the model's outputs. So does a ``torch.func``
+transform (``own_code``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from opsnn_lab.fusion.staleness import (
 )
 
 __all__ = ["install", "revert", "Patch", "patches", "CONSTANT", "fused_ops", "repack", "RepackAfterApply",
-           "repack_after_load"]
+           "repack_after_load", "own_code"]
 
 CONSTANT = "_opsnn_constant_"  # the prefix of a constant tensor a rewritten region's code reads from the region
 
@@ -162,6 +163,16 @@ class Patch:
         return {k: v for k, v in self.__dict__.items() if k != "_found"}  # found again after a load
 
 
+def own_code() -> bool:
+    """Whether every patch runs its module's own forward for this call: under ``torch.export`` (an exported program
+    is the model's graph) and inside a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev`` over
+    ``functional_call``: per-sample gradients, MAML), which refuses the fused ops' autograd Functions (they keep
+    ``forward(ctx, ...)``, without the ``setup_context`` the transforms need). ~0.2 us; Dynamo folds it to False
+    while compiling, where the fused ops are opaque calls."""
+    return torch.compiler.is_exporting() or \
+        (not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None)
+
+
 def _defers(op: nn.Module, x) -> bool:
     """Under autocast, a norm fed another dtype than its weight runs the replaced modules' own forwards."""
     defers = getattr(op, "defers_under_autocast", None)
@@ -196,7 +207,7 @@ class ChainHead(Patch):
         self.held = None
 
     def __call__(self, x):
-        if torch.compiler.is_exporting():  # an exported program is the model's own code (see the module docstring)
+        if own_code():  # exporting, a torch.func transform: the model's own code (see the module docstring)
             self.unfused, self.last, self.held = True, None, None
             return type(self.host).forward(self.host, x)
         return self._call(x)
@@ -303,7 +314,7 @@ class WholeForward(Patch):
         self.settings = settings(self.recorded, [op])
 
     def __call__(self, x):
-        if torch.compiler.is_exporting():  # the model's own code (see the module docstring)
+        if own_code():  # the model's own code (see the module docstring)
             return type(self.host).forward(self.host, x)
         return self._call(x)
 
@@ -330,7 +341,7 @@ class SDPACallSite(Patch):
         self.op, self.pattern = op, pattern
 
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_exporting():  # the model's own code (see the module docstring)
+        if own_code():  # the model's own code (see the module docstring)
             return type(self.host).forward(self.host, *args, **kwargs)
         return self._call(*args, **kwargs)
 
@@ -383,7 +394,7 @@ class QKVCore:
             if all(self.read):
                 self.clear()  # drop the references: the outputs belong to the caller now
             return out
-        if i != self.first or torch.compiler.is_compiling():
+        if i != self.first or torch.compiler.is_compiling() or own_code():
             return F.linear(x, host.weight, host.bias)  # a call pattern the analysis did not see: plain Linear
         self.op.train(host.training)
         self.outs = owners.call(self.op, x)

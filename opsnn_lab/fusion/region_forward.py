@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._randomness import draw_state, draw_streams, streams_made
-from opsnn_lab.fusion.patch import Patch
+from opsnn_lab.fusion.patch import Patch, own_code
 from opsnn_lab.fusion.region_rewrite import FusedSlot, inlined_paths, region_slots, slot_ops, trace_variants
 from opsnn_lab.fusion.regions import (
     bind_call,
@@ -214,9 +214,9 @@ class FxForward(Patch):
         if gm is not None and self._stale(modules, inlined, self.recorded.get(key), self.settings.get(key, ()),
                                           f"the region `{self.path or '<model>'}`"):
             gm = None
-        if not self.host.training and not torch.is_grad_enabled() or torch.compiler.is_exporting():
-            gm = None  # inference: nothing is saved for a backward, and the original may take a fast path (export:
-            # the model's own code, patch.py)
+        if not self.host.training and not torch.is_grad_enabled() or own_code():
+            gm = None  # inference: nothing is saved for a backward, and the original may take a fast path (export, a
+            # torch.func transform: the model's own code, patch.own_code)
         if self.unwrapped and getattr(self.host, "gradient_checkpointing", False):
             gm = None
         bound = None if gm is None else bind_call(self.host, (args, kwargs))

@@ -179,3 +179,32 @@ def test_a_parametrization_registered_after_fusion_runs_the_chain_unfused_with_i
     torch.testing.assert_close(got, model(*inputs), rtol=1e-12, atol=1e-12)
     said = [str(w.message) for w in seen if "changed after" in str(w.message)]
     assert len(said) == 1 and "`weight` is gone, where the fused code was made for shape (8, 4)" in said[0], said
+
+
+@pytest.mark.parametrize("case", list(MODELS))
+def test_torch_func_transforms_over_functional_call_run_the_models_own_code(case):
+    """``torch.func.grad`` / ``vmap`` (per-sample gradients, MAML) refuse the fused ops' autograd Functions; the
+    fused model runs its modules' own code inside them (``patch.own_code``), fused again outside."""
+    torch.manual_seed(0)
+    model, inputs = MODELS[case]()
+    fused, plan = ol.fusion.fuse(model, inputs)
+    fused_bytes = activation_bytes(lambda: fused(*inputs))
+    params = {k: v.detach() * 1.5 for k, v in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    grads = []
+    for m in (model, fused):
+        def loss(p, m=m):
+            given = p | {k: v.clone() for k, v in buffers.items()}
+            return _output(functional_call(m, given, inputs)).square().sum()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            grads.append(torch.func.grad(loss)(params))
+    for name in params:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-10, atol=1e-10, msg=name)
+    if case.startswith("encoder"):  # per-sample gradients (no BatchNorm: its batch statistics mix the samples)
+        ids = inputs[0]
+        per_sample = [torch.func.vmap(torch.func.grad(lambda p, row, m=m: _output(functional_call(
+            m, p, (row[None],))).square().sum()), in_dims=(None, 0))(params, ids) for m in (model, fused)]
+        for name in params:
+            torch.testing.assert_close(per_sample[1][name], per_sample[0][name], rtol=1e-10, atol=1e-10)
+    assert activation_bytes(lambda: fused(*inputs)) == fused_bytes
