@@ -56,6 +56,16 @@ def _device_of(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def _move_optimizer(optimizer: torch.optim.Optimizer, original: nn.Module, fused: nn.Module) -> None:
+    """Point an optimizer built on ``original`` at the same-named Parameters of its fused copy (``fuse`` returns a
+    copy: left as it was, the optimizer stepped tensors without gradients and nothing trained), its state too."""
+    twins = {id(p): q for (_, p), (_, q) in zip(original.named_parameters(), fused.named_parameters(), strict=True)}
+    for group in optimizer.param_groups:
+        group["params"] = [twins.get(id(p), p) for p in group["params"]]
+    for p in [p for p in optimizer.state if id(p) in twins]:
+        optimizer.state[twins[id(p)]] = optimizer.state.pop(p)
+
+
 def _optimizer(model, optimizer, lr):
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer is None:
@@ -82,8 +92,11 @@ def prepare(model: nn.Module, task, *, fuse: bool, precision: str, seed: int | N
         example = task.inputs(task.batch(start_step)) if hasattr(task, "inputs") else None
         if example is None:
             raise TypeError("fuse=True needs a task with inputs(batch) giving the model's example inputs")
+        original = model
         model, plan = fusion.fuse(model, example)
         extras["fusion_plan"] = plan
+        if isinstance(optimizer, torch.optim.Optimizer):
+            _move_optimizer(optimizer, original, model)
     if seed is not None:
         from opsnn_lab.consistency import make_reproducible
 

@@ -87,6 +87,24 @@ def test_optimizer_factory_and_instance():
         torch.testing.assert_close(p.detach(), expected[n], msg=n)
 
 
+def test_an_optimizer_instance_trains_the_fused_copy():
+    """``fuse=True`` trains a fused copy: an optimizer built on the model stepped tensors without gradients and
+    nothing trained, without an error (the fusion's own first-step warning now says so). It is moved to the copy."""
+    import warnings
+
+    task = MaskedTokenTask(vocab_size=16, seq_len=8, batch_size=2)
+    torch.manual_seed(0)
+    model = task.model(EncoderConfig.tiny(dropout=0.0, attn_dropout=0.0))
+    expected = _sgd_expectation(model, task, 0.1)
+    instance = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        result = ol.train(model, task, steps=1, optimizer=instance, fuse=True, record_grad_amax=False)
+    assert result.model is not model and all(len(instance.state[p]) for p in result.model.parameters())
+    for n, p in result.model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("kwargs, err, word", [
     (dict(steps=-1), ValueError, "steps"),
     (dict(lr=0), ValueError, "lr"),
