@@ -57,3 +57,19 @@ def test_the_models_are_not_kept_alive():
     del model, fused, plan  # the plan holds the analysed model
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_both_models_still_convert_by_swapping_their_parameters():
+    """A weak reference to a Parameter makes ``torch.utils.swap_tensors`` refuse it: the models are held weakly,
+    not their Parameters."""
+    model, x = _mlp()
+    fused, _ = ol.fusion.fuse(model, (x,))
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.double(), fused.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert all(p.dtype == torch.float64 for p in [*model.parameters(), *fused.parameters()])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert len(_steps(fused, opt, x.double(), n=1)) == 1  # still told
