@@ -50,7 +50,12 @@ def _plain(v) -> bool:
 
 class TensorShape(tuple):
     """The shape a Parameter or buffer had at fusion (``settings``): the fused op, and a region's traced code, were
-    made for it."""
+    made for it. ``seen``: the last Parameter found with it, so the check of an unchanged one is an identity test
+    (a Parameter only: a module's own, never a caller's tensor with its graph; not a weak reference, which
+    ``torch.utils.swap_tensors`` refuses; not pickled or copied)."""
+
+    def __reduce__(self):
+        return TensorShape, (tuple(self),)
 
 
 def settings(modules, ops=()) -> tuple:
@@ -97,9 +102,14 @@ def changed(modules, recorded) -> tuple[int, str] | None:
                 if now is not v:
                     return i, (f"`{k}` is not the tensor it held at fusion, and this model was fused before fused "
                                "ops read their modules' tensors at each call: fusing it again lets them")
-            elif not isinstance(now, torch.Tensor) or now.shape != v:
+                continue
+            if now is not None and v.__dict__.get("seen") is now:
+                continue
+            if not isinstance(now, torch.Tensor) or now.shape != v:
                 got = f"of shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) else "gone"
                 return i, f"`{k}` is {got}, where the fused code was made for shape {tuple(v)}"
+            if isinstance(now, nn.Parameter):
+                v.seen = now
             continue
         now = m.__dict__.get(k, v)  # a twin swapped in without that attribute: not a change
         if now is not v and now != v:
