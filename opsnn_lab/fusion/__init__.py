@@ -13,7 +13,7 @@ _EXPORTS = {
     "FusedSlot": "rewrite",
     "revert": "patch",
     "patches": "patch",
-    "repack": "patch",
+    "repack": "packing",
     "fuse": "api",
     "measure": "measurement",  # the module is not named `measure`: importing it would shadow the function
     "Measurement": "measurement",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._randomness import draw_state, draw_streams, streams_made
-from opsnn_lab.fusion.patch import Patch, own_code
+from opsnn_lab.fusion.patch_base import Patch, own_code
 from opsnn_lab.fusion.region_rewrite import FusedSlot, inlined_paths, region_slots, slot_ops, trace_variants
 from opsnn_lab.fusion.regions import (
     bind_call,

@@ -22,7 +22,8 @@ from torch import nn
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion import owners
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
-from opsnn_lab.fusion.patch import RepackAfterApply, fused_ops, install, repack_after_load, revert
+from opsnn_lab.fusion.packing import RepackAfterApply, fused_ops, repack_after_load
+from opsnn_lab.fusion.patch import install, revert
 from opsnn_lab.fusion.patterns import Match, pattern_of
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.probe import probe_modules

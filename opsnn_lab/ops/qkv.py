@@ -11,7 +11,7 @@ Parameters is seen at once because it writes into the buffer. ``torch.cat`` per 
 Every call checks that the three Parameters still sit back to back in one storage; if something
 re-pointed one of them (``module.to(...)``, ``param.data = ...``), that call falls back to ``torch.cat``
 (correct, one copy), and ``repack()`` restores the zero-copy layout (a model ``ol.fusion`` fused does so itself
-after ``.to()``: ``fusion.patch.RepackAfterApply``). Gradients come from one GEMM and
+after ``.to()``: ``fusion.packing.RepackAfterApply``). Gradients come from one GEMM and
 are handed back as slices of one buffer.
 """
 

@@ -66,7 +66,7 @@ def follow_owners(model: nn.Module) -> int:
     ``ol.fusion.fuse`` links them already; this links a model fused by an opsnn_lab that did not (call it before
     ``fully_shard``, while the Parameter objects are still shared)."""
     from opsnn_lab.fusion import owners
-    from opsnn_lab.fusion.patch import fused_ops
+    from opsnn_lab.fusion.packing import fused_ops
 
     return owners.link(model, fused_ops(model))
 
