@@ -61,6 +61,7 @@ from opsnn_lab.fusion.staleness import changed, hooked, mode_change, op_mode, se
 __all__ = ["install", "revert", "Patch", "patches", "CONSTANT", "fused_ops", "repack", "RepackAfterApply",
            "repack_after_load", "own_code"]
 
+
 def _defers(op: nn.Module, x) -> bool:
     """Under autocast, a norm fed another dtype than its weight runs the replaced modules' own forwards."""
     defers = getattr(op, "defers_under_autocast", None)

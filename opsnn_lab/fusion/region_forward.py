@@ -106,7 +106,7 @@ class FxForward(Patch):
     def _odd_mode(self, modules) -> int | None:
         """A module the code runs inline in another mode than the host (the code holds the host's), or two that one
         fused op takes over in two modes (one op runs one); None when neither."""
-        exempt, groups = self.__dict__.get("modal_slots", {}).get(self.host.training, (frozenset(), ()))
+        exempt, groups = self.modal_slots.get(self.host.training, (frozenset(), ()))
         host = self.host.training
         odd = next((i for i, m in enumerate(modules) if m is not None and i not in exempt and m.training != host), None)
         if odd is None:
@@ -238,7 +238,7 @@ class FxForward(Patch):
                 pos.append(value)
             else:
                 kw[name] = value
-        for slot, own in self.__dict__.get("modal_slots", {}).get(key, ((), ()))[1]:
+        for slot, own in self.modal_slots.get(key, ((), ()))[1]:
             slot.training = modules[own[0]].training  # its op runs in its modules' mode (FusedSlot.forward)
         put_back = draw_state(self._streams(), flatten_tensors((args, kwargs))) \
             if self.restore_rng.get(self.host.training) else None
