@@ -38,6 +38,10 @@ gradients equal the run without checkpointing: module calls checkpointed, a laye
 checkpointed with its hooks outside (Hugging Face 5's ``GradientCheckpointingLayer``), a module called twice.
 Not covered: random calls a checkpointed plain function makes before its first module call (recomputed with
 torch's generator: a non-reentrant checkpoint raises ``CheckpointError``, a reentrant one differs).
+A checkpoint around the whole model (``checkpoint(model, x)``) runs the model's own forward inside the backward:
+that forward is found among the last 16 by the autograd node that asked for it (its sequence number lies within
+the forward's) and run again at its step, its streams reseeded, the step counter left as it is; so a model called
+twice before one backward (a siamese loss) recomputes each call with its own masks.
 
 Step: the model carries a step counter. Every forward of the model in training mode uses the current
 step and then advances it by one; eval-mode forwards use no randomness and do not advance. Before a
@@ -62,6 +66,7 @@ from torch import nn
 from opsnn_lab._checks import check_positive, check_type
 from opsnn_lab._hooks import passive
 from opsnn_lab.consistency.functional import FunctionalRandomness, GlobalGenerators, position
+from opsnn_lab.ops.dropout import rerun_forward
 
 __all__ = ["SeedPool", "SeedStream", "make_reproducible", "set_step", "get_step", "ROOT"]
 
@@ -164,10 +169,18 @@ class _ForwardScope:
         self.log: dict[int, int] = {}  # this forward's functional draws: stream position -> seed
         self.generators: GlobalGenerators | None = None
         self.replay_mode = None  # the mode a checkpoint's recomputation runs under (see push)
+        self.rerun = False  # this forward runs a past one again inside the backward (rerun_forward)
+        self.step = 0  # the step this forward draws at
 
 
 def _gone():
     return None
+
+
+def _sequence_nr() -> int | None:
+    """The sequence number the next autograd node made on this thread takes (None where torch has no such call)."""
+    get = getattr(torch._C._autograd, "_get_sequence_nr", None)
+    return get() if get is not None else None
 
 
 class _ReproducibleState:
@@ -180,6 +193,7 @@ class _ReproducibleState:
         self.model_ref = weakref.ref(model)
         self.local = _ForwardScope()  # module-path stack and call counts of the running forward
         self.logs: collections.deque = collections.deque(maxlen=_KEPT_FORWARDS)  # newest first
+        self.forwards: collections.deque = collections.deque(maxlen=_KEPT_FORWARDS)  # [first node, end, step]
         self.warned: set[str] = set()
         self.handles: list = []
 
@@ -195,6 +209,7 @@ class _ReproducibleState:
         new.model_ref = weakref.ref(memo.get(id(model), model)) if model is not None else self.model_ref
         new.local = _ForwardScope()
         new.logs, new.warned = collections.deque(maxlen=_KEPT_FORWARDS), set()
+        new.forwards = collections.deque(maxlen=_KEPT_FORWARDS)
         new.handles = copy.deepcopy(self.handles, memo)
         return new
 
@@ -210,11 +225,16 @@ class _ReproducibleState:
         self.__dict__.update(state)
         self.model_ref = weakref.ref(model) if model is not None else _gone
         self.local, self.logs, self.warned = _ForwardScope(), collections.deque(maxlen=_KEPT_FORWARDS), set()
+        self.forwards = collections.deque(maxlen=_KEPT_FORWARDS)
 
     # -- hooks (bound methods, so a deep copy of the model calls its own state) -----------------
     def pre_hook(self, module, args) -> None:
-        if module.training:
+        if not module.training:
+            return
+        if torch._C._current_graph_task_id() == -1:
             self.begin_forward()
+        else:  # the model's own forward inside a backward: a checkpoint around the whole model recomputing
+            self.rerun_forward()
 
     def post_hook(self, module, args, output) -> None:
         self.end_forward()
@@ -230,17 +250,22 @@ class _ReproducibleState:
         model = self.model_ref()
         return counter_streams(model)
 
-    def begin_forward(self) -> None:
-        self.local.active = True
+    def begin_forward(self, step: int | None = None) -> None:
+        """Seed every stream for a training forward at ``step`` (default: the next one, which ``end_forward``
+        counts)."""
+        if step is None:
+            step = self.step
+            self.forwards.appendleft([_sequence_nr(), None, step])
+        self.local.active, self.local.step = True, step
         for name, module in link_streams(self.seeded_modules()):
-            module.set_rng(self.pool.seed_for(name, self.step), 0)
+            module.set_rng(self.pool.seed_for(name, step), 0)
         self.local.stack = [ROOT]
         self.local.calls = {}
         if self.functional:
             self.local.log = {}
             self.logs.appendleft(self.local.log)
             self.local.generators = GlobalGenerators(self._cuda_devices())
-            self.local.generators.enter(self.pool.seed_for(f"{ROOT}:global", self.step))
+            self.local.generators.enter(self.pool.seed_for(f"{ROOT}:global", step))
             self.local.mode = FunctionalRandomness(self)
             self.local.mode.__enter__()
 
@@ -256,7 +281,34 @@ class _ReproducibleState:
             self.local.generators = None
             self._warn_foreign(generators.exit())
         self.local.stack = None
-        self.step += 1
+        if self.local.rerun:
+            self.local.rerun = False
+            rerun_forward(False)
+        else:
+            if self.forwards:
+                self.forwards[0][1] = _sequence_nr()
+            self.step += 1
+
+    def rerun_forward(self) -> None:
+        """Run the training forward a checkpoint recomputes again, from its start and at its step (its streams
+        reseeded, every draw fresh as then); ``end_forward`` leaves the step counter as it is. The forward is
+        the one whose autograd nodes hold the node now asking for the recomputation (a reentrant checkpoint's
+        node is made just before its forward's)."""
+        node = torch._C._current_autograd_node()
+        nr = node._sequence_nr() if node is not None else None
+        step = next((s for first, end, s in self.forwards
+                     if nr is not None and first is not None and first - 1 <= nr < (end or first)), None)
+        if step is None:
+            step = self.forwards[0][2] if self.forwards else self.step
+            if "rerun" not in self.warned:
+                self.warned.add("rerun")
+                warnings.warn(
+                    "make_reproducible: the model ran in training mode inside a backward, but not as the "
+                    f"recomputation of one of its last {_KEPT_FORWARDS} training forwards; it draws the masks of "
+                    f"step {step}", RuntimeWarning, stacklevel=3)
+        self.local.rerun = True
+        rerun_forward(True)
+        self.begin_forward(step)
 
     def _cuda_devices(self) -> tuple[int, ...]:
         model = self.model_ref()
@@ -283,7 +335,7 @@ class _ReproducibleState:
             path = self.local.stack[-1] if self.local.stack else ROOT
         calls = self.local.calls.get((path, kind), 0)
         self.local.calls[(path, kind)] = calls + 1
-        seed = self.pool.seed_for(f"{path}:{kind}.{calls}", self.step)
+        seed = self.pool.seed_for(f"{path}:{kind}.{calls}", self.local.step)
         self.local.log[position()] = seed  # for a checkpoint that recomputes this call (replay_seed)
         return seed
 

@@ -25,11 +25,14 @@ fingerprint of its input (shape, dtype and a few sampled values); a forward run 
 the step of the logged draw of the same forward whose input it recomputes (the oldest not yet replayed in
 this backward, so one module applied twice replays both calls in order) and advances nothing. When no
 logged input matches (a recomputation that is not bitwise), the one logged draw of the same shape is used,
-and where even that is ambiguous it raises rather than train on a mask the forward never used.
+and where even that is ambiguous it raises rather than train on a mask the forward never used. A checkpoint
+around a whole model prepared by ``make_reproducible`` is different: the model's forward is run again from its
+start, its streams seeded as for that forward (``rerun_forward``), so every draw is made afresh as it was then.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import torch
@@ -46,9 +49,19 @@ _LOGGED = 64  # draws kept per module for a checkpoint's recomputation to replay
 _SAMPLES = 8  # input values fingerprinted per draw
 
 
+_RERUN = threading.local()
+
+
+def rerun_forward(on: bool) -> None:
+    """Mark (or unmark) this thread as running a whole training forward again inside the backward, its streams
+    reseeded as for that forward (``consistency.seed_pool``): draws are then fresh, not replayed from the logs."""
+    _RERUN.on = on
+
+
 def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward on this thread (a checkpoint recomputes in it)."""
-    return torch._C._current_graph_task_id() != -1
+    """Whether a checkpoint is recomputing on this thread: the autograd engine runs a backward here, and not a whole
+    forward that was reseeded to draw afresh."""
+    return torch._C._current_graph_task_id() != -1 and not getattr(_RERUN, "on", False)
 
 
 def _fingerprint(x: torch.Tensor | None):

@@ -4,6 +4,9 @@
   module dropouts (``ops.Dropout``, by their replay log) and functional ones (``F.dropout`` and
   ``F.scaled_dot_product_attention``, by their (module path, call index, step) key), so every gradient
   equals the run without checkpointing, reentrant or not, fused or not, and on a Hugging Face model.
+* A checkpoint around the whole model runs the model's forward again inside the backward: at the step of the
+  forward it recomputes (found by the autograd node asking), so a model called twice before one backward
+  recomputes each call with its own masks, and the step counter moves only with real forwards.
 * SDPA with ``dropout_p > 0`` (Hugging Face's default attention) draws the counter mask of its key
   (``ops.attention.counter_sdpa``), checked against the formula with that mask, causal and GQA included.
 """
@@ -81,6 +84,62 @@ def test_checkpointed_blocks_replay_every_mask(ckpt, fuse):
         for k, w in want_g.items():
             torch.testing.assert_close(g[k], w, atol=1e-5 * w.abs().max().item() + 1e-7, rtol=1e-5, msg=k)
     assert get_step(other) == get_step(plain) == 2  # the recomputations advanced no step
+
+
+class _WholeModel(nn.Module):
+    """``Net`` called ``calls`` times per step (a siamese loss), each call checkpointed whole or not."""
+
+    def __init__(self, net, ckpt=None, calls=1):
+        super().__init__()
+        self.net, self.ckpt, self.calls = net, ckpt, calls
+
+    def loss(self, x):
+        run = self.net if self.ckpt is None else (
+            lambda z: checkpoint(self.net, z, use_reentrant=self.ckpt == "reentrant"))
+        return sum(run(x * (i + 1)).square().sum() for i in range(self.calls))
+
+
+def _whole_grads(model, x, steps=2):
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)  # torch's own stream, for the functional=False runs (a checkpoint restores it)
+        xg = x.detach().requires_grad_(True)
+        loss = model.loss(xg)
+        loss.backward()
+        out.append((loss.detach(), {"input": xg.grad, **{k: p.grad.clone() for k, p in model.named_parameters()}}))
+    return out
+
+
+@pytest.mark.parametrize("calls", [1, 2], ids=["one_call", "two_calls"])
+@pytest.mark.parametrize("functional", [True, False], ids=["functional", "modules_only"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize("ckpt", ["reentrant", "non_reentrant"])
+def test_a_checkpoint_around_the_whole_model_reruns_each_forward_at_its_step(ckpt, fuse, functional, calls):
+    torch.manual_seed(0)
+    net, x = Net().train(), seeded(2, 6, 16, seed=1)
+    if fuse:
+        net, plan = ol.fusion.fuse(net, (x,))
+        assert any(d.pattern == "linear_gelu_dropout_linear" for d in plan.fused)
+    plain, other = _WholeModel(net, calls=calls), _WholeModel(copy.deepcopy(net), ckpt, calls)
+    make_reproducible(plain.net, seed=9, functional=functional)
+    make_reproducible(other.net, seed=9, functional=functional)
+    for (y, g), (want, want_g) in zip(_whole_grads(other, x), _whole_grads(plain, x)):
+        torch.testing.assert_close(y, want, atol=1e-6, rtol=1e-6)
+        for k, w in want_g.items():
+            torch.testing.assert_close(g[k], w, atol=1e-6 * w.abs().max().item() + 1e-8, rtol=1e-5, msg=k)
+    assert get_step(other.net) == get_step(plain.net) == 2 * calls  # the recomputations advanced no step
+
+
+def test_a_training_forward_inside_a_backward_that_recomputes_nothing_is_named():
+    torch.manual_seed(0)
+    net, x = make_reproducible(Net().train(), seed=9), seeded(2, 6, 16, seed=1)
+    net(x).sum().backward()
+    leaf = torch.ones(3, requires_grad=True)
+    leaf.register_hook(lambda g: net(x).sum() * 0 + g)  # the model run in the backward of an unrelated graph
+    with pytest.warns(RuntimeWarning, match="not as the recomputation of one of its last 16 training forwards"):
+        (leaf * 2).sum().backward()
+    assert get_step(net) == 1
 
 
 def test_sdpa_dropout_is_reproducible_and_keyed_like_a_functional_dropout():
