@@ -292,12 +292,14 @@ class _ReproducibleState:
     def rerun_forward(self) -> None:
         """Run the training forward a checkpoint recomputes again, from its start and at its step (its streams
         reseeded, every draw fresh as then); ``end_forward`` leaves the step counter as it is. The forward is
-        the one whose autograd nodes hold the node now asking for the recomputation (a reentrant checkpoint's
-        node is made just before its forward's)."""
+        the one whose autograd nodes hold the node now asking for the recomputation, else the one that begins just
+        after it (a reentrant checkpoint's node, made just before its forward, which runs without gradients)."""
         node = torch._C._current_autograd_node()
         nr = node._sequence_nr() if node is not None else None
-        step = next((s for first, end, s in self.forwards
-                     if nr is not None and first is not None and first - 1 <= nr < (end or first)), None)
+        known = [(first, end, s) for first, end, s in self.forwards if nr is not None and first is not None]
+        step = next((s for first, end, s in known if first <= nr < (end or first)), None)
+        if step is None:
+            step = next((s for first, _, s in known if nr == first - 1), None)
         if step is None:
             step = self.forwards[0][2] if self.forwards else self.step
             if "rerun" not in self.warned:

@@ -131,6 +131,35 @@ def test_a_checkpoint_around_the_whole_model_reruns_each_forward_at_its_step(ckp
     assert get_step(other.net) == get_step(plain.net) == 2 * calls  # the recomputations advanced no step
 
 
+class _Tanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x):
+        return torch.tanh(self.net(x))  # the forward's last autograd node saves a tensor: it asks for the rerun
+
+
+@pytest.mark.parametrize("ckpt", ["reentrant", "non_reentrant"])
+def test_a_forward_without_gradients_in_between_does_not_take_the_rerun(ckpt):
+    """A training-mode forward under ``no_grad`` (a target, a probe) between the checkpointed forward and its
+    backward makes no autograd node; the node asking for the rerun still names the checkpointed forward."""
+    torch.manual_seed(0)
+    base, x = _Tanh().train(), seeded(2, 6, 16, seed=1)
+    grads = []
+    for ck in (False, True):
+        m = make_reproducible(copy.deepcopy(base), seed=9)
+        xg = x.detach().requires_grad_(True)
+        y = checkpoint(m, xg, use_reentrant=ckpt == "reentrant") if ck else m(xg)
+        with torch.no_grad():
+            m(x)
+        y.square().sum().backward()
+        grads.append({k: p.grad for k, p in m.named_parameters()})
+        assert get_step(m) == 2
+    for k, want in grads[0].items():
+        torch.testing.assert_close(grads[1][k], want, atol=1e-6 * want.abs().max().item() + 1e-8, rtol=1e-5, msg=k)
+
+
 def test_a_training_forward_inside_a_backward_that_recomputes_nothing_is_named():
     torch.manual_seed(0)
     net, x = make_reproducible(Net().train(), seed=9), seeded(2, 6, 16, seed=1)
