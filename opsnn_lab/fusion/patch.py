@@ -54,7 +54,16 @@ from opsnn_lab.fusion.packing import RepackAfterApply, fused_ops, repack, repack
 from opsnn_lab.fusion.patch_base import CONSTANT, Patch, own_code
 from opsnn_lab.fusion.routes import Route
 from opsnn_lab.fusion.runtime import tensor_version
-from opsnn_lab.fusion.staleness import changed, hooked, mode_change, op_mode, settings, warn_changed, warn_hooked
+from opsnn_lab.fusion.staleness import (
+    changed,
+    displaced,
+    hooked,
+    mode_change,
+    op_mode,
+    settings,
+    warn_changed,
+    warn_hooked,
+)
 
 # Patch, own_code, CONSTANT (patch_base.py) and the packing names (packing.py) are re-exported: imports and pickles
 # made before they moved find them here
@@ -75,20 +84,24 @@ class ChainHead(Patch):
     setting changed since (``changed``: a Dropout's ``p``, a norm's ``eps``; or one of a module whose forward runs
     an identity step of the chain inline, ``inline_hosts``: Bart's ``activation_dropout``, 0 when fused) is not
     the op's: while either holds, every module of the chain runs its own forward (``unfused``; the pass-throughs
-    follow), with a warning the first time."""
+    follow), with a warning the first time. So does a module of the chain no longer in its place in the model
+    (``displaced``: wrapped by an adapter that calls it inside, or replaced), whose caller expects that module's
+    own output."""
 
     warned = False  # defaults for a patch pickled before these fields existed
     unfused = False
     paths: tuple[str, ...] = ()
     settings: tuple = ()
     inline_hosts: tuple = ()
+    places: tuple = ()
 
     def __init__(self, host: nn.Module, op: nn.Module, steps: list[nn.Module], pattern: str, path: str = "",
-                 paths: tuple[str, ...] = (), inline_hosts: tuple = ()):
+                 paths: tuple[str, ...] = (), inline_hosts: tuple = (), places: tuple = ()):
         super().__init__(host)
         self.op, self.steps, self.pattern, self.path = op, steps, pattern, path
         self.paths = tuple(paths)  # the steps' qualified names, for the warning
         self.inline_hosts = tuple(inline_hosts)  # (path, module) pairs
+        self.places = tuple(places)  # per step, (parent, name) where the model holds it (None: the model itself)
         self.settings = settings([*steps, *(m for _, m in self.inline_hosts)], [op])
         self.last = None  # weakref to the tensor the last call returned: the pass-throughs check they receive it
         # under autocast, that tensor itself until the chain's last step has run: a forward may cast it to that
@@ -106,7 +119,8 @@ class ChainHead(Patch):
         hook, kind = hooked(self.steps)
         change = None
         if hook is None:
-            change = changed([*self.steps, *(m for _, m in self.inline_hosts)], self.settings)
+            change = displaced(self.steps, self.places) or \
+                changed([*self.steps, *(m for _, m in self.inline_hosts)], self.settings)
         mode, odd = op_mode(self.steps)
         if change is None and odd is not None:
             change = (odd, mode_change(self.steps, odd))
@@ -331,9 +345,11 @@ def install(model: nn.Module, route: Route, op: nn.Module, pattern: str) -> None
     if route.kind == "chain":
         after = route.after or ("",) * len(mods)
         hosts = dict.fromkeys(a.rpartition(".")[0] for a in after if a)  # whose forward runs an identity step
+        places = tuple((model.get_submodule(p.rpartition(".")[0]), p.rpartition(".")[2]) if p else None
+                       for p in route.carriers)
         head = mods[0].__dict__["forward"] = ChainHead(mods[0], op, mods, pattern, route.carriers[0],
                                                            route.carriers,
-                                                           tuple((p, model.get_submodule(p)) for p in hosts))
+                                                           tuple((p, model.get_submodule(p)) for p in hosts), places)
         for mod, path, inline in zip(mods[1:], route.carriers[1:], after[1:]):
             mod.__dict__["forward"] = PassThrough(mod, head, path, inline)
     elif route.kind == "whole":

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import opsnn_lab as ol
-from opsnn_lab.fusion.patch import PassThrough
+from opsnn_lab.fusion.patch import PassThrough, fused_ops
 from opsnn_lab.testing import seeded
 
 
@@ -209,3 +209,57 @@ def test_a_call_on_another_tensor_of_the_same_shape_still_raises_under_autocast(
         fused.wi(X)
         with pytest.raises(RuntimeError, match="received another tensor"):
             fused.wo(torch.randn(2, 5, 16))  # the shape and dtype a cast of its output would have
+
+
+class SquareLayer(nn.Module):
+    """``fc2(gelu(fc1(x)))`` with ``fc1`` and ``fc2`` both d -> d: a step's input and the chain's output have one
+    shape, so an adapter computed on the wrong one would not fail on a shape."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, d), nn.GELU(), nn.Linear(d, d)
+
+    def forward(self, x):
+        if x.isnan().any():  # a branch on the data: the module-level route
+            raise ValueError("nan input")
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Adapter(nn.Module):
+    """A LoRA-style wrapper put in a Linear's place after fusion: the Linear's own output plus a low-rank update of
+    its input (what PEFT's ``get_peft_model`` does to the modules it targets)."""
+
+    def __init__(self, base: nn.Linear, r: int = 2):
+        super().__init__()
+        self.base = base
+        self.down, self.up = nn.Linear(base.in_features, r, bias=False), nn.Linear(r, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+@pytest.mark.parametrize("change", ["wrap_fc1", "wrap_fc2", "replace_fc2"])
+def test_a_step_wrapped_or_replaced_after_fusing_runs_the_chain_unfused(change):
+    """The head checks each step is still where the model held it: a wrapper around ``fc1`` expects ``fc1``'s own
+    output (the chain's is another tensor), one around ``fc2`` gets the chain's output as its input (the same shape
+    here, so its update would have been computed on the wrong tensor without a word)."""
+    torch.manual_seed(0)
+    model = SquareLayer().train()
+    fused, plan = ol.fusion.fuse(model, X)
+    assert [d.pattern for d in plan.fused] == ["linear_gelu_linear"]
+    op = fused_ops(fused)[0]
+    for m in (model, fused):
+        torch.manual_seed(1)
+        name = change.rpartition("_")[2]
+        setattr(m, name, Adapter(getattr(m, name)) if change.startswith("wrap") else nn.Linear(16, 16))
+    calls = []
+    op.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.warns(RuntimeWarning, match=rf"`{name}` changed after the linear_gelu_linear chain .* \(replaced by "
+                      rf"a `{'Adapter' if change.startswith('wrap') else 'Linear'}` in its parent\)"):
+        _same(model, fused)
+    assert not calls
+    if change.startswith("wrap"):  # the original back in its place: fused again
+        for m in (model, fused):
+            setattr(m, name, getattr(m, name).base)
+        _same(model, fused)
+        assert calls

@@ -61,3 +61,44 @@ def test_lora_llama_fuses_its_adapters_with_eager_gradients(dropout, attn, n_dro
     assert grads.keys() == fused_grads.keys() and all("lora_" in n for n in grads)
     for name, g in grads.items():
         torch.testing.assert_close(fused_grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _bert():
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=48, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(cfg), ["query", "value", "dense"]
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg), ["c_attn", "c_fc", "c_proj"]
+
+
+@pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_adapters_added_after_fusion_take_the_chains_they_wrap_unfused(build):
+    """``get_peft_model`` on a model fused before: each adapter wraps a Linear (or GPT-2's Conv1D) and calls it
+    inside, so a chain whose first or last step it wraps runs unfused (said once), and every trainable gradient is
+    that of the same adapters on the unfused model. Before, the wrapped first step returned the chain's output
+    (a shape error) and a wrapped last step took it as its input."""
+    torch.manual_seed(0)
+    model, targets = build()
+    model.train()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), ids)
+    assert any(d.pattern.startswith("linear_gelu") for d in plan.fused)
+    lora = peft.LoraConfig(r=4, target_modules=targets, lora_dropout=0.0, init_lora_weights=False,
+                           fan_in_fan_out=build is _gpt2)
+    adapted = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m in (model, fused):
+            torch.manual_seed(2)
+            adapted.append(peft.get_peft_model(m, lora).train())
+        (loss, grads), (fused_loss, fused_grads) = (_step(m, ids) for m in adapted)
+    said = [str(w.message) for w in caught if "replaced by a `" in str(w.message) and "in its parent" in str(w.message)]
+    assert said and all("linear_gelu" in s for s in said)
+    torch.testing.assert_close(fused_loss, loss, atol=1e-6, rtol=1e-6)
+    assert grads.keys() == fused_grads.keys() and all("lora_" in n for n in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(fused_grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
