@@ -1,7 +1,9 @@
 """``python -m opsnn_lab.bench consistency``: what strict() and the checker's trace() cost per training step.
 
 Both figures are ratios of median step times measured round-robin in the same process on the
-embedded encoder (masked-token task; one step = zero_grad, forward, loss, backward, SGD update):
+embedded encoder (masked-token task; one step = zero_grad, forward, loss, backward, SGD update), or with
+``--model`` on one of the zoo's image models (``IMAGE_MODELS``: depthwise convolutions in MobileNetV2, EfficientNet
+and ConvNeXt; the loss the mean square of the output) at ``--image`` pixels:
 
 * ``strict``: the step inside ``with strict():`` (entered and left every step, so the switch's own cost
   is included) over the plain step. The seed puts full consistency at 5-15%; required <= 1.15.
@@ -27,6 +29,8 @@ from opsnn_lab.bench.allocator import page_faults
 from opsnn_lab.bench.common import format_table, keeps_threads, machine_line, write_json
 from opsnn_lab.consistency.strict import strict
 from opsnn_lab.models import EncoderConfig, MaskedTokenTask
+
+IMAGE_MODELS = ("mobilenet_v2", "efficientnet", "convnext", "resnet", "cnn")
 
 
 def _checker():
@@ -102,6 +106,36 @@ def _interleaved(fns: dict, repeat: dict, warmup: int = 2) -> dict:
     return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), statistics.median(faults[k])) for k in fns}
 
 
+def _setup_images(args):
+    """``_setup`` for a zoo image model: the step and, without dropout, the forward+backward to trace."""
+    from opsnn_lab.demos import zoo
+
+    x = torch.randn(args.batch, 3, args.image, args.image, generator=torch.Generator().manual_seed(0))
+
+    def build(dropout):
+        model, inputs = zoo.build(args.model, dropout=dropout, batch=args.batch)
+        model.train()
+        if isinstance(inputs, tuple):  # the embedded ResNet takes the images positionally, returns a tensor
+            return model, lambda: model(x).float().square().mean()
+        return model, lambda: zoo.training_loss(model(pixel_values=x))
+
+    model, loss = build(None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        opt.step()
+
+    fixed, fixed_loss = build(0.0)
+
+    def fwd_bwd():
+        fixed.zero_grad(set_to_none=True)
+        fixed_loss().backward()
+
+    return model, step, fixed, fwd_bwd
+
+
 def _gemm_paths() -> dict:
     """How many GEMM shapes of the strict steps took each path (see ``strict_probe_report``)."""
     from collections import Counter
@@ -113,6 +147,9 @@ def _gemm_paths() -> dict:
 
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m opsnn_lab.bench consistency", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="encoder", choices=("encoder", *IMAGE_MODELS),
+                    help="the embedded encoder (default) or a zoo image model")
+    ap.add_argument("--image", type=int, default=64, help="image side for --model <image model>")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=256)
@@ -132,7 +169,7 @@ def _parse(argv):
     args = ap.parse_args(argv)
     if args.quick:
         args.batch, args.seq, args.hidden, args.layers, args.vocab, args.repeat = 4, 16, 64, 2, 128, 3
-        args.trace_repeat = 2
+        args.trace_repeat, args.image = 2, 32
     return args
 
 
@@ -171,7 +208,7 @@ def _memory_rows(model, fwd_bwd, limit_arg: str) -> tuple[list[dict], int]:
 
 
 def _run(args) -> int:
-    model, step, fixed, fwd_bwd = _setup(args)
+    model, step, fixed, fwd_bwd = _setup(args) if args.model == "encoder" else _setup_images(args)
     checker = None if args.no_trace else _checker()
 
     def strict_step():
@@ -198,8 +235,9 @@ def _run(args) -> int:
     rows = [{"variant": k, "step_ms": w * 1e3, "ratio": w / base[k][0], "cpu_ms": c * 1e3,
              "cpu_ratio": c / base[k][1], "page_faults": int(f)} for k, (w, c, f) in times.items()]
     print(machine_line())
-    print(f"encoder: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}; "
-          f"threads {torch.get_num_threads()}")
+    what = (f"encoder: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}"
+            if args.model == "encoder" else f"{args.model}: batch {args.batch} x 3 x {args.image} x {args.image}")
+    print(f"{what}; threads {torch.get_num_threads()}")
     print(format_table(rows, ["variant", "step_ms", "ratio", "cpu_ms", "cpu_ratio", "page_faults"]))
     print(f"strict() enter+exit: {switch * 1e3:.3f} ms (included in the strict step)")
     print(f"strict() GEMM paths (probed on this machine): {_gemm_paths()}")
@@ -215,8 +253,8 @@ def _run(args) -> int:
         return next((r[col] for r in rows if r["variant"] == name), None)
 
     data = {
-        "config": {k: getattr(args, k) for k in ("batch", "seq", "hidden", "heads", "layers", "vocab", "repeat",
-                                                 "trace_repeat")},
+        "config": {k: getattr(args, k) for k in ("model", "image", "batch", "seq", "hidden", "heads", "layers",
+                                                 "vocab", "repeat", "trace_repeat")},
         "threads": torch.get_num_threads(),
         "rows": rows,
         "strict_ratio": ratio("strict", "ratio"),

@@ -31,3 +31,15 @@ def test_quick_run_writes_json(tmp_path, capsys):
         assert limited["reference_peak_ratio"] < unlimited["reference_peak_ratio"]
         assert limited["compared_peak_ratio"] < unlimited["compared_peak_ratio"]
         assert "trace memory" in out
+
+
+def test_an_image_model_with_depthwise_convolutions(tmp_path, capsys):
+    """``--model``: strict() on a zoo image model (ConvNeXt's 7x7 depthwise convolutions take fixed_conv's per-tap
+    path), traced too."""
+    assert consistency.main(["--quick", "--model", "convnext", "--threads", "1", "--no-memory",
+                             "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "consistency.json").read_text())
+    assert data["config"]["model"] == "convnext" and data["config"]["image"] == 32
+    assert data["strict_ratio"] > 0 and [r["variant"] for r in data["rows"]][:2] == ["default", "strict"]
+    assert "convnext: batch 4 x 3 x 32 x 32" in capsys.readouterr().out
+    assert not is_strict()

@@ -1,6 +1,7 @@
 """strict()'s convolution backward: at 2 threads the bits aten gives at one, every gradient, on strided, padded,
 dilated, grouped, depthwise, 1-d, 3-d, transposed, channels-last and empty inputs; a double backward takes
-the fixed-order composite, within tolerance of aten's, and refuses what that composite does not cover."""
+the fixed-order composite, within tolerance of aten's, and refuses what that composite does not cover.
+Depthwise convolutions take the per-tap path: the same bits at any thread count and, per sample, in any batch."""
 
 from __future__ import annotations
 
@@ -23,7 +24,15 @@ CASES = {
     "5x5_s2_odd": (3, 5, 5, 2, 2, 1, 1, True, (13, 15)),
     "conv1d": (6, 8, 5, 2, 2, 1, 1, True, (13,)),
     "conv1d_grouped": (6, 9, 3, 1, 1, 1, 3, False, (10,)),
+    # depthwise: strict()'s per-tap path (fixed_conv.depthwise)
+    "depthwise_mult2_dilated": (6, 12, 3, 1, 2, 2, 6, True, (9, 8)),
+    "depthwise_7x7": (8, 8, 7, 1, 3, 1, 8, True, (10, 9)),
+    "depthwise_s2_5x3": (5, 5, (5, 3), 2, (2, 1), 1, 5, True, (12, 7)),
+    "conv1d_depthwise_causal": (8, 8, 4, 1, 3, 1, 8, True, (11,)),
+    "depthwise_same": (6, 6, 4, 1, "same", 2, 6, False, (8, 9)),
+    "depthwise_valid_s2": (5, 5, 3, 2, "valid", 1, 5, True, (9, 8)),  # aten gets one padding value: [0]
 }
+DEPTHWISE = [c for c in CASES if "depthwise" in c]
 
 
 def _conv(case):
@@ -102,7 +111,8 @@ def test_transposed_and_3d_convolutions_too_but_not_their_double_backward(kind):
         (gx,) = torch.autograd.grad(conv(xi).square().sum(), xi, create_graph=True)
 
 
-@pytest.mark.parametrize("case", ["1x1_s2", "depthwise_s2", "grouped_dilated", "conv1d_grouped"])
+@pytest.mark.parametrize("case", ["1x1_s2", "depthwise_s2", "grouped_dilated", "conv1d_grouped",
+                                  "depthwise_mult2_dilated", "conv1d_depthwise_causal"])
 def test_double_backward_takes_the_fixed_order_composite(case):
     conv, shape = _conv(case)
     conv = conv.double()
@@ -140,3 +150,30 @@ def test_forward_keeps_its_bits_at_any_thread_count_and_batch_size(dims, kernel,
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0], conv(x), atol=1e-5, rtol=1e-5)
     assert torch.backends.mkldnn.enabled  # restored
+
+
+@pytest.mark.parametrize("case", DEPTHWISE)
+def test_a_depthwise_output_keeps_its_bits_per_sample_in_any_batch_and_thread_count(case):
+    conv, shape = _conv(case)
+    x = seeded(5, *shape, seed=4)
+    assert fixed_conv.depthwise(x, conv.weight, False, conv.groups)
+    with strict():
+        outs = {}
+        for n in (1, 2):
+            with threads(n):
+                outs[n] = (conv(x), conv(x[2:3]))
+    assert torch.equal(outs[1][0], outs[2][0]) and torch.equal(outs[1][1], outs[2][1])
+    assert torch.equal(outs[1][0][2:3], outs[1][1])  # sample 2 alone has the bits it has in the batch
+    _close(outs[1][0], conv(x))
+    assert outs[1][0].shape == conv(x).shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_half_precision_depthwise_convolution_keeps_aten_s_kernel(dtype):
+    """Per-tap sums would round at each tap in a 16-bit type; aten's kernel accumulates in float32."""
+    conv, shape = _conv("depthwise_7x7")
+    conv, x = conv.to(dtype), seeded(2, *shape, seed=3).to(dtype)
+    assert not fixed_conv.depthwise(x, conv.weight, False, conv.groups)
+    one, two = (_grads(conv, x, strict_on=True, n_threads=n) for n in (1, 2))
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
