@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from opsnn_lab._opaque import opaque_to_compile
 from opsnn_lab._randomness import CHANNEL_DROPOUTS, DROPOUTS, LIKE, SAMPLERS
 from opsnn_lab.ops.attention import SDPA_ARGS
 
@@ -113,6 +114,7 @@ class FunctionalRandomness(TorchFunctionMode):
             return self._sample(func, args, kwargs)
         return func(*args, **kwargs)
 
+    @opaque_to_compile  # its seed is keyed in Python: traced, every step would compile anew
     def _sample(self, func, args, kwargs):
         seed = self._seed("random")
         kwargs = {k: v for k, v in kwargs.items() if k != "generator"}  # an explicit generator=None
@@ -130,6 +132,7 @@ class FunctionalRandomness(TorchFunctionMode):
         device = _device(args, kwargs)
         return func(*args, **kwargs, generator=torch.Generator(device=device).manual_seed(seed))
 
+    @opaque_to_compile  # its seed is keyed in Python: traced, every step would compile anew
     def _dropout(self, func, args, kwargs):
         x, p, training = _dropout_args(func, args, kwargs)
         if not training or not isinstance(x, torch.Tensor):
@@ -143,6 +146,7 @@ class FunctionalRandomness(TorchFunctionMode):
         inplace = kwargs.get("inplace", args[3] if func is F.dropout and len(args) > 3 else False)
         return x.copy_(out) if inplace else out  # the Function saves nothing, so x may be overwritten
 
+    @opaque_to_compile  # its seed is keyed in Python: traced, every step would compile anew
     def _channel_dropout(self, func, args, kwargs):
         bound = dict(zip(("input", "p", "training", "inplace"), args))
         bound.update(kwargs)
@@ -159,6 +163,7 @@ class FunctionalRandomness(TorchFunctionMode):
         out = x * keep.view(*x.shape[:lead], *([1] * (x.dim() - lead))) * (0.0 if p >= 1 else 1.0 / (1.0 - p))
         return x.copy_(out) if bound.get("inplace", False) else out
 
+    @opaque_to_compile  # its seed is keyed in Python: traced, every step would compile anew
     def _attention(self, args, kwargs):
         """SDPA with dropout: the same result with the counter mask of ``"<module path>:dropout.<i>"``,
         since SDPA's own dropout draws from torch's generator."""

@@ -65,6 +65,7 @@ from torch import nn
 
 from opsnn_lab._checks import check_positive, check_type
 from opsnn_lab._hooks import passive
+from opsnn_lab._opaque import opaque_to_compile
 from opsnn_lab.consistency.functional import FunctionalRandomness, GlobalGenerators, position
 from opsnn_lab.ops.dropout import rerun_forward
 
@@ -228,6 +229,9 @@ class _ReproducibleState:
         self.forwards = collections.deque(maxlen=_KEPT_FORWARDS)
 
     # -- hooks (bound methods, so a deep copy of the model calls its own state) -----------------
+    # The root's two are opaque to torch.compile: Python bookkeeping (the step, the streams, the generators) that,
+    # traced, would put each step's numbers into a new graph
+    @opaque_to_compile
     def pre_hook(self, module, args) -> None:
         if not module.training:
             return
@@ -236,6 +240,7 @@ class _ReproducibleState:
         else:  # the model's own forward inside a backward: a checkpoint around the whole model recomputing
             self.rerun_forward()
 
+    @opaque_to_compile
     def post_hook(self, module, args, output) -> None:
         self.end_forward()
 

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from opsnn_lab._opaque import opaque_to_compile
 from opsnn_lab.fusion import owners
-from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.packing import RepackAfterApply, fused_ops, repack, repack_after_load
 from opsnn_lab.fusion.patch_base import CONSTANT, Patch, own_code
 from opsnn_lab.fusion.routes import Route

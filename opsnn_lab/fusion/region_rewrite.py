@@ -13,9 +13,9 @@ import types
 import torch
 from torch import fx, nn
 
+from opsnn_lab._opaque import opaque_to_compile
 from opsnn_lab._randomness import draws_random, enter_module, exit_module
 from opsnn_lab.fusion import owners
-from opsnn_lab.fusion._opaque import opaque_to_compile
 from opsnn_lab.fusion.patch_base import CONSTANT
 from opsnn_lab.fusion.patterns import Match, find_all, pattern_of
 from opsnn_lab.fusion.patterns_blocks import norm_verdicts

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_range, check_tensor, check_type, first_derivative_only
+from opsnn_lab._opaque import opaque_to_compile
 from opsnn_lab._randomness import functional_seed, stream_made
 from opsnn_lab.kernels import rng
 
@@ -233,6 +234,10 @@ class Dropout(CounterRNG, nn.Module):
         check_tensor("x", x)
         if not self.training:
             return x
+        return self._train(x)
+
+    @opaque_to_compile  # the stream's step lives in Python: traced, each step's seed and offset made a new graph
+    def _train(self, x: torch.Tensor) -> torch.Tensor:
         seed, offset = self.next_draw(x)
         if self.p == 0.0:
             return x

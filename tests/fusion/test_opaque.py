@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from opsnn_lab.fusion._opaque import opaque_to_compile
+from opsnn_lab._opaque import opaque_to_compile
 
 
 def test_the_call_stays_outside_the_compiled_graph(monkeypatch):
