@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_positive, check_range, check_type
-from opsnn_lab.precision.local_scaler import FP16_MIN, flush_fraction, tensor_amaxes
+from opsnn_lab.precision.local_scaler import FP16_MIN, flush_fraction, stored, tensor_amaxes
 from opsnn_lab.precision.scale_policy import ScalerHistory, advance, f32, replay_events
 
 __all__ = ["DynamicScaler", "ScalerHistory", "ScalerPinnedError", "StepCheck"]
@@ -187,7 +187,12 @@ class DynamicScaler:
         names = [self._names.get(id(p), f"param[{i}]") for i, p in enumerate(params)]
         check = self.check(grads, names)
         if grads and not check.found_inf:
-            torch._foreach_mul_(grads, 1.0 / self.scale)
+            dense = [g for g in grads if g.layout == torch.strided]
+            if dense:
+                torch._foreach_mul_(dense, 1.0 / self.scale)
+            for g in grads:
+                if g.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): its values
+                    g.mul_(1.0 / self.scale)
         self._unscaled.add(id(optimizer))
         return check
 
@@ -228,6 +233,7 @@ class DynamicScaler:
     # ------------------------------------------------------------------ internals
     def _scan(self, grads: Sequence[torch.Tensor], names: Sequence[str]) -> StepCheck:
         check = StepCheck()
+        grads = [stored(g) for g in grads]  # a sparse gradient: the values it holds
         pairs = [(n, g) for n, g in zip(names, grads) if g.numel()]
         check.numel = sum(g.numel() for g in grads)
         if not pairs:

@@ -333,7 +333,8 @@ class GradientStats(Callback):
         s = self._scale_of(self.scale if scale is None else scale)
         grads = [p.grad for p in self.params]
         present = tuple(g is not None for g in grads)
-        live = [g.reshape(-1) for g in grads if g is not None]
+        # a sparse gradient (nn.Embedding(sparse=True)) as the dense one it stands for: its rows not drawn are zeros
+        live = [(g if g.layout == torch.strided else g.to_dense()).reshape(-1) for g in grads if g is not None]
         device = live[0].device if live else torch.device("cpu")
         P = len(self.params)
         flat = torch.cat([g.float() for g in live]) if live else torch.zeros(0, device=device)

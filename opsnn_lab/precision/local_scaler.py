@@ -18,7 +18,7 @@ import torch
 from opsnn_lab._checks import check_choice, check_positive, check_tensor
 
 __all__ = ["FP16_MAX", "FP16_MIN", "FP16_TINY", "BF16_MAX", "LocalScaler", "CastReport", "NonFiniteGradientError",
-           "pow2_scale", "flush_fraction", "amax_of", "tensor_amaxes"]
+           "pow2_scale", "flush_fraction", "amax_of", "tensor_amaxes", "stored"]
 
 FP16_MAX = 65504.0                 # largest finite fp16
 FP16_MIN = 2.0**-14                # smallest normal fp16 (6.1e-5): below it precision is lost
@@ -53,19 +53,30 @@ def pow2_scale(amax: float, dtype_max: float = FP16_MAX, world_size: int = 1) ->
     return math.ldexp(1.0, k)
 
 
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """The values ``t`` stores: a sparse gradient's (``nn.Embedding(sparse=True)``), coalesced so that an index
+    given twice counts as its sum; a dense tensor itself."""
+    if t.layout == torch.sparse_coo:
+        return t.coalesce()._values()
+    return t.values() if t.layout in _COMPRESSED else t
+
+
 def tensor_amaxes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """max |x| of each (non-empty) tensor as one fp32 vector; NaN propagates, Inf shows as Inf.
 
     One ``aminmax`` pass per tensor: on CPU that is ~50x faster than ``_foreach_norm(ts, inf)`` and,
     unlike ``abs().max()``, allocates nothing of the tensor's size.
     """
-    mins, maxs = zip(*(torch.aminmax(t.detach()) for t in tensors))
+    mins, maxs = zip(*(torch.aminmax(stored(t).detach()) for t in tensors))
     return torch.maximum(torch.stack(maxs).float(), torch.stack(mins).float().neg())
 
 
 def amax_of(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """max |x| over all ``tensors`` as a 0-d fp32 tensor (NaN if any holds NaN; 0 if all are empty)."""
-    ts = [t for t in tensors if t.numel()]
+    ts = [t for t in tensors if stored(t).numel()]
     if not ts:
         return torch.zeros(())
     return tensor_amaxes(ts).max()
@@ -82,7 +93,7 @@ def flush_fraction(tensors: Iterable[torch.Tensor] | torch.Tensor, scale: float 
         tensors = [tensors]
     thr = _FLUSH[dtype] / scale
     flushed = total = 0
-    for t in tensors:
+    for t in map(stored, tensors):
         total += t.numel()
         if t.numel() == 0 or t.dtype == dtype:
             continue

@@ -135,6 +135,10 @@ class MasterWeightOptimizer:
             g = self.params[i].grad
             if g is None:
                 continue
+            if g.layout != torch.strided:
+                raise TypeError(f"{self.names[i]} has a sparse gradient (nn.Embedding(sparse=True)?); the fused "
+                                "update takes dense ones: make it dense (sparse=False), or step it with a torch "
+                                "optimizer that takes sparse gradients (SparseAdam, SGD) under DynamicScaler")
             keep.append(i)
             grads.append(g if self.grad_dtype is None or g.dtype == self.grad_dtype else g.to(self.grad_dtype))
         return keep, grads

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from opsnn_lab.precision import FP16_MIN, DynamicScaler
+from opsnn_lab.precision import FP16_MIN, DynamicScaler, MasterWeightOptimizer
 from opsnn_lab.precision.dynamic_scaler import ScalerPinnedError
 
 INF = float("inf")
@@ -286,3 +286,51 @@ def test_adjust_pinned_raises_after_patience():
     with pytest.raises(ScalerPinnedError, match="min_scale_patience=2"):
         s.adjust(torch.tensor([INF]))
     assert len(s.history) == 5
+
+
+class _SparseBag(nn.Module):
+    """An ``nn.Embedding(sparse=True)`` (recommendation models, word2vec): its gradient is a sparse tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(50, 8, sparse=True), nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids)).sum()
+
+
+@pytest.mark.parametrize("opt", ["sgd", "sparse_adam"])
+def test_sparse_gradients_are_scanned_unscaled_and_stepped_as_torch_would(opt):
+    torch.manual_seed(0)
+    model, ids = _SparseBag(), torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model)
+
+    def make(m):
+        return torch.optim.SGD(m.parameters(), lr=0.1) if opt == "sgd" else torch.optim.SparseAdam(
+            list(m.emb.parameters()))
+
+    scaler, optim, ref_optim = DynamicScaler(init_scale=2.0**10).attach(model), make(model), make(ref)
+    scaler.scale_loss(model(ids)).backward()
+    assert model.emb.weight.grad.is_sparse
+    scaler.step(optim)
+    scaler.update()
+    assert not scaler.history[-1]["skipped"] and scaler.history[-1]["amax"] > 0
+    ref(ids).backward()
+    ref_optim.step()
+    assert torch.equal(model.emb.weight, ref.emb.weight)  # a power-of-two scale divides out exactly
+    # an index given twice whose two finite values sum past fp32's range: found once coalesced
+    g = torch.sparse_coo_tensor(torch.tensor([[3, 3]]), torch.full((2, 8), 3e38), (50, 8), check_invariants=True)
+    model.emb.weight.grad, model.out.weight.grad, model.out.bias.grad = g, None, None
+    before = model.emb.weight.detach().clone()
+    scaler.step(optim)
+    scaler.update()
+    assert torch.equal(model.emb.weight, before) and scaler.history[-1]["skipped"] and scaler.history[-1]["overflow"]
+    assert scaler.history[-1]["nonfinite"] == ["emb.weight"]
+
+
+def test_master_weights_refuse_a_sparse_gradient_by_name():
+    model, ids = _SparseBag(), torch.randint(0, 50, (4, 6))
+    opt = MasterWeightOptimizer(model, "sgd", lr=0.1)
+    model(ids).backward()
+    with pytest.raises(TypeError, match=r"emb.weight has a sparse gradient"):
+        opt.step()

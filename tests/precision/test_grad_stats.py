@@ -287,3 +287,20 @@ def test_events_and_from_amax_feed_the_scaler_replay():
     assert back.counts[0, int(np.floor(np.log2(events[0]))) - EXP_MIN] == 1
     with pytest.raises(ValueError, match="counts"):
         GradientTrace.from_amax([1.0, 2.0], counts=np.zeros((3, N_BINS)))
+
+
+def test_a_sparse_gradient_is_histogrammed_as_the_dense_one_it_stands_for():
+    """``nn.Embedding(sparse=True)``: its gradient is a sparse tensor; the rows no index drew count as zeros."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(40, 6, sparse=True)
+    emb(torch.tensor([[1, 3, 3, 7]])).square().sum().backward()
+    assert emb.weight.grad.is_sparse
+    dense = nn.Embedding(40, 6)
+    dense.weight.grad = emb.weight.grad.to_dense()
+    traces = []
+    for m in (emb, dense):
+        stats = GradientStats(m)
+        stats.record(0)
+        traces.append(stats.trace())
+    np.testing.assert_array_equal(traces[0].param_hist, traces[1].param_hist)
+    assert traces[0].zero_fraction[0] == pytest.approx(37 / 40)
