@@ -5,8 +5,8 @@ norms, the head + loss: ops that can also be built from tensors alone); the othe
 A tensor put in a module's place after fusion would not reach the first kind: ``torch.func.functional_call``'s
 tensors, a new ``nn.Parameter`` assigned (tying, resizing, a reset), ``load_state_dict(..., assign=True)`` (the
 low-memory load of a model built on the meta device), a loader that assigns Parameters of its own, FSDP2's
-unsharded Parameters at every forward. Such calls ran unfused until now, or, before the staleness check, computed
-with the old tensors.
+unsharded Parameters at every forward, FSDP1's views of its flat Parameter (plain tensor attributes where the
+Parameters were). Such calls ran unfused until now, or, before the staleness check, computed with the old tensors.
 
 ``link(model)`` (at fusion) records, for each such op, which module of the model holds each of its tensors;
 ``call(op, *args)`` points the op at what those modules hold now and runs it. A Parameter stays linked (the op
@@ -52,25 +52,32 @@ def link(model: nn.Module, ops) -> int:
     return count
 
 
-def call(op: nn.Module, *args):
-    """``op(*args)`` with each linked tensor read from its owner first (~0.2 us a link)."""
+def call(op: nn.Module, *args, run=None):
+    """``op(*args)`` (or ``run(*args)``: another read of the op's tensors) with each linked tensor read from its
+    owner first (~0.2 us a link). A Parameter its owner no longer holds at all, a plain tensor attribute in its
+    place (FSDP1's views of its flat Parameter, which it set where it deleted the Parameters), is not kept after
+    the call: the op would hold the whole unsharded weight alive on every rank."""
+    run = op if run is None else run
     links = op.__dict__.get(LINKS)
     if not links:
-        return op(*args)
+        return run(*args)
     lent = None
     for sub, table, name, owner, owned in links:
         held, now = sub.__dict__[table], owner.__dict__[table].get(owned)
+        dropped = now is None
+        if dropped:
+            now = owner.__dict__.get(owned)
         before = held.get(name)
         if now is before or now is None:  # None: gone from its owner, which the staleness check sees first
             continue
         held[name] = now
         if not isinstance(now, nn.Parameter) and table == "_parameters":
             lent = [] if lent is None else lent
-            lent.append((held, name, before))
+            lent.append((held, name, None if dropped else before))
     if lent is None:
-        return op(*args)
+        return run(*args)
     try:
-        return op(*args)
+        return run(*args)
     finally:
         for held, name, before in lent:
             held[name] = before

@@ -74,7 +74,7 @@ __all__ = ["install", "revert", "Patch", "patches", "CONSTANT", "fused_ops", "re
 def _defers(op: nn.Module, x) -> bool:
     """Under autocast, a norm fed another dtype than its weight runs the replaced modules' own forwards."""
     defers = getattr(op, "defers_under_autocast", None)
-    return defers is not None and isinstance(x, torch.Tensor) and defers(x)
+    return defers is not None and isinstance(x, torch.Tensor) and owners.call(op, x, run=defers)
 
 
 class ChainHead(Patch):
