@@ -40,7 +40,23 @@ def _loss_and_grads(model, loss):
     return loss.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 
-@pytest.mark.parametrize("build, masked", [(_llama, False), (_bert, True)])
+def _roberta():  # a causal LM whose head module transforms before the decoder (dense, GELU, LayerNorm)
+    torch.manual_seed(0)
+    cfg = transformers.RobertaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                     is_decoder=True)
+    return transformers.RobertaForCausalLM(cfg)
+
+
+def _mbart():  # a causal LM that does not shift its labels
+    torch.manual_seed(0)
+    cfg = transformers.MBartConfig(vocab_size=97, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                                   decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0)
+    return transformers.MBartForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("build, masked", [(_llama, False), (_bert, True), (_roberta, False), (_mbart, False)],
+                         ids=["llama", "bert", "roberta_causal", "mbart_causal"])
 def test_loss_and_every_parameter_gradient_match_the_hf_model(build, masked):
     model = build()
     ids, mask, labels = _batch(model.config.vocab_size, masked)
@@ -72,3 +88,53 @@ def test_unsupported_models_are_rejected_with_the_reason():
         ops.lm_head_loss(_bert(), torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="model"):
         ops.lm_head_loss("bert", torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
+
+
+class ScaledLlamaForCausalLM(transformers.LlamaForCausalLM if transformers else object):
+    """A causal LM whose forward scales the logits, which nothing in its attributes or config says."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = self.lm_head(hidden) / 4.0
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_a_model_whose_loss_is_another_raises_naming_both_once_checked():
+    torch.manual_seed(0)
+    model = ScaledLlamaForCausalLM(_llama().config)
+    ids, mask, labels = _batch(model.config.vocab_size, False)
+    assert ops.lm_head_kind(model)[0] == "causal"  # its attributes look like any causal LM's
+    calls = []
+    model.register_forward_hook(lambda m, a, out: calls.append(1))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"ScaledLlamaForCausalLM's own loss on the first 9 tokens is .*, "
+                                             r"lm_head_loss's \(causal .*\): its forward does more between"):
+            ops.lm_head_loss(model, ids, labels, attention_mask=mask)
+    assert len(calls) == 1  # the verdict is kept: one check, on the first call
+
+
+def test_the_check_runs_once_in_eval_mode_and_puts_every_module_s_mode_back():
+    model = _llama().train()
+    model.model.layers[0].eval()  # a frozen layer: its mode is the user's
+    ids, mask, labels = _batch(model.config.vocab_size, False)
+    modes = []
+    model.register_forward_pre_hook(lambda m, a: modes.append(m.training))
+    for _ in range(3):
+        ops.lm_head_loss(model, ids, labels, attention_mask=mask).backward()
+    assert modes == [False]  # only the check called the model itself, in eval mode
+    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
+
+
+def test_the_lm_head_sweep_script_tells_same_refused_and_failed_apart():
+    """scripts/lm_head_sweep.py (the README's figure) on a causal LM, one whose head module transforms, one
+    whose labels are not shifted, and a name the installed transformers does not have."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "lm_head_sweep.py"
+    check = runpy.run_path(str(script))["check"]
+    for name, way in (("Llama", "causal"), ("Roberta", "causal_head"), ("MBart", "unshifted")):
+        status, detail = check(name, torch.float32)
+        assert status == "same" and f" as {way}:" in detail, (name, detail)
+    assert check("NoSuchModel", torch.float32)[0] == "build fails"
