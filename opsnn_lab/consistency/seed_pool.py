@@ -55,110 +55,26 @@ from __future__ import annotations
 
 import collections
 import functools
-import hashlib
-import struct
 import warnings
 import weakref
 
 import torch
 from torch import nn
 
-from opsnn_lab._checks import check_positive, check_type
+from opsnn_lab._checks import check_type
 from opsnn_lab._hooks import passive
 from opsnn_lab._opaque import opaque_to_compile
 from opsnn_lab.consistency.functional import FunctionalRandomness, GlobalGenerators, position
+from opsnn_lab.consistency.pool import SeedPool, SeedStream, _check_seed, _check_step
+from opsnn_lab.consistency.streams import ROOT, _replace_dropouts, counter_streams, link_streams
 from opsnn_lab.ops.dropout import rerun_forward
 
 __all__ = ["SeedPool", "SeedStream", "make_reproducible", "set_step", "get_step", "ROOT"]
 
-ROOT = "<root>"  # the name of the model itself in functional-dropout keys
 _KEPT_FORWARDS = 16  # functional draws a checkpoint may replay: those of the last 16 training forwards
 _FOREIGN = {"random": "Python's `random` module", "numpy": "numpy's global generator (np.random)"}
-_MASK63 = (1 << 63) - 1
-_PERSON = b"opsnn-seedpool"  # BLAKE2b personalisation: these hashes are ours alone
 
 
-def _check_seed(name: str, seed) -> int:
-    check_type(name, seed, int)
-    if isinstance(seed, bool) or not 0 <= seed < 1 << 64:
-        raise ValueError(f"{name} must be an int in [0, 2**64), got {seed!r}")
-    return seed
-
-
-def _check_step(step) -> int:
-    check_positive("step", step, allow_zero=True, integer=True)
-    if step >= 1 << 63:
-        raise ValueError(f"step must be < 2**63, got {step}")
-    return step
-
-
-class SeedStream:
-    """The seeds of one name, step after step: ``next(stream)`` or ``stream.at(step)``."""
-
-    def __init__(self, pool: SeedPool, name: str, step: int = 0):
-        self.pool, self.name, self.step = pool, name, _check_step(step)
-
-    def at(self, step: int) -> int:
-        return self.pool.seed_for(self.name, step)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> int:
-        seed = self.at(self.step)
-        self.step += 1
-        return seed
-
-    def __repr__(self):
-        return f"SeedStream(name={self.name!r}, step={self.step})"
-
-
-class SeedPool:
-    """Stable per-name seeds derived from one base ``seed``.
-
-    >>> pool = SeedPool(0)
-    >>> pool.seed_for("encoder.layer.3.dropout") == SeedPool(0).seed_for("encoder.layer.3.dropout")
-    True
-    """
-
-    def __init__(self, seed: int = 0):
-        self.seed = _check_seed("seed", seed)
-        self._key = struct.pack("<Q", self.seed)
-
-    def seed_for(self, name: str, step: int = 0) -> int:
-        """A seed in ``[0, 2**63)`` for op ``name`` at ``step``: BLAKE2b of (seed, step, name)."""
-        check_type("name", name, str)
-        h = hashlib.blake2b(struct.pack("<Q", _check_step(step)) + name.encode("utf-8"),
-                            digest_size=8, key=self._key, person=_PERSON)
-        return int.from_bytes(h.digest(), "little") & _MASK63
-
-    def stream(self, name: str, start: int = 0) -> SeedStream:
-        """The seeds of ``name`` at steps ``start, start + 1, ...``."""
-        check_type("name", name, str)
-        return SeedStream(self, name, start)
-
-    def generator(self, name: str = "data", step: int = 0, device: str | torch.device = "cpu") -> torch.Generator:
-        """A ``torch.Generator`` seeded from ``(name, step)``: data shuffling, augmentation, init."""
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed_for(name, step))
-        return g
-
-    def shuffle(self, n: int, epoch: int = 0, name: str = "data") -> torch.Tensor:
-        """The permutation of ``range(n)`` for ``epoch`` (int64): the same in every run and process."""
-        check_positive("n", n, allow_zero=True, integer=True)
-        return torch.randperm(n, generator=self.generator(name, epoch))
-
-    def __repr__(self):
-        return f"SeedPool(seed={self.seed})"
-
-    def __eq__(self, other):
-        return isinstance(other, SeedPool) and other.seed == self.seed
-
-    def __hash__(self):
-        return hash(("SeedPool", self.seed))
-
-
-# --------------------------------------------------------------------------- make_reproducible
 class _ForwardScope:
     """Per-forward bookkeeping (plain attributes, so a prepared model still deep-copies)."""
 
@@ -385,86 +301,6 @@ class _ReproducibleState:
         stack = self.local.stack
         if stack is not None and len(stack) > 1:
             stack.pop()
-
-
-def _fused_op(module: nn.Module):
-    """The op a fusion rewrite runs for ``module``: the ``op`` of its instance-``forward`` patch (module-level
-    routes) or of itself (the fx route's slot), or None."""
-    patch = module.__dict__.get("forward")
-    return getattr(patch, "op", None) if patch is not None else module.__dict__.get("op")
-
-
-def counter_streams(model: nn.Module):
-    """``(name, module)`` for every counter-RNG stream of ``model``: its ``CounterRNG`` modules, and the
-    fused ops a fusion rewrite runs in their place (they are not children), named after the dropout module
-    they absorbed (``op.rng_name``, seen from ``model``: the same masks as that module's, fused or not), else
-    ``"<host path>:fused"``."""
-    from opsnn_lab.ops.dropout import CounterRNG
-
-    for name, module in model.named_modules():
-        if isinstance(module, CounterRNG):
-            yield name or ROOT, module
-        op = _fused_op(module)
-        if isinstance(op, CounterRNG):
-            yield _absorbed_name(op, name) or f"{name or ROOT}:fused", op
-
-
-def name_hosts(fused: nn.Module) -> None:
-    """Record in each fused op of ``fused`` that names an absorbed stream where its host module is
-    (``op.rng_host``): ``op.rng_name`` is a path in ``fused``, and ``counter_streams`` of a model that holds
-    ``fused`` (a wrapper, DDP's ``module.``) or of a part of it reads that path from there."""
-    for name, module in fused.named_modules():
-        op = _fused_op(module)
-        if op is not None and getattr(op, "rng_name", None):
-            op.rng_host = name
-
-
-def _absorbed_name(op: nn.Module, host: str) -> str | None:
-    """``op.rng_name`` seen from the model being walked, where the op's host module is at ``host``; None if the
-    absorbed module lies outside that model (or the op absorbed none)."""
-    name, at = getattr(op, "rng_name", None), op.__dict__.get("rng_host")
-    if not name or at is None or at == host:
-        return name
-    path, colon, call = name.partition(":")
-    path = "" if path == ROOT else path
-    if not at or host.endswith("." + at):  # walked from a model holding the fused one: its path in front
-        above = host[:len(host) - len(at)].rstrip(".")
-        path = ".".join(p for p in (above, path) if p)
-    elif not host or at.endswith("." + host):  # walked from a part of it: that part's path taken off
-        below = at[:len(at) - len(host)].rstrip(".")
-        if path != below and not path.startswith(below + "."):
-            return None
-        path = path[len(below):].lstrip(".")
-    else:
-        return None
-    return f"{path or ROOT}{colon}{call}" if colon else path or ROOT
-
-
-def link_streams(streams):
-    """``streams`` (``(name, module)`` pairs) as a list, each module drawing from the first one of its name: a
-    dropout module called twice, once by itself and once inside the fused op that absorbed it, takes turns on
-    one counter, as the module alone does in the unfused model. A fused op that absorbed an inline
-    ``F.dropout`` draws that call's key under its name here (``rng_stream``)."""
-    streams, first = list(streams), {}
-    for name, module in streams:
-        module.share_rng(first.setdefault(name, module))
-        if ":dropout." in name:
-            module.rng_stream = name
-    return streams
-
-
-def _replace_dropouts(model: nn.Module) -> int:
-    from opsnn_lab.ops.dropout import Dropout
-
-    replaced = 0
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if "forward" in child.__dict__:  # rewritten by fusion: its dropout runs in the fused op (seeded)
-                continue
-            if type(child) is nn.Dropout:  # Dropout1d/2d/3d drop whole channels: a different mask shape
-                setattr(module, child_name, Dropout.from_module(child, seed=0))
-                replaced += 1
-    return replaced
 
 
 def _install_hooks(model: nn.Module, state: _ReproducibleState) -> None:

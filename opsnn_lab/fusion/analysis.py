@@ -371,7 +371,8 @@ def graph_data(trace: RuntimeTrace) -> dict:
 
 def _stream_steps(model: nn.Module) -> list[int]:
     """Where the model's own random streams are (counter-RNG modules, ``make_reproducible``'s step)."""
-    from opsnn_lab.consistency.seed_pool import counter_streams, get_step
+    from opsnn_lab.consistency.seed_pool import get_step
+    from opsnn_lab.consistency.streams import counter_streams
 
     steps = [m.rng_step for _, m in counter_streams(model)]
     return steps + ([get_step(model)] if getattr(model, "_opsnn_reproducible", None) is not None else [])
@@ -380,7 +381,8 @@ def _stream_steps(model: nn.Module) -> list[int]:
 def _dropout_streams(model: nn.Module):
     """A function restoring where the model's dropout streams are: each counter-RNG module's seed and step,
     and the step of ``ol.consistency.make_reproducible`` (the traced forward must not advance them)."""
-    from opsnn_lab.consistency.seed_pool import counter_streams, get_step, set_step
+    from opsnn_lab.consistency.seed_pool import get_step, set_step
+    from opsnn_lab.consistency.streams import counter_streams
 
     kept = [(m, m.rng_seed, m.rng_step) for _, m in counter_streams(model)]
     step = get_step(model) if getattr(model, "_opsnn_reproducible", None) is not None else None

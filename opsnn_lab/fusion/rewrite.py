@@ -173,7 +173,7 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
         raise ValueError(f"plan decisions not found in this model: {sorted(missing)[:3]}")
     if list(fused.state_dict()) != list(model.state_dict()):
         raise RuntimeError("fusion changed the state_dict keys; this is a bug in opsnn_lab.fusion")
-    from opsnn_lab.consistency.seed_pool import name_hosts
+    from opsnn_lab.consistency.streams import name_hosts
 
     name_hosts(fused)  # a fused op's absorbed stream, named in ``fused``, is found from a model that wraps it
     put_back()

@@ -15,7 +15,7 @@ from torch import nn
 import opsnn_lab as ol
 from opsnn_lab._hooks import passive
 from opsnn_lab.consistency import get_step, make_reproducible
-from opsnn_lab.consistency.seed_pool import _absorbed_name, counter_streams
+from opsnn_lab.consistency.streams import _absorbed_name, counter_streams
 from opsnn_lab.models import Encoder, EncoderConfig
 from opsnn_lab.testing import AroundRegion
 
