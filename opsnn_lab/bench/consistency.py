@@ -42,31 +42,35 @@ def _checker():
     return ConsistencyChecker(precision=None, check_gradients=True, dump_on_failure=False)
 
 
+def _steps(model, loss, fixed, fixed_loss):
+    """``(model, step, fixed, fwd_bwd)``: an SGD training step of ``model`` on ``loss()``, and the forward+backward
+    of ``fixed`` (the same model without dropout) on ``fixed_loss()``. The checker's use is the same step replayed
+    and compared with its reference: fixed weights and no dropout keep every traced step equal to the reference,
+    so the figure is the cost of recording and comparing, not of reporting a divergence on every op."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        opt.step()
+
+    def fwd_bwd():
+        fixed.zero_grad(set_to_none=True)
+        fixed_loss().backward()
+
+    return model, step, fixed, fwd_bwd
+
+
 def _setup(args):
     task = MaskedTokenTask(vocab_size=args.vocab, seq_len=args.seq, batch_size=args.batch)
     torch.manual_seed(0)
     cfg = EncoderConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                         intermediate=4 * args.hidden, max_len=max(args.seq, 64))
     model = task.model(cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     batch = task.batch(0)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        task.loss(model, batch).backward()
-        opt.step()
-
-    # The checker's use: the same step replayed and compared with its reference. Fixed weights and no
-    # dropout keep every traced step equal to the reference, so the figure is the cost of recording
-    # and comparing, not of reporting a divergence on every one of ~500 ops.
     torch.manual_seed(0)
     fixed = task.model(replace(cfg, dropout=0.0, attn_dropout=0.0))
-
-    def fwd_bwd():
-        fixed.zero_grad(set_to_none=True)
-        task.loss(fixed, batch).backward()
-
-    return model, step, fixed, fwd_bwd
+    return _steps(model, lambda: task.loss(model, batch), fixed, lambda: task.loss(fixed, batch))
 
 
 def _switch_cost(repeat: int = 50) -> float:
@@ -119,21 +123,7 @@ def _setup_images(args):
             return model, lambda: model(x).float().square().mean()
         return model, lambda: zoo.training_loss(model(pixel_values=x))
 
-    model, loss = build(None)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss().backward()
-        opt.step()
-
-    fixed, fixed_loss = build(0.0)
-
-    def fwd_bwd():
-        fixed.zero_grad(set_to_none=True)
-        fixed_loss().backward()
-
-    return model, step, fixed, fwd_bwd
+    return _steps(*build(None), *build(0.0))
 
 
 def _gemm_paths() -> dict:
