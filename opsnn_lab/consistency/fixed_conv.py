@@ -106,14 +106,19 @@ def _layout(x: torch.Tensor):
     return torch.channels_last if last else torch.contiguous_format
 
 
+def _padded(x2, w2, padding) -> torch.Tensor:
+    """The zero-padded input the taps read, each input channel repeated for its output channels (a channel
+    multiplier: output channel o reads input channel o // m)."""
+    plane = F.pad(x2, (padding[1], padding[1], padding[0], padding[0]))
+    mult = w2.shape[0] // x2.shape[1]
+    return plane.repeat_interleave(mult, dim=1) if mult > 1 else plane
+
+
 def _depthwise_forward(x, weight, bias, stride, padding, dilation):
     x2, w2, stride, padding, dilation = _planar(x, weight, stride, padding, dilation)
     out = _out_size(x2.shape[2:], w2.shape[2:], stride, padding, dilation)
-    plane = F.pad(x2, (padding[1], padding[1], padding[0], padding[0]))
-    if w2.shape[0] != x2.shape[1]:  # a channel multiplier: output channel o reads input channel o // m
-        plane = plane.repeat_interleave(w2.shape[0] // x2.shape[1], dim=1)
     y = None
-    for view, w in _taps(plane, w2, stride, dilation, out):
+    for view, w in _taps(_padded(x2, w2, padding), w2, stride, dilation, out):
         product = view * w  # a product, then a sum: no fused multiply-add, whose bits differ from them
         y = product if y is None else y.add_(product)
     if bias is not None:
@@ -140,10 +145,8 @@ def _depthwise_backward(grad, x, weight, stride, padding, dilation, output_mask)
         grad_input = plane.contiguous(memory_format=_layout(x))
         grad_input = grad_input.squeeze(2) if x.dim() == 3 else grad_input
     if output_mask[1]:
-        plane = F.pad(x2, (padding[1], padding[1], padding[0], padding[0]))
-        if mult > 1:
-            plane = plane.repeat_interleave(mult, dim=1)
-        sums = [(g2 * view).sum([0, 2, 3]) for view, _ in _taps(plane, w2, stride, dilation, out)]  # fixed order
+        taps = _taps(_padded(x2, w2, padding), w2, stride, dilation, out)
+        sums = [(g2 * view).sum([0, 2, 3]) for view, _ in taps]  # strict()'s fixed-order sum, tap by tap
         grad_weight = torch.stack(sums, 1).reshape(weight.shape)
     if output_mask[2]:
         grad_bias = g2.sum([0, 2, 3])
