@@ -64,6 +64,7 @@ from opsnn_lab.fusion.staleness import (
     warn_changed,
     warn_hooked,
 )
+from opsnn_lab.ops._amp import autocast_dtype
 
 # Patch, own_code, CONSTANT (patch_base.py) and the packing names (packing.py) are re-exported: imports and pickles
 # made before they moved find them here
@@ -72,9 +73,10 @@ __all__ = ["install", "revert", "Patch", "patches", "CONSTANT", "fused_ops", "re
 
 
 def _defers(op: nn.Module, x) -> bool:
-    """Under autocast, a norm fed another dtype than its weight runs the replaced modules' own forwards."""
+    """Under autocast, a norm fed another dtype than its weight runs the replaced modules' own forwards. Outside
+    autocast nothing defers, and the op's weight need not be read through its links (a second relink per call)."""
     defers = getattr(op, "defers_under_autocast", None)
-    return defers is not None and isinstance(x, torch.Tensor) and owners.call(op, x, run=defers)
+    return defers is not None and autocast_dtype(x) is not None and owners.call(op, x, run=defers)
 
 
 class ChainHead(Patch):
