@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 import opsnn_lab as ol
+from opsnn_lab.ops.lm_head import _VERIFIED as VERIFIED  # where lm_head_loss keeps the way it took
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_sweep as H  # noqa: E402 - the builders of the fusion sweep
@@ -51,7 +52,7 @@ def check(name: str, dtype: torch.dtype) -> tuple[str, str]:
             return "refused", str(e)[:200]
     err = float((got - want).abs() / want.abs())
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
-    verdict = model.__dict__.get("_opsnn_lm_head_verified", {}).get((kind, model.get_output_embeddings().weight.dtype))
+    verdict = model.__dict__.get(VERIFIED, {}).get((kind, model.get_output_embeddings().weight.dtype))
     return ("same" if err <= tol else "differs"), f"{type(model).__name__} as {verdict}: relative {err:.1e}"
 
 

@@ -94,10 +94,12 @@ def _gone():
     return None
 
 
+_NEXT_SEQUENCE_NR = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
 def _sequence_nr() -> int | None:
     """The sequence number the next autograd node made on this thread takes (None where torch has no such call)."""
-    get = getattr(torch._C._autograd, "_get_sequence_nr", None)
-    return get() if get is not None else None
+    return _NEXT_SEQUENCE_NR() if _NEXT_SEQUENCE_NR is not None else None
 
 
 class _ReproducibleState:
@@ -217,7 +219,7 @@ class _ReproducibleState:
         after it (a reentrant checkpoint's node, made just before its forward, which runs without gradients)."""
         node = torch._C._current_autograd_node()
         nr = node._sequence_nr() if node is not None else None
-        known = [(first, end, s) for first, end, s in self.forwards if nr is not None and first is not None]
+        known = [(first, end, s) for first, end, s in self.forwards if first is not None] if nr is not None else []
         step = next((s for first, end, s in known if first <= nr < (end or first)), None)
         if step is None:
             step = next((s for first, _, s in known if nr == first - 1), None)
