@@ -50,10 +50,10 @@ def _input_grad_1x1(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
 
 
 def convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, groups, mask):
-    """``aten.convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, False, [0, 0], groups,
+    """``aten.convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, False, [0, ...], groups,
     mask)``: ``(grad_x, grad_weight, grad_bias)``, each None where ``mask`` says so. ``x`` is read for its
     values only when the weight gradient is asked for."""
-    args = (list(stride), list(padding), list(dilation), False, [0, 0], groups)
+    args = (list(stride), list(padding), list(dilation), False, [0] * len(stride), groups)
     if not (mask[0] and gemm_input_grad(x, weight, stride, padding, groups)):
         return torch.ops.aten.convolution_backward(grad, x, weight, bias_sizes, *args, list(mask))
     grad_x = _input_grad_1x1(grad, x, weight)

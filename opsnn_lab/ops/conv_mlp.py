@@ -24,9 +24,9 @@ from torch import nn
 from opsnn_lab._checks import check_range, check_tensor, check_type, first_derivative_only, same_device
 from opsnn_lab.kernels.gelu_dropout import act_dropout_bwd, act_dropout_fwd, act_forward
 from opsnn_lab.ops import _amp
+from opsnn_lab.ops._conv_bn_args import conv_padding, keeps_forward, ntuple
 from opsnn_lab.ops._conv_grad import convolution_backward
 from opsnn_lab.ops._mlp_parts import ACTS, parse_act_dropout, supports_of
-from opsnn_lab.ops.conv_bn_relu import _conv_padding, _keeps_forward, _pair
 from opsnn_lab.ops.dropout import CounterRNG, Dropout
 
 __all__ = ["FusedConvActDropoutConv", "ConvActDropoutConvFunction"]
@@ -45,7 +45,7 @@ class _Geometry:
 
     @classmethod
     def of(cls, conv: nn.Conv2d) -> _Geometry:
-        return cls(_pair(conv.stride), _conv_padding(conv), _pair(conv.dilation), conv.groups)
+        return cls(ntuple(conv.stride, 2), conv_padding(conv), ntuple(conv.dilation, 2), conv.groups)
 
     def conv(self, x, weight, bias):
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
@@ -119,11 +119,11 @@ class ConvActDropoutConvFunction(torch.autograd.Function):
 
 
 def _check_conv(name: str, conv) -> str:
-    if not _keeps_forward(conv, nn.Conv2d):
+    if not keeps_forward(conv, nn.Conv2d):
         return f"{name} must be Conv2d (or a subclass keeping its forward), got {type(conv).__name__}"
     if conv.padding_mode != "zeros":
         return f"{name}.padding_mode={conv.padding_mode!r} is not supported (only 'zeros')"
-    if _conv_padding(conv) is None:
+    if conv_padding(conv) is None:
         return f"{name}.padding='same' with an even dilated kernel pads asymmetrically; not supported"
     return ""
 

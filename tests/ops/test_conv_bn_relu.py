@@ -492,7 +492,7 @@ def test_a_conv_subclass_is_fused_only_when_it_keeps_conv2d_forward():
     ok, why = FusedConvBNAct.supports(Renamed(4, 4, 3, padding=1, groups=4), bn, act)
     assert ok, why
     ok, why = FusedConvBNAct.supports(Shifted(4, 4, 3, padding=1), bn, act)
-    assert not ok and "conv must be Conv2d" in why and "Shifted" in why
+    assert not ok and "conv must be Conv1d, Conv2d or Conv3d" in why and "Shifted" in why
     conv = Renamed(4, 4, 3, padding=1, groups=4)
     x = torch.randn(2, 4, 7, 7)
     fused = FusedConvBNAct.from_modules(copy.deepcopy(conv), copy.deepcopy(bn), act).train()

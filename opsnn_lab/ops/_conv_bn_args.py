@@ -1,0 +1,122 @@
+"""What :class:`~opsnn_lab.ops.conv_bn_relu.FusedConvBNAct` takes, and its modules' settings in the op's terms.
+
+A chain is a ``Conv{1,2,3}d`` followed by the ``BatchNorm{1,2,3}d`` of the same dimension (a temporal
+convolution block, an image one, a video or volume one), an activation, and for 1-d and 2-d a max-pool of that
+dimension. The op runs a 1-d chain as a 2-d one of height 1 (aten does the same with a 1-d convolution), so its
+settings come back here as 2-d ones; a 3-d chain runs its own convolution and the 2-d statistics pass over its
+maps flattened to (depth, height * width). Every reason names the argument it is about.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from opsnn_lab.kernels.bn_act import PoolSpec
+from opsnn_lab.ops._activations import activation_of
+from opsnn_lab.ops._bn_act import computes_batch_norm
+
+__all__ = ["conv_dim", "keeps_forward", "ntuple", "conv_padding", "wrong_type", "why_not", "pool_spec", "as_planes"]
+
+# dimension -> (convolution, its batch norm, its max-pool or None)
+KINDS = {1: (nn.Conv1d, nn.BatchNorm1d, nn.MaxPool1d), 2: (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d),
+         3: (nn.Conv3d, nn.BatchNorm3d, None)}
+
+
+def ntuple(v, n: int) -> tuple[int, ...]:
+    return (int(v),) * n if isinstance(v, int) else tuple(int(a) for a in v)
+
+
+def keeps_forward(value, kind) -> bool:
+    """A subclass that only renames (EfficientNet's depthwise Conv2d) computes what its base computes."""
+    return isinstance(value, kind) and all(getattr(type(value), f, None) is getattr(kind, f, None)
+                                           for f in ("forward", "_conv_forward"))
+
+
+def conv_dim(conv) -> int | None:
+    """1, 2 or 3 for a ``Conv1d`` / ``Conv2d`` / ``Conv3d`` (or a subclass keeping its forward), else None."""
+    return next((d for d, (kind, _, _) in KINDS.items() if keeps_forward(conv, kind)), None)
+
+
+def conv_padding(conv) -> tuple[int, ...] | None:
+    """Numeric symmetric padding of ``conv`` (``'valid'``/odd-kernel ``'same'`` converted), None if asymmetric."""
+    n = len(conv.kernel_size)
+    if conv.padding == "valid":
+        return (0,) * n
+    if conv.padding == "same":
+        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+        return None if any(t % 2 for t in total) else tuple(t // 2 for t in total)
+    return ntuple(conv.padding, n)
+
+
+def wrong_type(conv, bn, act, maxpool, act_name="act", relu_only=False) -> str:
+    """'' when every argument is a module of a supported kind, else the reason, naming the argument."""
+    dim = conv_dim(conv)
+    if dim is None:
+        return f"conv must be Conv1d, Conv2d or Conv3d (or a subclass keeping its forward), got {type(conv).__name__}"
+    conv_kind, bn_kind, pool_kind = KINDS[dim]
+    if not keeps_forward(bn, bn_kind):
+        inner = act if any(c is act for c in getattr(bn, "children", tuple)()) else None
+        if dim != 2:
+            return f"bn must be {bn_kind.__name__} after a {conv_kind.__name__}, got {type(bn).__name__}"
+        if not (isinstance(bn, nn.BatchNorm2d) and computes_batch_norm(bn, inner)):
+            return (f"bn must be BatchNorm2d (a subclass keeping its forward, or one whose forward is "
+                    f"{act_name}(batch_norm(x)) with {act_name} its child, checked on a probe), "
+                    f"got {type(bn).__name__}")
+    if relu_only and type(act) is not nn.ReLU:
+        return f"{act_name} must be ReLU, got {type(act).__name__} (FusedConvBNAct takes other activations)"
+    if maxpool is not None and pool_kind is None:
+        return f"maxpool must be None after a {conv_kind.__name__} (no pooled 3-d chain), got {type(maxpool).__name__}"
+    if maxpool is not None and type(maxpool) is not pool_kind:
+        return f"maxpool must be {pool_kind.__name__} or None, got {type(maxpool).__name__}"
+    return activation_of(act, act_name)[1]
+
+
+def why_not(conv, bn, act, maxpool, act_name="act", relu_only=False) -> str:
+    """'' when the chain is supported, else the reason, naming the argument."""
+    wrong = wrong_type(conv, bn, act, maxpool, act_name, relu_only)
+    if wrong:
+        return wrong
+    kind = type(bn).__name__ if conv_dim(conv) != 2 else "BatchNorm2d"
+    if conv.padding_mode != "zeros":
+        return f"conv.padding_mode={conv.padding_mode!r} is not supported (only 'zeros')"
+    if conv_padding(conv) is None:
+        return "conv.padding='same' with an even dilated kernel pads asymmetrically; not supported"
+    if not bn.affine:
+        return f"bn.affine=False is not supported ({kind} without weight and bias)"
+    if not bn.track_running_stats:
+        return f"bn.track_running_stats=False is not supported ({kind} without running statistics)"
+    if bn.num_features != conv.out_channels:
+        return f"bn.num_features={bn.num_features} does not match conv.out_channels={conv.out_channels}"
+    return _pool_why_not(maxpool, conv_dim(conv)) if maxpool is not None else ""
+
+
+def _pool_why_not(maxpool, dim: int) -> str:
+    if any(d != 1 for d in ntuple(maxpool.dilation, dim)):
+        return f"maxpool.dilation={maxpool.dilation} is not supported (only 1)"
+    if maxpool.ceil_mode:
+        return "maxpool.ceil_mode=True is not supported"
+    if maxpool.return_indices:
+        return "maxpool.return_indices=True is not supported"
+    kernel = ntuple(maxpool.kernel_size, dim)
+    if math.prod(kernel) > 255:  # cells 0..k-1 plus the sentinel k must fit a uint8
+        return f"maxpool.kernel_size={maxpool.kernel_size} has more than 255 cells (uint8 window index)"
+    if any(2 * p > k for p, k in zip(ntuple(maxpool.padding, dim), kernel)):
+        return f"maxpool.padding={maxpool.padding} must be at most half of kernel_size={maxpool.kernel_size}"
+    return ""
+
+
+def as_planes(values: tuple[int, ...], fill: int) -> tuple[int, ...]:
+    """A 1-d setting as the op's 2-d one of height 1 (``fill`` for the height: 1 for strides, 0 for paddings);
+    2-d and 3-d ones as they are."""
+    return (fill, *values) if len(values) == 1 else values
+
+
+def pool_spec(maxpool, dim: int) -> PoolSpec | None:
+    """The op's 2-d window for a ``MaxPool1d`` / ``MaxPool2d``."""
+    if maxpool is None:
+        return None
+    stride = maxpool.stride if maxpool.stride not in (None, ()) else maxpool.kernel_size
+    return PoolSpec(as_planes(ntuple(maxpool.kernel_size, dim), 1), as_planes(ntuple(stride, dim), 1),
+                    as_planes(ntuple(maxpool.padding, dim), 0))
