@@ -10,6 +10,15 @@ Each activation gets two rows, the two convolutions of an inverted-residual bloc
   x and the conv output: (4 + 1) / (4 + 2) = 0.83; ``conv_bn_silu_dw[recompute]`` (``recompute=True``) gives
   4 / 6 = 0.67 for a conv pass over x, the bound: x itself, which the conv's weight gradient needs.
 
+The same op over the other dimensions:
+
+* ``conv1d_bn_silu_dw``: a Conformer convolution module's depthwise Conv1d (kernel 31, stride 1) -> BatchNorm1d ->
+  SiLU over the encoder's frames (speech recognition). A 1-d conv's output is saved, not recomputed (its recompute
+  costs more than a 2-d one's: ``FusedConvBNAct``'s ``recompute``): x and the conv output, 2 / 3;
+  ``conv1d_bn_silu_dw[recompute]`` saves x alone, 1 / 3, for the recomputed conv.
+* ``conv3d_bn_relu``: a video ResNet's (R3D / MC3 / R(2+1)D) 3x3x3 convolution over 4 frames of the first stage.
+  Eager saves x, the conv output and the ReLU's output, the fused op x and the conv output: 2 / 3.
+
 And the channels-first MLP (timm's ``ConvMlp`` / ``Mlp(use_conv=True)``: FocalNet, PoolFormer, RDNet):
 
 * ``conv_gelu_conv``: 1x1 conv C -> 4C, GELU, 1x1 conv 4C -> C. Eager saves x, the pre-activation and the GELU's
@@ -38,7 +47,9 @@ _ACTS = {"relu6": lambda: nn.ReLU6(inplace=True), "silu": lambda: nn.SiLU(inplac
 # (activation, depthwise stride): MobileNetV2 ReLU6 stride 1, EfficientNet SiLU stride 2, MobileNetV3 Hardswish 1
 _ROWS = (("relu6", 1), ("silu", 2), ("hardswish", 1))
 CONV_CHAINS = (*(name for act, _ in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw")),
-               "conv_bn_silu_dw[recompute]", "conv_gelu_conv", "group_norm_silu+conv")
+               "conv_bn_silu_dw[recompute]", "conv1d_bn_silu_dw", "conv1d_bn_silu_dw[recompute]",
+               "conv3d_bn_relu", "conv_gelu_conv",
+               "group_norm_silu+conv")
 
 
 def _widths(s: dict) -> tuple[int, int, int]:
@@ -73,6 +84,40 @@ def _builder(act: str, depthwise: bool, stride: int, recompute: bool | None = No
 CONV_BUILDERS = {name: _builder(act, name.endswith("_dw"), stride)
                  for act, stride in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw")}
 CONV_BUILDERS["conv_bn_silu_dw[recompute]"] = _builder("silu", True, 2, recompute=True)
+
+
+def _conformer_chain(s, device, dtype, recompute: bool | None = None):
+    """Conformer's depthwise conv: 4x the stem's width (256 at FULL, Conformer-M) over 4x the image side in frames
+    (896: 9 s of speech after the 4x subsampling)."""
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    c, frames = 4 * s["channels"], 4 * s["image"]
+    conv, bn, act = nn.Conv1d(c, c, 31, padding=15, groups=c, bias=False), nn.BatchNorm1d(c), nn.SiLU()
+    eager = nn.Sequential(conv, bn, act).to(device, dtype)
+    x = torch.randn(s["batch"], c, frames, device=device, dtype=dtype, requires_grad=True)
+    name = "conv1d_bn_silu_dw" + ("[recompute]" if recompute else "")
+    return Chain(name, eager, ops.FusedConvBNAct.from_modules(conv, bn, act, recompute=recompute), (x,),
+                 note=f"depthwise k31, {c} ch, {frames} frames")
+
+
+def _video_chain(s, device, dtype):
+    """A video ResNet's first-stage 3x3x3 conv: the stem's width over 4 frames of the 56 x 56 stage, a quarter of
+    the batch (2 clips at FULL)."""
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    c, side, clips = s["channels"], s["image"] // 4, max(1, s["batch"] // 4)
+    conv, bn, act = nn.Conv3d(c, c, 3, padding=1, bias=False), nn.BatchNorm3d(c), nn.ReLU(inplace=True)
+    eager = nn.Sequential(conv, bn, act).to(device, dtype)
+    x = torch.randn(clips, c, 4, side, side, device=device, dtype=dtype, requires_grad=True)
+    return Chain("conv3d_bn_relu", eager, ops.FusedConvBNAct.from_modules(conv, bn, act), (x,),
+                 note=f"3x3x3 {c} ch, 4x{side}x{side}")
+
+
+CONV_BUILDERS["conv1d_bn_silu_dw"] = _conformer_chain
+CONV_BUILDERS["conv1d_bn_silu_dw[recompute]"] = lambda s, device, dtype: _conformer_chain(s, device, dtype, True)
+CONV_BUILDERS["conv3d_bn_relu"] = _video_chain
 
 
 def _conv_mlp_chain(s, device, dtype):

@@ -35,12 +35,18 @@ from opsnn_lab.fusion.patterns_attention import build_attention, build_qkv, find
 __all__ = ["Match", "Pattern", "PATTERNS", "FAMILIES", "find_all", "op_class", "op_name", "pattern_of"]
 
 
-# --------------------------------------------------------------------------- Conv2d -> BN -> ReLU [-> MaxPool2d]
+# --------------------------------------------------------------------------- Conv -> BN -> act [-> MaxPool]
+# a convolution's op -> the ops of its dimension's batch norm and max-pool (none after a 3-d one)
+_CONV_KINDS = {"conv2d": ("batch_norm", "max_pool2d"), "conv1d": ("batch_norm1d", "max_pool1d"),
+               "conv3d": ("batch_norm3d", None)}
+
+
 def find_conv_bn_relu(g: Graph) -> list[Match]:
     out = []
     for conv in g.nodes:
-        bn = next((u for u in g.users.get(conv.name, []) if _is_module(u, "batch_norm")), None)
-        if not _is_module(conv, "conv2d") or bn is None:
+        norm, pool_op = _CONV_KINDS.get(conv.op, (None, None)) if conv.kind == "module" else (None, None)
+        bn = next((u for u in g.users.get(conv.name, []) if _is_module(u, norm)), None) if norm else None
+        if bn is None:
             continue
         m = Match("conv_bn_relu", [conv, bn], False, "", inputs=conv.inputs[:1], outputs=[bn])
         users = g.users.get(bn.name, [])
@@ -67,7 +73,7 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
         passed, pool = past_identities(g, m.outputs[0])
         relu_mod = act.obj if inner else act_module(act)  # the act a BatchNorm applies: its own child, any class
         op = _conv_op(m.pattern)
-        pooled = _is_module(pool, "max_pool2d") and not _op_support(op, conv.obj, bn.obj, relu_mod, pool.obj)
+        pooled = _is_module(pool, pool_op) and not _op_support(op, conv.obj, bn.obj, relu_mod, pool.obj)
         if pooled:
             m.pattern, m.nodes, m.outputs = f"{m.pattern}_maxpool", [*m.nodes, *passed, pool], [pool]
         m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod, "maxpool": pool.obj if pooled else None}
@@ -235,7 +241,8 @@ _GROUP_NORM_NEEDS = ("the fused op drops the normalised tensor, which pays only 
 
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("conv_bn_relu", find_conv_bn_relu, build_conv_bn_relu, "FusedConvBNReLU",
-            "Conv2d -> BatchNorm2d -> activation [-> MaxPool2d]", "conv_bn_"),
+            "Conv2d -> BatchNorm2d -> activation [-> MaxPool2d]; Conv1d / Conv3d with their BatchNorm too",
+            "conv_bn_"),
     Pattern("conv_act_conv", find_conv_act_conv, build_conv_act_conv, "FusedConvActDropoutConv",
             "Conv2d -> activation [-> Dropout] -> Conv2d (a channels-first MLP)", "conv_", min_share=0.25,
             needs=_CONV_MLP_NEEDS),

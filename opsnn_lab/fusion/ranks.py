@@ -55,7 +55,8 @@ _TORCH_MODULES = (nn.modules.dropout._DropoutNd, nn.LayerNorm, nn.GroupNorm, nn.
                   nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.Softplus,
                   nn.RMSNorm)
 _SHAPED_OPS = ACTIVATIONS | {"linear", "layer_norm", "rms_norm", "batch_norm", "dropout", "identity", "embedding",
-                             "softmax", "conv2d", "max_pool2d"}
+                             "softmax", "conv2d", "max_pool2d", "conv1d", "conv3d", "batch_norm1d", "batch_norm3d",
+                             "max_pool1d"}
 
 
 def _keeps_rank(m: nn.Module) -> bool:
