@@ -193,7 +193,15 @@ def fuse_recorded(model, example, r: dict):
     sweeps ignore: a bug, kept in the record)."""
     r["stage"] = "fuse"
     fused, plan = ol.fusion.fuse(model, example)
-    pickle.dumps(fused)
+    try:
+        pickle.dumps(fused)
+    except RuntimeError:
+        try:
+            pickle.dumps(model)
+        except RuntimeError as exc:  # torch pickles a parametrization (weight norm) only through its state_dict
+            r["pickled"] = f"neither: the model itself does not pickle ({str(exc)[:80]})"
+        else:
+            raise
     r["fused"] = sorted(f"{d.pattern}@{d.route.split(':')[0]}" for d in plan.decisions if d.fused)
     r["fx_regions"] = sorted(x["path"] or "<model>" for x in plan.routes if x["route"] == "fx")
     r["rewrite_failed"] = sorted({d.reason for d in plan.decisions if d.reason.startswith(REWRITE_FAILED)})

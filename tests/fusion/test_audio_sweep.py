@@ -1,0 +1,35 @@
+"""scripts/audio_sweep.py, the sweep of Hugging Face's speech models, on three of them: a Conformer whose convolution
+module fuses as ``conv_bn_<act>`` and whose positional conv holds a weight-norm parametrization (torch pickles that
+only through its state_dict: recorded, not a failure), Parakeet's FastConformer, and Whisper."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "audio_sweep.py"
+
+
+def test_the_audio_sweep_fuses_the_speech_models_and_checks_them(tmp_path, capsys):
+    sweep = runpy.run_path(str(SCRIPT))
+    assert {"Wav2Vec2ForCTC", "Wav2Vec2ConformerForCTC", "ParakeetForCTC",
+            "WhisperForConditionalGeneration"} <= set(sweep["audio_models"]())
+    out = tmp_path / "audio.json"
+    names = ["Wav2Vec2ConformerForCTC", "ParakeetForCTC", "WhisperForConditionalGeneration"]
+    sweep["main"](["--models", ",".join(names), "--out", str(out)])
+    results = json.loads(out.read_text())
+    for name in names:
+        r = results[name]
+        assert "error" not in r and r["fused"] and r["rewrite_failed"] == [] and "ran_unfused" not in r, r
+        assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-12, r
+    assert results["Wav2Vec2ConformerForCTC"]["fused"].count("conv_bn_gelu@module") == 2
+    assert results["ParakeetForCTC"]["fused"].count("conv_bn_silu@module") == 2
+    assert "does not pickle" in results["Wav2Vec2ConformerForCTC"]["pickled"]
+    assert "pickled" not in results["ParakeetForCTC"]
+    assert "ParakeetForCTC" in capsys.readouterr().out
