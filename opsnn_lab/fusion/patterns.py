@@ -41,12 +41,46 @@ _CONV_KINDS = {"conv2d": ("batch_norm", "max_pool2d"), "conv1d": ("batch_norm1d"
                "conv3d": ("batch_norm3d", None)}
 
 
+def _batch_norm_like(g: Graph, node: Node) -> tuple[nn.Module, str] | None:
+    """``(module, its path)`` where ``node`` is a batch norm module, or an op run inside one (a frozen batch norm's
+    Python forward is looked into); else None."""
+    obj, path = (node.obj, node.module) if node.kind == "module" else (g.modules.get(node.scope), node.scope)
+    named = obj is not None and "batchnorm" in type(obj).__name__.lower()
+    if obj is None or not (named or isinstance(obj, nn.modules.batchnorm._NormBase)):
+        return None
+    return obj, path
+
+
+def _other_batch_norm(g: Graph, conv: Node) -> Match | None:
+    """A declined candidate where a conv's output goes to a batch norm the op does not compute: a SyncBatchNorm,
+    a frozen one (torchvision's, timm's ``FrozenBatchNorm2d``), another dimension's, a subclass with a forward of its
+    own; None where no reader is one."""
+    found = next(((u, hit) for u in g.users.get(conv.name, []) if (hit := _batch_norm_like(g, u))), None)
+    if found is None:
+        return None
+    node, (bn, path) = found
+    kind = type(bn).__name__
+    if isinstance(bn, nn.SyncBatchNorm):
+        why = (f"`{path}` is a SyncBatchNorm: under torch.distributed its batch statistics are all-reduced across "
+               "ranks, and FusedConvBNAct takes each rank's own")
+    elif "frozen" in kind.lower():
+        why = (f"`{path}` is a {kind}, a fixed per-channel affine: its backward keeps no tensor, so a fused op would "
+               "save nothing eager keeps")
+    else:
+        act = g.only_user(node) if node.kind == "module" else None
+        why = _op_support("FusedConvBNAct", conv.obj, bn, act.obj if act is not None and act.obj is not None
+                          else nn.ReLU()) or f"`{path}` ({kind}) is not a batch norm FusedConvBNAct computes"
+    return Match("conv_bn_relu", [conv, node], False, why, inputs=conv.inputs[:1], outputs=[node])
+
+
 def find_conv_bn_relu(g: Graph) -> list[Match]:
     out = []
     for conv in g.nodes:
         norm, pool_op = _CONV_KINDS.get(conv.op, (None, None)) if conv.kind == "module" else (None, None)
         bn = next((u for u in g.users.get(conv.name, []) if _is_module(u, norm)), None) if norm else None
         if bn is None:
+            other = _other_batch_norm(g, conv) if norm else None
+            out += [other] if other is not None else []
             continue
         m = Match("conv_bn_relu", [conv, bn], False, "", inputs=conv.inputs[:1], outputs=[bn])
         users = g.users.get(bn.name, [])

@@ -153,3 +153,41 @@ def test_wav2vec2_conformer_fuses_its_convolution_modules():
     assert grads[0].keys() == grads[1].keys()
     for key, g in grads[0].items():
         torch.testing.assert_close(grads[1][key], g, rtol=1e-9, atol=1e-12, msg=key)
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """Detection backbones' batch norm (torchvision's, timm's): fixed statistics and affine, as buffers."""
+
+    def __init__(self, c):
+        super().__init__()
+        for name, value in (("weight", torch.ones(c)), ("bias", torch.zeros(c)), ("running_mean", torch.zeros(c)),
+                            ("running_var", torch.ones(c))):
+            self.register_buffer(name, value)
+
+    def forward(self, x):
+        scale = self.weight * (self.running_var + 1e-5).rsqrt()
+        return x * scale[:, None, None] + (self.bias - self.running_mean * scale)[:, None, None]
+
+
+class ShiftedBatchNorm2d(nn.BatchNorm2d):
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+def test_batch_norms_the_op_does_not_compute_are_named_in_the_plan():
+    """A SyncBatchNorm (``convert_sync_batchnorm`` for DDP), a frozen batch norm (a detection backbone's) and a
+    BatchNorm2d subclass computing something else were no candidate at all: the plan said nothing of the chains."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), FrozenBatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 1), nn.Identity(), nn.ReLU())
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model).train()
+    model[7] = ShiftedBatchNorm2d(8)  # after the conversion, which would take it too
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 6)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    reasons = {d.modules[0]: d.reason for d in plan.decisions if d.pattern.startswith("conv_bn")}
+    assert not any(d.fused for d in plan.decisions if d.pattern.startswith("conv_bn"))
+    assert "`1` is a SyncBatchNorm" in reasons["0"] and "all-reduced across ranks" in reasons["0"]
+    assert "`4` is a FrozenBatchNorm2d" in reasons["3"] and "save nothing" in reasons["3"]
+    assert "bn must be BatchNorm2d" in reasons["6"] and "got ShiftedBatchNorm2d" in reasons["6"]
+    torch.testing.assert_close(fused(x), model(x))
