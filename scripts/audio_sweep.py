@@ -80,8 +80,9 @@ def _inputs(model, cfg, g) -> dict:
             "attention_mask": torch.ones(2, FRAMES, dtype=torch.long)}  # the CTC loss reads the frames' lengths
 
 
-def build(name: str, dtype: torch.dtype):
-    """The model (train mode, ``dtype``) and its keyword inputs, with labels for its own loss."""
+def build(name: str, dtype: torch.dtype, dropout: float = 0.0):
+    """The model (train mode, ``dtype``) and its keyword inputs, with labels for its own loss; every dropout of its
+    configs ``dropout`` (``hf_consistency_sweep.py --audio`` draws them)."""
     import transformers as T
 
     cls = getattr(T, name)
@@ -91,7 +92,7 @@ def build(name: str, dtype: torch.dtype):
     except Exception:  # noqa: BLE001 - sizes its nested defaults contradict (a vocabulary both must share)
         cfg = cls.config_class()
     _small(cfg)
-    S.eager_with_dropout(cfg, 0.0)
+    S.eager_with_dropout(cfg, dropout)
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = cls(cfg)
@@ -104,17 +105,18 @@ def build(name: str, dtype: torch.dtype):
     return model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
 
 
-def _running(name: str, dtype: torch.dtype, r: dict):
+def running(name: str, dtype: torch.dtype, r: dict, dropout: float = 0.0):
+    """``hf_sweep.build_running`` for these models: built (stage "build") and run once (stage "eager")."""
     r["stage"] = "build"
-    model, inputs = build(name, dtype)
+    model, inputs = build(name, dtype, dropout)
     r["stage"] = "eager"
     S._run(model, inputs)
     return model, inputs
 
 
 def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=None) -> None:
-    """``hf_sweep.check`` with these models (``build`` is the command line's, unused: ``_running`` builds)."""
-    S.check(name, dtype, r, autocast, running=_running)
+    """``hf_sweep.check`` with these models (``build`` is the command line's, unused: ``running`` builds)."""
+    S.check(name, dtype, r, autocast, running=running)
 
 
 def main(argv=None) -> None:

@@ -11,6 +11,7 @@ against itself (bit for bit). Prints a line per model; ``--out`` writes the deta
     python scripts/hf_consistency_sweep.py --models Bert,GPT2,Pvt
     python scripts/hf_consistency_sweep.py --models all --out consistency.json
     python scripts/hf_consistency_sweep.py --models all --strict --memory-limit 512MiB
+    python scripts/hf_consistency_sweep.py --audio          # audio_sweep.py's speech models instead
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def _step(model, inputs):
     return outs, [g if g is not None else torch.zeros(0) for g in grads]
 
 
-def check(name: str, r: dict, strict: bool = False, memory_limit=None) -> None:
-    """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself)."""
+def check(name: str, r: dict, strict: bool = False, memory_limit=None, running=S.build_running) -> None:
+    """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself).
+    ``running``: ``hf_sweep.build_running``, or ``audio_sweep.running``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, inputs = S.build_running(name, torch.float32, r, dropout=DROPOUT)
+        model, inputs = running(name, torch.float32, r, dropout=DROPOUT)
         drops = [m for m in model.modules() if isinstance(m, nn.Dropout)]
         for m in drops:
             m.p = DROPOUT
@@ -103,9 +105,16 @@ def main(argv=None) -> None:
                     "with 1 and 2 threads, unfused and fused")
     ap.add_argument("--memory-limit", default=None, help="the checker's memory_limit ('1GiB'): traces hold the tensors "
                     "of their first events up to it and statistics after it (large models' steps fit in memory)")
+    ap.add_argument("--audio", action="store_true", help="audio_sweep.py's speech and audio models (--models: "
+                    "their class names; default: all of them)")
     args = ap.parse_args(argv)
-    S.run_sweep(S.model_names(args.models), lambda name, r: check(name, r, args.strict, args.memory_limit), _line,
-                args.out)
+    names, running = S.model_names(args.models), S.build_running
+    if args.audio:
+        import audio_sweep
+
+        names = args.models.split(",") if args.models else audio_sweep.audio_models()
+        running = audio_sweep.running
+    S.run_sweep(names, lambda name, r: check(name, r, args.strict, args.memory_limit, running), _line, args.out)
 
 
 if __name__ == "__main__":

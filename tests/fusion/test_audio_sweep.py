@@ -33,3 +33,14 @@ def test_the_audio_sweep_fuses_the_speech_models_and_checks_them(tmp_path, capsy
     assert "does not pickle" in results["Wav2Vec2ConformerForCTC"]["pickled"]
     assert "pickled" not in results["ParakeetForCTC"]
     assert "ParakeetForCTC" in capsys.readouterr().out
+
+
+def test_the_consistency_sweep_takes_the_audio_models(tmp_path):
+    main = runpy.run_path(str(SCRIPT.with_name("hf_consistency_sweep.py")))["main"]
+    out = tmp_path / "consistency.json"
+    main(["--audio", "--models", "Wav2Vec2ConformerForCTC", "--strict", "--out", str(out)])
+    r = json.loads(out.read_text())["Wav2Vec2ConformerForCTC"]
+    assert "error" not in r and r["dropouts"] > 0 and r["fused"] > 0, r
+    assert r["repeat_consistent"] and r["fused_repeat_equal"], r  # reproducible dropout, fused and not
+    assert r["strict_threads_bitwise"] and r["strict_fused_threads_bitwise"], r
+    assert r["out_err"] < 1e-6 and r["grad_err"] < 1e-5, r
