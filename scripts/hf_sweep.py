@@ -84,6 +84,18 @@ NOT_TEXT_ONLY = {"Emu3", "Fuyu", "Mllama", "Phi4Multimodal", "Gemma3n", "MiniMax
                  "BridgeTower"}
 
 
+def every_image_classifier() -> list[str]:
+    """Every ``<Name>`` of the installed transformers with a ``<Name>ForImageClassification`` class and no language
+    model class (CLIP, MobileNetV1, HGNetV2, SwiftFormer...): built from their default configs."""
+    names = [n[:-len("ForImageClassification")] for n in dir(T) if n.endswith("ForImageClassification")]
+    return sorted(n for n in names if n and not n.startswith("Auto") and n not in NOT_TEXT_ONLY
+                  and not hasattr(T, n + "ForCausalLM") and not hasattr(T, n + "ForMaskedLM"))
+
+
+def _vision(name: str) -> bool:
+    return name in VIT_LIKE + VISION_DEFAULT or name in every_image_classifier()
+
+
 def every_text_lm() -> list[str]:
     """Every ``<Name>`` of the installed transformers with a ``<Name>Config`` and a causal or masked LM class."""
     names = [n[:-len("Config")] for n in dir(T) if n.endswith("Config")]
@@ -98,10 +110,11 @@ def _model_class(name: str, suffixes):
     raise AttributeError(f"transformers {T.__version__} has no {name}{{{','.join(suffixes)}}}")
 
 
-def build(name: str, dtype: torch.dtype, layers: int | None = None, dropout: float = 0.0):
-    """The model and its inputs, every dropout of its config ``dropout`` (0: compared with eager as it is)."""
+def build(name: str, dtype: torch.dtype, layers: int | None = None, dropout: float = 0.0, full: bool = False):
+    """The model and its inputs, every dropout of its config ``dropout`` (0: compared with eager as it is); a vision
+    model's images at 64 px, or at its config's size where it is smaller, or ``full``."""
     g = torch.Generator().manual_seed(0)
-    if name not in VIT_LIKE + VISION_DEFAULT:  # a text model (any name not listed as vision)
+    if not _vision(name):  # a text model
         cls = _model_class(name, ("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "LMHeadModel", "Model"))
         cfg_cls = cls.config_class  # a text-only class may take the family's text config (Gemma3TextConfig)
         params = inspect.signature(cfg_cls.__init__).parameters
@@ -120,11 +133,11 @@ def build(name: str, dtype: torch.dtype, layers: int | None = None, dropout: flo
             inputs["labels"] = ids.clone()
     else:
         vision = name in ("Siglip",)
-        cfg_cls = getattr(T, name + ("VisionConfig" if vision else "Config"))
-        cfg = eager_with_dropout(cfg_cls(**VIT_SIZES) if name in VIT_LIKE else cfg_cls(), dropout)
         cls = getattr(T, name + "VisionModel") if vision else _model_class(name, ("ForImageClassification", "Model"))
+        cfg_cls = cls.config_class  # CLIPForImageClassification takes CLIPConfig, SiglipVisionModel its vision one
+        cfg = eager_with_dropout(cfg_cls(**VIT_SIZES) if name in VIT_LIKE else cfg_cls(), dropout)
         size = cfg.image_size if isinstance(getattr(cfg, "image_size", None), int) else 224
-        size = size if name in FULL_SIZE or size <= 64 else 64
+        size = size if name in FULL_SIZE or full or size <= 64 else 64
         inputs = {"pixel_values": torch.randn(2, 3, size, size, generator=g)}
     if dtype == torch.float64 and name in ("Mixtral", "Qwen2Moe"):
         dtype = torch.float32  # grouped expert GEMMs have no float64 kernel
@@ -163,17 +176,20 @@ def largest_finite(tensors) -> float:
 def build_running(name: str, dtype: torch.dtype, r: dict, dropout: float = 0.0):
     """``build`` and one eager forward (stages "build", "eager"). A hybrid whose first layers are all linear
     attention or state-space layers (Jamba, Kimi-Linear: the mask helper finds no attention layer) is built again
-    with 8 layers, which brings one in; ``r["layers"]`` says so."""
+    with 8 layers, which brings one in; ``r["layers"]`` says so. A vision model that fails at 64 px (CLIP's fixed
+    positions) is built again at its config's image size; ``r["full_size"]`` says so."""
     r["stage"] = "build"
     model, inputs = build(name, dtype, dropout=dropout)
     r["stage"] = "eager"
     try:
         _run(model, inputs)
-    except ValueError as exc:
-        if "Attention layers" not in str(exc):
+    except Exception as exc:  # noqa: BLE001 - retried once, as said; raised again if the retry fails too
+        again = {"layers": 8} if "Attention layers" in str(exc) else {"full": True} if _vision(name) else None
+        if again is None:
             raise
-        r["stage"], r["layers"] = "build", 8
-        model, inputs = build(name, dtype, layers=8, dropout=dropout)
+        r["stage"] = "build"
+        r.update({"layers": 8} if "layers" in again else {"full_size": True})
+        model, inputs = build(name, dtype, dropout=dropout, **again)
         r["stage"] = "eager"
         _run(model, inputs)
     return model, inputs
@@ -293,7 +309,8 @@ def model_names(arg: str) -> list[str]:
     if arg not in ("", "all"):
         return arg.split(",")
     names = TEXT + VIT_LIKE + VISION_DEFAULT
-    return names + [n for n in every_text_lm() if n not in names] if arg == "all" else names
+    others = [*every_text_lm(), *every_image_classifier()]
+    return names + [n for n in dict.fromkeys(others) if n not in names] if arg == "all" else names
 
 
 def run_sweep(names, check_one, line, out: str = "") -> dict:
@@ -333,7 +350,8 @@ def argument_parser(doc: str) -> argparse.ArgumentParser:
     """``--models`` (see ``model_names``) and ``--out``, the arguments every sweep takes."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--models", default="", help="comma-separated names (default: hf_sweep.py's list; all: "
-                    "those and every other causal or masked LM class of the installed transformers)")
+                    "those and every other causal or masked LM and image classifier class of the installed "
+                    "transformers)")
     ap.add_argument("--out", default="", help="write the details as JSON here")
     return ap
 

@@ -31,11 +31,26 @@ def test_the_sweep_fuses_checks_and_reports(tmp_path, capsys):
     assert "NoSuchModel" in capsys.readouterr().out
 
 
-def test_all_means_every_text_only_lm_installed():
+def test_all_means_every_text_only_lm_and_image_classifier_installed():
     sweep = runpy.run_path(str(SCRIPT))
     names = sweep["every_text_lm"]()
     assert {"Llama", "Gemma3", "Bert", "DeepseekV3"} <= set(names)
     assert not set(names) & sweep["NOT_TEXT_ONLY"] and "ViT" not in names
+    images = sweep["every_image_classifier"]()
+    assert {"CLIP", "MobileNetV1", "HGNetV2", "ViT"} <= set(images) and not set(images) & set(names)
+    everything = sweep["model_names"]("all")
+    assert len(everything) == len(set(everything)) and {"CLIP", "MobileNetV1", "Llama"} <= set(everything)
+
+
+def test_an_image_classifier_too_small_at_64_px_is_built_at_its_own_size(tmp_path):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "vision.json"
+    main(["--models", "MobileNetV1,ViTMSN", "--dtype", "float32", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["ViTMSN"].get("full_size") and "full_size" not in results["MobileNetV1"], results
+    for r in results.values():
+        # float32 rounding through MobileNetV1's 27 Conv -> BN -> ReLU6 layers: 1.5e-5 of the largest gradient
+        assert "error" not in r and r["fused"] and max(r["out_err"], r["grad_err"]) < 1e-4, r
 
 
 def test_autocast_compares_the_bf16_steps_with_the_fp32_one(tmp_path):
