@@ -89,18 +89,28 @@ def _rewrite(gm, g, m: Match, slot: str, moved: dict) -> None:
             graph.erase_node(node)
 
 
-def _impure(node) -> bool:
+def _impure(node, called_for_effect=frozenset()) -> bool:
     """fx's rule plus what it calls pure but a model relies on: a write into a tensor (``y.mul_(2)``, ``x[i] = v``,
-    ``inplace=True``), any module call (a BatchNorm updates its statistics) and the guards of specialise.py."""
-    return node.is_impure() or node.op == "call_module" or node.target in GUARDS or writes_in_place(node)
+    ``inplace=True``), any module call (a BatchNorm updates its statistics), the guards of specialise.py, and any
+    call whose result the traced code itself ignored (``called_for_effect``: a wrapped function that writes into
+    its argument and returns None, as torchvision's MViT adds its pooled shortcut)."""
+    return node.is_impure() or node.op == "call_module" or node.target in GUARDS or writes_in_place(node) or \
+        node in called_for_effect
 
 
-def _eliminate_dead_code(graph) -> None:
+def ignored_results(graph) -> frozenset:
+    """The calls whose results the traced code does not read: made for what they do, not for what they return."""
+    return frozenset(n for n in graph.nodes if n.op in ("call_function", "call_method") and not n.users)
+
+
+def _eliminate_dead_code(graph, called_for_effect=frozenset()) -> None:
     """Drop what the rewrite left unused (weights, shapes the replaced steps read), never a write whose result
-    the code ignores: fx's own rule dropped ``y.mul_(2)`` after a fused chain, and with it the model's scaling.
+    the code ignores: fx's own rule dropped ``y.mul_(2)`` after a fused chain, and with it the model's scaling;
+    nor a call whose result the code ignored before the rewrite (``ignored_results``): it dropped MViT's
+    ``_add_shortcut(x, q)``, so the fused model's training outputs were 0.94 off.
     A torch whose ``eliminate_dead_code`` takes no rule keeps every node (dead ones cost a little time, no bits)."""
     if "is_impure_node" in inspect.signature(graph.eliminate_dead_code).parameters:
-        graph.eliminate_dead_code(is_impure_node=_impure)
+        graph.eliminate_dead_code(is_impure_node=lambda n: _impure(n, called_for_effect))
 
 
 def slot_ops(gm) -> list[nn.Module]:
@@ -152,7 +162,7 @@ def trace_variants(region: nn.Module, route: dict, keys: dict, slots: dict, tag:
             if training:
                 raise
             break
-        g, moved = fx_graph(gm, path, region), {}
+        g, moved, called_for_effect = fx_graph(gm, path, region), {}, ignored_results(gm.graph)
         g.memo.update(norm_verdicts(keys))
         # Planned matches take their nodes in table order, as in the analysis: a node is rewritten once. A module
         # called twice gives one key two matches, and another planned match may hold one of them (ALBERT's
@@ -176,7 +186,7 @@ def trace_variants(region: nn.Module, route: dict, keys: dict, slots: dict, tag:
             gm.add_submodule(name, slot)
             _rewrite(gm, g, m, name, moved)
             done += training
-        _eliminate_dead_code(gm.graph)
+        _eliminate_dead_code(gm.graph, called_for_effect)
         keep_constants(gm, region, training, tag)
         _name_inlined_draws(gm.graph)
         gm.graph.lint()

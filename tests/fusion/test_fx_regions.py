@@ -245,6 +245,41 @@ def test_writes_whose_result_is_ignored_survive_the_rewrite():
     torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
 
 
+def _add_shortcut(x, shortcut):
+    """Writes into ``x`` and returns None, as torchvision's MViT adds its pooled shortcut (a leaf for fx)."""
+    x.add_(shortcut)
+
+
+torch.fx.wrap("_add_shortcut")
+
+
+class CallsForTheirEffect(nn.Module):
+    """A residual add -> LayerNorm (a chain only fx rewrites) after a wrapped call whose result the code ignores."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.out = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x) * 1.0
+        _add_shortcut(h, x)
+        return self.out(self.norm(h + x))
+
+
+def test_a_call_whose_result_the_code_ignores_survives_the_rewrite():
+    """fx's dead-code rule took the wrapped ``_add_shortcut`` (no reader, not named as in-place) for pure: the rewritten
+    training code dropped it, and torchvision's MViT-V2 trained 0.94 off eager (its eval mode ran the original)."""
+    torch.manual_seed(0)
+    model, x = CallsForTheirEffect().double(), seeded(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model.train(), (x,))
+    assert ("add_layer_norm", "fx:<model>") in [(d.pattern, d.route) for d in plan.decisions if d.fused]
+    want, got = model(x), fused(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (g_want,) = torch.autograd.grad(want.square().sum(), x)
+    (g_got,) = torch.autograd.grad(got.square().sum(), x)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+
+
 class RankChecks(nn.Module):
     """Checks on its input's rank, as library layers make them (``x.dim()``, ``*x.shape[:-1]``): a plain fx
     trace stops at the first; the retry with the example's rank traces it, and a call of another rank runs
