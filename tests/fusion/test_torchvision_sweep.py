@@ -1,7 +1,7 @@
 """scripts/torchvision_sweep.py on a stand-in ``torchvision`` (not a dependency): the classification models up to
 the size limit, counted on the meta device; random steps a constructor takes set to 0 and the ones it does not
-take left out; a model that fails at 64 px run at its own crop size (224 where it names none); a fused model
-compared with eager."""
+take left out; a model that fails at 64 px run at its own crop size (224 where it names none); a video model fed
+clips; a fused model compared with eager."""
 
 from __future__ import annotations
 
@@ -31,7 +31,19 @@ class Net(nn.Module):
         return self.head(self.drop(self.act(self.bn(self.conv(x))).mean((2, 3))))
 
 
-def _fake_torchvision(monkeypatch, made):
+class Clip(nn.Module):
+    """A video ResNet's stem: Conv3d -> BatchNorm3d -> ReLU -> pool -> head."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv3d(3, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU()
+        self.head = nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        return self.head(self.act(self.bn(self.conv(x))).mean((2, 3, 4)))
+
+
+def _fake_torchvision(monkeypatch, made, video=False):
     def net(num_classes=10, dropout=0.5):
         made.append(dropout)
         return Net(3, num_classes, dropout)
@@ -46,6 +58,10 @@ def _fake_torchvision(monkeypatch, made):
     tv.models.list_models = lambda module=None: list(makers)
     tv.models.get_model = lambda name, weights=None, **kw: makers[name](**kw)
     tv.models.get_model_weights = lambda name: {}[name]  # no weights registered: 224
+    if video:
+        tv.models.video = types.ModuleType("torchvision.models.video")
+        makers["clip"] = Clip
+        tv.models.list_models = lambda module=None: ["clip"] if module is tv.models.video else list(makers)[:-1]
     monkeypatch.setitem(sys.modules, "torchvision", tv)
     monkeypatch.setitem(sys.modules, "torchvision.models", tv.models)
 
@@ -68,3 +84,17 @@ def test_the_torchvision_sweep_takes_every_model_under_the_limit_and_checks_it(t
     model, x = sweep["build"]("fixed_grid", torch.float32, small=False)
     assert x.shape == (2, 3, 224, 224) and x.dtype == torch.float32
     assert "no_such_model" in capsys.readouterr().out
+
+
+def test_video_models_take_clips(tmp_path, monkeypatch):
+    _fake_torchvision(monkeypatch, [], video=True)
+    sweep = runpy.run_path(str(SCRIPT))
+    monkeypatch.setitem(sweep["classification_models"].__globals__, "MAX_PARAMETERS", 100_000)
+    assert sweep["classification_models"]() == ["net", "no_dropout", "fixed_grid", "clip"]
+    out = tmp_path / "tv.json"
+    sweep["main"](["--models", "clip", "--out", str(out)])
+    r = json.loads(out.read_text())["clip"]
+    assert "error" not in r and r["fused"] == ["conv_bn_relu@module"], r  # the Conv3d chain
+    assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-12
+    assert sweep["build"]("clip", torch.float32)[1].shape == (2, 3, 8, 64, 64)
+    assert sweep["build"]("clip", torch.float32, small=False)[1].shape == (2, 3, 16, 224, 224)
