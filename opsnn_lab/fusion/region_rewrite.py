@@ -99,8 +99,18 @@ def _impure(node, called_for_effect=frozenset()) -> bool:
 
 
 def ignored_results(graph) -> frozenset:
-    """The calls whose results the traced code does not read: made for what they do, not for what they return."""
-    return frozenset(n for n in graph.nodes if n.op in ("call_function", "call_method") and not n.users)
+    """The calls of the model's own functions (wrapped leaves: not torch's, not Python's operators) whose results the
+    traced code does not read: made for what they do, not for what they return. A torch op or tensor method whose
+    result is unread computes nothing the model keeps (one writing in place is kept by ``writes_in_place``), and
+    keeping it would keep the chain nodes it reads; fx's own ``_assert_is_none`` (its check of a ``None`` default)
+    is dropped as before."""
+    return frozenset(n for n in graph.nodes if n.op == "call_function" and not n.users and _own_function(n.target))
+
+
+def _own_function(fn) -> bool:
+    package = (getattr(fn, "__module__", None) or "").split(".")[0]  # torchvision's functions are a model's own
+    return package not in ("torch", "_operator", "operator", "math", "builtins") and \
+        getattr(fn, "__name__", "") != "_assert_is_none"
 
 
 def _eliminate_dead_code(graph, called_for_effect=frozenset()) -> None:
