@@ -77,7 +77,8 @@ def canonical_module(module: nn.Module) -> str:
     for cls in type(module).__mro__:
         if cls in _MODULE_OPS:  # a subclass with a forward of its own (Nemotron's LayerNorm1P: 1 + weight) is that op
             # only where probe.py found it to compute it (FalconLinear; timm's BatchNormAct2d: its BatchNorm)
-            if own_forward(module) is own_forward(cls) or module in Probed.linear or module in Probed.bn_act:
+            if own_forward(module) is own_forward(cls) or module in Probed.linear or module in Probed.bn_act \
+                    or module in Probed.same_conv:
                 return _MODULE_OPS[cls]
             break
     if type(module).__module__.startswith("opsnn_lab.ops") and type(module).__name__ == "Dropout":
@@ -91,16 +92,19 @@ class Probed:
     * ``linear``: nn.Linear subclasses whose own forward computes ``F.linear`` (Falcon's ``FalconLinear``);
     * ``activation``: parameter-free modules of unknown class -> the one activation they compute (BloomGelu);
     * ``bn_act``: BatchNorm2d and GroupNorm subclasses whose forward is ``act(norm(x))`` (timm's
-      ``BatchNormAct2d``, ``GroupNormAct``) -> that act child, or None where they compute the norm alone.
+      ``BatchNormAct2d``, ``GroupNormAct``) -> that act child, or None where they compute the norm alone;
+    * ``same_conv``: Conv2d subclasses whose forward pads TensorFlow's 'same' way for each call, then convolves
+      (timm's ``Conv2dSame``, EfficientNet-PyTorch's ``Conv2dDynamicSamePadding``).
     Each runs as one op, with the canonical name of what it computes; anything else is looked into."""
 
     linear: weakref.WeakSet = weakref.WeakSet()
     activation: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     bn_act: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    same_conv: weakref.WeakSet = weakref.WeakSet()
 
     @classmethod
     def leaf(cls, module: nn.Module) -> bool:
-        return module in cls.linear or module in cls.activation or module in cls.bn_act
+        return module in cls.linear or module in cls.activation or module in cls.bn_act or module in cls.same_conv
 
 
 def own_forward(module) -> type | None:

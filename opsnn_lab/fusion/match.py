@@ -46,11 +46,11 @@ def op_class(name: str):
     return getattr(importlib.import_module("opsnn_lab.ops"), name)
 
 
-def _op_support(name: str, *modules, build=None) -> str:
+def _op_support(name: str, *modules, build=None, **options) -> str:
     """'' if ``ops.<name>`` exists and accepts this chain, else why not (the op's own words).
 
     Uses the op's ``supports(...)`` when it has one, else tries ``build()`` (ops validate in their
-    constructors and raise ValueError/TypeError naming the argument).
+    constructors and raise ValueError/TypeError naming the argument); ``options`` go to ``supports``.
     """
     try:
         cls = op_class(name)
@@ -58,7 +58,7 @@ def _op_support(name: str, *modules, build=None) -> str:
         return f"opsnn_lab.ops.{name} is not available ({type(exc).__name__}: {exc})"
     supports = getattr(cls, "supports", None)
     if supports is not None:
-        ok, why = supports(*modules)
+        ok, why = supports(*modules, **options)
         return "" if ok else f"{name}: {why}"
     if build is not None:
         try:

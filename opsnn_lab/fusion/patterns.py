@@ -73,9 +73,26 @@ def _other_batch_norm(g: Graph, conv: Node) -> Match | None:
     return Match("conv_bn_relu", [conv, node], False, why, inputs=conv.inputs[:1], outputs=[node])
 
 
+def _conv_inside(g: Graph, conv: Node) -> Match | None:
+    """A declined candidate where a convolution run inside a conv module's own forward (one the probe did not find
+    to compute a conv alone or a per-call 'same' padding: a fixed padding, a weight transform) feeds a BatchNorm."""
+    owner = g.modules.get(conv.scope)
+    bn = next((u for u in g.users.get(conv.name, []) if _is_module(u, "batch_norm")), None)
+    if conv.kind != "function" or conv.op != "conv2d" or not isinstance(owner, nn.Conv2d) or bn is None:
+        return None
+    return Match("conv_bn_relu", [conv, bn], False,
+                 f"`{conv.scope}` is a {type(owner).__name__} whose own forward does more than a convolution (or pads "
+                 "its input by a fixed amount, not 'same' for each size): FusedConvBNAct computes a Conv2d, or one "
+                 "padding 'same' per call", inputs=conv.inputs[:1], outputs=[bn])
+
+
 def find_conv_bn_relu(g: Graph) -> list[Match]:
     out = []
     for conv in g.nodes:
+        inside = _conv_inside(g, conv)
+        if inside is not None:
+            out.append(inside)
+            continue
         norm, pool_op = _CONV_KINDS.get(conv.op, (None, None)) if conv.kind == "module" else (None, None)
         bn = next((u for u in g.users.get(conv.name, []) if _is_module(u, norm)), None) if norm else None
         if bn is None:
@@ -107,11 +124,13 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
         passed, pool = past_identities(g, m.outputs[0])
         relu_mod = act.obj if inner else act_module(act)  # the act a BatchNorm applies: its own child, any class
         op = _conv_op(m.pattern)
-        pooled = _is_module(pool, pool_op) and not _op_support(op, conv.obj, bn.obj, relu_mod, pool.obj)
+        same = {"pad_same": True} if conv.obj in Probed.same_conv else {}  # probe.py: timm's Conv2dSame
+        pooled = _is_module(pool, pool_op) and not _op_support(op, conv.obj, bn.obj, relu_mod, pool.obj, **same)
         if pooled:
             m.pattern, m.nodes, m.outputs = f"{m.pattern}_maxpool", [*m.nodes, *passed, pool], [pool]
-        m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod, "maxpool": pool.obj if pooled else None}
-        why = _op_support(op, conv.obj, bn.obj, relu_mod, m.params["maxpool"])
+        m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod, "maxpool": pool.obj if pooled else None,
+                    "pad_same": bool(same)}
+        why = _op_support(op, conv.obj, bn.obj, relu_mod, m.params["maxpool"], **same)
         m.reason = why or _common_checks(g, m.nodes)
         m.ok = not m.reason
         out.append(m)
@@ -207,7 +226,7 @@ def _linear_op(variant: str) -> str:
 def build_conv_bn_relu(m: Match) -> nn.Module:
     p = m.params
     return op_class(_conv_op(m.pattern)).from_modules(p["conv"], p["bn"], p["relu"], maxpool=p["maxpool"],
-                                                      register_modules=False)
+                                                      register_modules=False, pad_same=p.get("pad_same", False))
 
 
 def build_linear_gelu_dropout(m: Match) -> nn.Module:

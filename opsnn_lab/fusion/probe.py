@@ -9,7 +9,12 @@
   mode, running statistics and ``num_batches_tracked`` included (``opsnn_lab.ops._bn_act``, the check the
   fused op itself makes): it runs as a BatchNorm, and ``Probed.bn_act`` names the act it applies;
 * a ``GroupNorm`` subclass of that shape (timm's ``GroupNormAct``: ResNetV2-BiT's, RegNet's) when it computes
-  ``act(group_norm(x))`` on a probe: it runs as a GroupNorm, its act named the same way.
+  ``act(group_norm(x))`` on a probe: it runs as a GroupNorm, its act named the same way;
+* a ``Conv2d`` subclass without padding of its own whose forward pads TensorFlow's 'same' way for each input size
+  (timm's ``Conv2dSame`` in its ``tf_*`` models, EfficientNet-PyTorch's ``Conv2dDynamicSamePadding``), checked on
+  three map sizes (every residue of a stride 2 or 3): it runs as a Conv2d, which ``FusedConvBNAct(pad_same=True)``
+  fuses. A conv padding a fixed amount whatever the size (``Conv2dStaticSamePadding`` at a stride over 1) differs
+  on one of them and is looked into.
 
 Probes call ``forward`` (the user's hooks do not fire) under ``no_grad`` and ``fork_rng`` (their RNG stream
 does not move); a BatchNorm's buffers and mode are restored after its probe. A module whose probe raises or
@@ -24,6 +29,7 @@ from torch import nn
 
 from opsnn_lab.fusion.graph import ACTIVATIONS, Probed, _hf_op, canonical_module, own_forward
 from opsnn_lab.ops._bn_act import PROBE_RTOL, computes_batch_norm, inner_activation, probe_matches
+from opsnn_lab.ops._conv_bn_args import ntuple, same_pads
 from opsnn_lab.ops._mlp_parts import activation_name
 
 __all__ = ["probe_modules"]
@@ -53,6 +59,25 @@ def _computes_linear(module: nn.Linear) -> bool:
         return False
 
 
+def _computes_same_conv(conv: nn.Conv2d) -> bool:
+    """Whether ``conv``'s own forward is ``conv2d(pad_same(x), ...)`` with no padding of its own, at three sizes."""
+    w = conv.weight
+    if not _usable(w) or conv.padding_mode != "zeros" or isinstance(conv.padding, str) or \
+            ntuple(conv.padding, 2) != (0, 0):
+        return False
+    try:
+        with torch.no_grad(), _quiet(w.device):
+            for size in ((9, 6), (8, 11), (7, 10)):  # every residue of a stride 2 or 3 along each side
+                x = _probe_input((1, conv.in_channels, *size), w)
+                pads = same_pads(size, conv.kernel_size, conv.stride, conv.dilation)
+                want = F.conv2d(F.pad(x, pads), w, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+                if not probe_matches(conv.forward(x), want):
+                    return False
+        return True
+    except Exception:  # noqa: BLE001 - a forward that cannot take a plain map is not this conv
+        return False
+
+
 def _bare(module: nn.Module) -> bool:
     """No parameters, buffers or children: all it can compute is a function of its input."""
     return not (module._parameters or module._buffers or module._modules)
@@ -70,6 +95,9 @@ def probe_modules(model: nn.Module) -> None:
         if isinstance(m, nn.Linear) and own_forward(m) is not nn.Linear:
             if m not in Probed.linear and _computes_linear(m):
                 Probed.linear.add(m)
+        elif isinstance(m, nn.Conv2d) and own_forward(m) is not nn.Conv2d:
+            if m not in Probed.same_conv and _computes_same_conv(m):
+                Probed.same_conv.add(m)
         elif _bare(m) and _unknown(m) and m not in Probed.activation:
             name, _ = activation_name(m)
             if name is not None:

@@ -17,7 +17,8 @@ from opsnn_lab.kernels.bn_act import PoolSpec
 from opsnn_lab.ops._activations import activation_of
 from opsnn_lab.ops._bn_act import computes_batch_norm
 
-__all__ = ["conv_dim", "keeps_forward", "ntuple", "conv_padding", "wrong_type", "why_not", "pool_spec", "as_planes"]
+__all__ = ["conv_dim", "keeps_forward", "ntuple", "conv_padding", "wrong_type", "why_not", "pool_spec", "as_planes",
+           "same_pads"]
 
 # dimension -> (convolution, its batch norm, its max-pool or None)
 KINDS = {1: (nn.Conv1d, nn.BatchNorm1d, nn.MaxPool1d), 2: (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d),
@@ -34,9 +35,23 @@ def keeps_forward(value, kind) -> bool:
                                            for f in ("forward", "_conv_forward"))
 
 
-def conv_dim(conv) -> int | None:
-    """1, 2 or 3 for a ``Conv1d`` / ``Conv2d`` / ``Conv3d`` (or a subclass keeping its forward), else None."""
+def conv_dim(conv, pad_same: bool = False) -> int | None:
+    """1, 2 or 3 for a ``Conv1d`` / ``Conv2d`` / ``Conv3d`` (or a subclass keeping its forward), else None.
+    ``pad_same``: any ``Conv2d`` subclass (its own forward pads 'same' first: the caller checked that)."""
+    if pad_same:
+        return 2 if isinstance(conv, nn.Conv2d) else None
     return next((d for d, (kind, _, _) in KINDS.items() if keeps_forward(conv, kind)), None)
+
+
+def same_pads(size, kernel, stride, dilation) -> list[int]:
+    """``F.pad``'s (left, right, top, bottom) for TensorFlow's 'same' padding of a 2-d map of ``size`` (h, w): the
+    output ``ceil(size / stride)``, the odd cell after (timm's ``Conv2dSame``, EfficientNet-PyTorch's dynamic one)."""
+    pads = []
+    for n, k, s, d in zip(size, kernel, stride, dilation):
+        total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+        pads.append((total // 2, total - total // 2))
+    (top, bottom), (left, right) = pads
+    return [left, right, top, bottom]
 
 
 def conv_padding(conv) -> tuple[int, ...] | None:
@@ -50,11 +65,12 @@ def conv_padding(conv) -> tuple[int, ...] | None:
     return ntuple(conv.padding, n)
 
 
-def wrong_type(conv, bn, act, maxpool, act_name="act", relu_only=False) -> str:
+def wrong_type(conv, bn, act, maxpool, act_name="act", relu_only=False, pad_same=False) -> str:
     """'' when every argument is a module of a supported kind, else the reason, naming the argument."""
-    dim = conv_dim(conv)
+    dim = conv_dim(conv, pad_same)
     if dim is None:
-        return f"conv must be Conv1d, Conv2d or Conv3d (or a subclass keeping its forward), got {type(conv).__name__}"
+        kinds = "Conv2d (pad_same=True)" if pad_same else "Conv1d, Conv2d or Conv3d (or a subclass keeping its forward)"
+        return f"conv must be {kinds}, got {type(conv).__name__}"
     conv_kind, bn_kind, pool_kind = KINDS[dim]
     if not keeps_forward(bn, bn_kind):
         inner = act if any(c is act for c in getattr(bn, "children", tuple)()) else None
@@ -73,12 +89,14 @@ def wrong_type(conv, bn, act, maxpool, act_name="act", relu_only=False) -> str:
     return activation_of(act, act_name)[1]
 
 
-def why_not(conv, bn, act, maxpool, act_name="act", relu_only=False) -> str:
+def why_not(conv, bn, act, maxpool, act_name="act", relu_only=False, pad_same=False) -> str:
     """'' when the chain is supported, else the reason, naming the argument."""
-    wrong = wrong_type(conv, bn, act, maxpool, act_name, relu_only)
+    wrong = wrong_type(conv, bn, act, maxpool, act_name, relu_only, pad_same)
     if wrong:
         return wrong
-    kind = type(bn).__name__ if conv_dim(conv) != 2 else "BatchNorm2d"
+    if pad_same and ntuple(conv.padding, 2) != (0, 0):
+        return f"conv.padding={conv.padding} with pad_same=True: the op pads 'same' itself, the conv must add none"
+    kind = type(bn).__name__ if conv_dim(conv, pad_same) != 2 else "BatchNorm2d"
     if conv.padding_mode != "zeros":
         return f"conv.padding_mode={conv.padding_mode!r} is not supported (only 'zeros')"
     if conv_padding(conv) is None:
@@ -89,7 +107,7 @@ def why_not(conv, bn, act, maxpool, act_name="act", relu_only=False) -> str:
         return f"bn.track_running_stats=False is not supported ({kind} without running statistics)"
     if bn.num_features != conv.out_channels:
         return f"bn.num_features={bn.num_features} does not match conv.out_channels={conv.out_channels}"
-    return _pool_why_not(maxpool, conv_dim(conv)) if maxpool is not None else ""
+    return _pool_why_not(maxpool, conv_dim(conv, pad_same)) if maxpool is not None else ""
 
 
 def _pool_why_not(maxpool, dim: int) -> str:

@@ -28,7 +28,16 @@ from opsnn_lab._checks import check_tensor, check_type, first_derivative_only
 from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, acc_dtype, bn_act_backward, bn_act_forward
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops._activations import activation_of
-from opsnn_lab.ops._conv_bn_args import as_planes, conv_dim, conv_padding, ntuple, pool_spec, why_not, wrong_type
+from opsnn_lab.ops._conv_bn_args import (
+    as_planes,
+    conv_dim,
+    conv_padding,
+    ntuple,
+    pool_spec,
+    same_pads,
+    why_not,
+    wrong_type,
+)
 from opsnn_lab.ops._conv_grad import convolution_backward
 
 __all__ = ["FusedConvBNAct", "FusedConvBNReLU", "ConvBNActFunction", "ConvBNReLUFunction"]
@@ -272,6 +281,11 @@ class FusedConvBNAct(nn.Module):
       In train mode ``bn.num_batches_tracked`` is incremented and the running stats are updated exactly
       as ``nn.BatchNorm2d`` does (``momentum=None``: cumulative average).
 
+    ``pad_same``: the conv is a Conv2d subclass whose own forward pads its input TensorFlow's 'same' way for each
+    call and then convolves with no padding (timm's ``Conv2dSame``, EfficientNet-PyTorch's dynamic one: the fusion
+    analysis checks that on a probe); the op pads the input so (``_conv_bn_args.same_pads``) and keeps the padded
+    input for backward, as eager's conv does.
+
     ``recompute``: None (default) recomputes the conv output in backward, in training, for a stride-1 2-d or 3-d
     depthwise conv and saves it otherwise; True / False always recompute / save it (the same bits either way). A
     1-d depthwise conv saves it by default: recomputing cost 7-27% of the chain's step (kernels 5 to 31, 256
@@ -286,17 +300,19 @@ class FusedConvBNAct(nn.Module):
 
     _act_attr = "act"  # the submodule name of the activation
     _relu_only = False
-    dim = 2  # the convolution's (set per instance; the class value reads a module pickled before 1-d and 3-d)
+    dim = 2  # the convolution's (set per instance; the class values read a module pickled before these options)
+    pad_same = False
 
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module, maxpool: nn.MaxPool2d | None = None,
-                 *, register_modules: bool = True, recompute: bool | None = None):
+                 *, register_modules: bool = True, recompute: bool | None = None, pad_same: bool = False):
         super().__init__()
         check_type("register_modules", register_modules, bool)
         self.recompute = check_type("recompute", recompute, bool, allow_none=True)
-        wrong = wrong_type(conv, bn, act, maxpool, self._act_attr, self._relu_only)
+        self.pad_same = check_type("pad_same", pad_same, bool)
+        wrong = wrong_type(conv, bn, act, maxpool, self._act_attr, self._relu_only, pad_same)
         if wrong:
             raise TypeError(wrong)
-        reason = why_not(conv, bn, act, maxpool, self._act_attr, self._relu_only)
+        reason = why_not(conv, bn, act, maxpool, self._act_attr, self._relu_only, pad_same)
         if reason:
             raise ValueError(reason)
         self.register_modules = register_modules
@@ -304,20 +320,20 @@ class FusedConvBNAct(nn.Module):
         setter = nn.Module.__setattr__ if register_modules else object.__setattr__
         for name, mod in (("conv", conv), ("bn", bn), (self._act_attr, act), ("maxpool", maxpool)):
             setter(self, name, mod)
-        self.dim = conv_dim(conv)  # 1, 2 or 3
+        self.dim = conv_dim(conv, pad_same)  # 1, 2 or 3
         self.pool = pool_spec(maxpool, self.dim)
         self.train(conv.training)
 
     @classmethod
     def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module, maxpool: nn.MaxPool2d | None = None,
-                     *, register_modules: bool = True, recompute: bool | None = None):
+                     *, register_modules: bool = True, recompute: bool | None = None, pad_same: bool = False):
         """Fuse existing modules, sharing their Parameter and buffer objects (see the class docstring)."""
-        return cls(conv, bn, act, maxpool, register_modules=register_modules, recompute=recompute)
+        return cls(conv, bn, act, maxpool, register_modules=register_modules, recompute=recompute, pad_same=pad_same)
 
     @classmethod
-    def supports(cls, conv, bn, act, maxpool=None) -> tuple[bool, str]:
+    def supports(cls, conv, bn, act, maxpool=None, *, pad_same: bool = False) -> tuple[bool, str]:
         """``(True, '')`` when the chain can be fused, else ``(False, reason)`` naming the argument."""
-        reason = why_not(conv, bn, act, maxpool, cls._act_attr, cls._relu_only)
+        reason = why_not(conv, bn, act, maxpool, cls._act_attr, cls._relu_only, pad_same)
         return (not reason, reason)
 
     def live_settings(self) -> tuple:
@@ -356,6 +372,8 @@ class FusedConvBNAct(nn.Module):
     def _conv_map(self, x) -> int:
         """The number of conv output values per channel and sample."""
         conv, n = self.conv, self.dim
+        if self.pad_same:  # 'same': ceil(size / stride) values along each side
+            return math.prod(-(-size // s) for size, s in zip(x.shape[2:], ntuple(conv.stride, n)))
         return math.prod((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in zip(
             x.shape[2:], conv_padding(conv), ntuple(conv.dilation, n), conv.kernel_size, ntuple(conv.stride, n)))
 
@@ -364,6 +382,8 @@ class FusedConvBNAct(nn.Module):
         with _amp.region(x) as cast:  # under autocast: the conv's operands cast, BN's parameters and statistics not
             x, weight, bias = cast(x, conv.weight, conv.bias)
             self._check_input(x, weight)
+            if self.pad_same:  # as the conv's own forward does: what its backward keeps is the padded input
+                x = F.pad(x, same_pads(x.shape[2:], conv.kernel_size, conv.stride, conv.dilation))
             if self.dim == 1:  # as a 2-d chain of height 1; autograd takes the gradients back through the views
                 x, weight = x.unsqueeze(2), weight.unsqueeze(2)
             out = ConvBNActFunction.apply(x, weight, bias, bn.weight, bn.bias, bn.running_mean, bn.running_var,
@@ -373,7 +393,8 @@ class FusedConvBNAct(nn.Module):
     def extra_repr(self) -> str:
         pool = "" if self.pool is None else f", pool={self.pool}"
         recompute = "" if self.recompute is None else f", recompute={self.recompute}"
-        return f"act={self.act_spec}, register_modules={self.register_modules}{pool}{recompute}"
+        same = ", pad_same=True" if self.pad_same else ""
+        return f"act={self.act_spec}, register_modules={self.register_modules}{pool}{recompute}{same}"
 
 
 class FusedConvBNReLU(FusedConvBNAct):
@@ -384,16 +405,18 @@ class FusedConvBNReLU(FusedConvBNAct):
     _relu_only = True
 
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Module, maxpool: nn.MaxPool2d | None = None,
-                 *, register_modules: bool = True, recompute: bool | None = None):
-        super().__init__(conv, bn, relu, maxpool, register_modules=register_modules, recompute=recompute)
+                 *, register_modules: bool = True, recompute: bool | None = None, pad_same: bool = False):
+        super().__init__(conv, bn, relu, maxpool, register_modules=register_modules, recompute=recompute,
+                         pad_same=pad_same)
 
     @classmethod
     def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: nn.Module, maxpool: nn.MaxPool2d | None = None,
-                     *, register_modules: bool = True, recompute: bool | None = None) -> FusedConvBNReLU:
+                     *, register_modules: bool = True, recompute: bool | None = None,
+                     pad_same: bool = False) -> FusedConvBNReLU:
         """Fuse existing modules, sharing their Parameter and buffer objects (see :class:`FusedConvBNAct`)."""
-        return cls(conv, bn, relu, maxpool, register_modules=register_modules, recompute=recompute)
+        return cls(conv, bn, relu, maxpool, register_modules=register_modules, recompute=recompute, pad_same=pad_same)
 
     @classmethod
-    def supports(cls, conv, bn, relu, maxpool=None) -> tuple[bool, str]:
+    def supports(cls, conv, bn, relu, maxpool=None, *, pad_same: bool = False) -> tuple[bool, str]:
         """``(True, '')`` when the chain can be fused, else ``(False, reason)`` naming the argument."""
-        return super().supports(conv, bn, relu, maxpool)
+        return super().supports(conv, bn, relu, maxpool, pad_same=pad_same)
