@@ -157,8 +157,9 @@ def training_loss(out) -> torch.Tensor:
 
 # timm's models (not a dependency of opsnn_lab): BatchNormAct2d in the EfficientNet/MobileNet/RegNet families,
 # nn.Identity placeholders inside ResNet blocks and the ViT Mlp.
-TIMM_MODELS = ("resnet18", "efficientnet_b0", "mobilenetv3_small_100", "mobilenetv2_050", "lcnet_050",
-               "regnetx_002", "vit_tiny_patch16_224", "inception_next_atto", "caformer_s18")
+# tf_efficientnet_b0: TensorFlow's 'same' padding, computed per call by its stride-2 convs (Conv2dSame).
+TIMM_MODELS = ("resnet18", "efficientnet_b0", "tf_efficientnet_b0", "mobilenetv3_small_100", "mobilenetv2_050",
+               "lcnet_050", "regnetx_002", "vit_tiny_patch16_224", "inception_next_atto", "caformer_s18")
 
 
 def build_timm(name: str, batch: int = 2, size: int = 96) -> tuple[nn.Module, tuple]:
