@@ -105,8 +105,8 @@ def test_transposed_1d_input_gives_eager_layout():
     x = seeded(3, 13, 6, seed=3).transpose(1, 2)
     want, got = run(eager, em, x), run(fused, fm, x)
     assert got[0].stride() == want[0].stride()
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
+    for g, w in zip(got, want):  # the conv's weight gradient: another kernel's fp32 rounding on some CPUs (AVX2)
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5 * max(w.abs().max().item(), 1.0))
 
 
 def test_channels_last_3d_input_keeps_its_layout():
