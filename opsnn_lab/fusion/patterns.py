@@ -182,7 +182,7 @@ def find_conv_act_conv(g: Graph) -> list[Match]:
     whose one reader is an activation leading (past identities and a dropout) to a second conv."""
     out = []
     for conv in g.nodes:
-        if not _is_module(conv, "conv2d"):
+        if not (_is_module(conv, "conv2d") or _is_module(conv, "conv1d")):
             continue
         before, act = act_reader(g, conv, LINEAR_ACTS)
         if act is None:
@@ -190,8 +190,8 @@ def find_conv_act_conv(g: Graph) -> list[Match]:
         passed, nxt = past_identities(g, act)
         drop = nxt if nxt is not None and nxt.op == "dropout" else None
         passed2, conv2 = past_identities(g, drop) if drop is not None else ([], nxt)
-        if not _is_module(conv2, "conv2d"):
-            continue  # a conv and its activation alone: no op takes them without a second conv
+        if not _is_module(conv2, conv.op):
+            continue  # a conv and its activation alone (or a conv of another dimension next): no op takes them
         m = Match(f"conv_{act_kind(act)}{'_dropout' if drop is not None else ''}_conv", [conv, *before, act], False,
                   "", inputs=conv.inputs[:1], outputs=[conv2])
         m.nodes += [*passed, *([drop] if drop is not None else []), *passed2, conv2]
@@ -297,7 +297,7 @@ PATTERNS: tuple[Pattern, ...] = (
             "Conv2d -> BatchNorm2d -> activation [-> MaxPool2d]; Conv1d / Conv3d with their BatchNorm too",
             "conv_bn_"),
     Pattern("conv_act_conv", find_conv_act_conv, build_conv_act_conv, "FusedConvActDropoutConv",
-            "Conv2d -> activation [-> Dropout] -> Conv2d (a channels-first MLP)", "conv_", min_share=0.25,
+            "Conv2d (or Conv1d) -> activation [-> Dropout] -> Conv2d (a channels-first MLP)", "conv_", min_share=0.25,
             needs=_CONV_MLP_NEEDS),
     # before linear_<act>: its gate -> act pair is part of the gated MLP
     Pattern("gated_mlp", gated.find_gated_mlp, gated.build_gated_mlp, "FusedGatedMLP",

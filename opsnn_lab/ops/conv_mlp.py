@@ -24,7 +24,7 @@ from torch import nn
 from opsnn_lab._checks import check_range, check_tensor, check_type, first_derivative_only, same_device
 from opsnn_lab.kernels.gelu_dropout import act_dropout_bwd, act_dropout_fwd, act_forward
 from opsnn_lab.ops import _amp
-from opsnn_lab.ops._conv_bn_args import conv_padding, keeps_forward, ntuple
+from opsnn_lab.ops._conv_bn_args import as_planes, conv_padding, keeps_forward, ntuple
 from opsnn_lab.ops._conv_grad import convolution_backward
 from opsnn_lab.ops._mlp_parts import ACTS, parse_act_dropout, supports_of
 from opsnn_lab.ops.dropout import CounterRNG, Dropout
@@ -45,7 +45,10 @@ class _Geometry:
 
     @classmethod
     def of(cls, conv: nn.Conv2d) -> _Geometry:
-        return cls(ntuple(conv.stride, 2), conv_padding(conv), ntuple(conv.dilation, 2), conv.groups)
+        """A Conv1d's as a 2-d conv's of height 1 (the op runs a 1-d MLP so, as aten runs a 1-d conv)."""
+        n = 1 if isinstance(conv, nn.Conv1d) else 2
+        return cls(as_planes(ntuple(conv.stride, n), 1), as_planes(conv_padding(conv), 0),
+                   as_planes(ntuple(conv.dilation, n), 1), conv.groups)
 
     def conv(self, x, weight, bias):
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
@@ -118,9 +121,12 @@ class ConvActDropoutConvFunction(torch.autograd.Function):
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None
 
 
-def _check_conv(name: str, conv) -> str:
-    if not keeps_forward(conv, nn.Conv2d):
-        return f"{name} must be Conv2d (or a subclass keeping its forward), got {type(conv).__name__}"
+def _check_conv(name: str, conv, kind=None) -> str:
+    """'' or why ``conv`` is not a Conv2d / Conv1d the op takes (``kind``: the one conv1 is, for conv2)."""
+    kinds = (kind,) if kind is not None else (nn.Conv2d, nn.Conv1d)
+    if not any(keeps_forward(conv, k) for k in kinds):
+        want = kind.__name__ + " as conv1 is" if kind is not None else "Conv2d or Conv1d"
+        return f"{name} must be {want} (or a subclass keeping its forward), got {type(conv).__name__}"
     if conv.padding_mode != "zeros":
         return f"{name}.padding_mode={conv.padding_mode!r} is not supported (only 'zeros')"
     if conv_padding(conv) is None:
@@ -128,12 +134,15 @@ def _check_conv(name: str, conv) -> str:
     return ""
 
 
+def _kind(conv) -> type:
+    return nn.Conv1d if isinstance(conv, nn.Conv1d) else nn.Conv2d
+
+
 def _parse(conv1, act, dropout, conv2) -> tuple[str, float]:
     """``(act_name, p)``, or TypeError / ValueError naming the argument."""
-    for name, conv in (("conv1", conv1), ("conv2", conv2)):
-        why = _check_conv(name, conv)
-        if why:
-            raise TypeError(why)
+    why = _check_conv("conv1", conv1) or _check_conv("conv2", conv2, _kind(conv1))
+    if why:
+        raise TypeError(why)
     if conv2.in_channels != conv1.out_channels:
         raise ValueError(f"conv2 must have in_channels={conv1.out_channels} (conv1's out_channels), "
                          f"got {conv2.in_channels}")
@@ -150,7 +159,9 @@ class FusedConvActDropoutConv(CounterRNG, nn.Module):
     ValueError naming the argument for the same reasons):
 
     * ``conv1``, ``conv2``: ``nn.Conv2d`` (or a subclass keeping its forward), zero padding, any kernel, stride,
-      dilation and groups; ``conv2.in_channels == conv1.out_channels``, one dtype and device.
+      dilation and groups; ``conv2.in_channels == conv1.out_channels``, one dtype and device. Or two ``nn.Conv1d``
+      (a speech model's convolutional feed-forward, Whisper's stem): run as 2-d ones of height 1, the same
+      dropout mask (element ``e`` of the row-major (N, C, L) tensor draws counter ``offset + e``).
     * ``act``: as ``FusedLinearActDropout``'s (a module computing one of the activations, checked on a probe).
     * ``dropout``: None, ``nn.Dropout`` or ``opsnn_lab.ops.Dropout`` (element-wise; not ``Dropout2d``).
     * The convolutions are used by reference and their Parameters read at each call, so the module they sit in
@@ -161,7 +172,7 @@ class FusedConvActDropoutConv(CounterRNG, nn.Module):
     def __init__(self, conv1: nn.Conv2d, act: str, conv2: nn.Conv2d, p: float = 0.0, *, seed: int | None = None,
                  register_modules: bool = True):
         super().__init__()
-        why = _check_conv("conv1", conv1) or _check_conv("conv2", conv2)
+        why = _check_conv("conv1", conv1) or _check_conv("conv2", conv2, _kind(conv1))
         if why:
             raise TypeError(why)
         if act not in ACTS:
@@ -193,23 +204,31 @@ class FusedConvActDropoutConv(CounterRNG, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv1, conv2 = self.convs
-        geo1, geo2 = self.geometry
         with _amp.region(x) as cast:  # under autocast: the convolutions' casts, autocast off inside
             x, w1, b1, w2, b2 = cast(x, conv1.weight, conv1.bias, conv2.weight, conv2.bias)
-            check_tensor("x", x, dtypes=_FLOATS, dim=4)
+            one_d = isinstance(conv1, nn.Conv1d)
+            check_tensor("x", x, dtypes=_FLOATS, dim=3 if one_d else 4)
             if x.shape[1] != conv1.in_channels:
                 raise ValueError(f"x must have {conv1.in_channels} channels (dim 1), got shape {tuple(x.shape)}")
             if x.dtype != w1.dtype:
                 raise TypeError(f"x has dtype {x.dtype} but the weights are {w1.dtype}; cast one of them")
             same_device(weight=w1, x=x)
-            if not self.training and not torch.is_grad_enabled():  # nothing to save: plain ops
-                return _plain(self.geometry, x, w1, b1, w2, b2, self.act)
-            # eval with grad (a Dropout switched off in a training model): the fused op without a draw
-            seed, offset = self.next_draw(x) if self.training else (0, 0)
-            if x.numel() == 0:  # nothing to drop; the draw still counts as a step (the dropout contract)
-                return _plain(self.geometry, x, w1, b1, w2, b2, self.act)
-            p = self.p if self.training else 0.0
-            return ConvActDropoutConvFunction.apply(x, w1, b1, w2, b2, geo1, geo2, p, seed, offset, self.act)
+            if one_d:  # as 2-d maps of height 1; the output contiguous, as aten's 1-d conv gives it for any input
+                x, w1, w2 = x.unsqueeze(2), w1.unsqueeze(2), w2.unsqueeze(2)
+                return self._maps(x, w1, b1, w2, b2).squeeze(2).contiguous()
+            return self._maps(x, w1, b1, w2, b2)
+
+    def _maps(self, x, w1, b1, w2, b2):
+        """The MLP on (N, C, H, W) maps and 4-d weights, autocast's casts made."""
+        if not self.training and not torch.is_grad_enabled():  # nothing to save: plain ops
+            return _plain(self.geometry, x, w1, b1, w2, b2, self.act)
+        # eval with grad (a Dropout switched off in a training model): the fused op without a draw
+        seed, offset = self.next_draw(x) if self.training else (0, 0)
+        if x.numel() == 0:  # nothing to drop; the draw still counts as a step (the dropout contract)
+            return _plain(self.geometry, x, w1, b1, w2, b2, self.act)
+        p = self.p if self.training else 0.0
+        geo1, geo2 = self.geometry
+        return ConvActDropoutConvFunction.apply(x, w1, b1, w2, b2, geo1, geo2, p, seed, offset, self.act)
 
     def extra_repr(self) -> str:
         conv1, conv2 = self.convs

@@ -118,6 +118,38 @@ def test_the_plan_says_why_a_chain_is_not_fused():
     assert not conv2.fused and "conv2.1" in conv2.reason  # its BatchNorm's output goes to the residual add
 
 
+class ConvFeedForward(nn.Module):
+    """A speech model's convolutional feed-forward on (batch, frames, channels): FastSpeech 2's with ReLU, Whisper's
+    stem with GELU."""
+
+    def __init__(self, act, d=16, hidden=48):
+        super().__init__()
+        self.act = act
+        self.conv1, self.drop, self.conv2 = nn.Conv1d(d, hidden, 3, padding=1), nn.Dropout(0.0), nn.Conv1d(hidden, d, 1)
+
+    def forward(self, x):
+        h = self.act(self.conv1(x.transpose(1, 2)))
+        return x + self.conv2(self.drop(h)).transpose(1, 2)
+
+
+def test_a_conv1d_feed_forward_fuses_where_it_saves_and_trains_as_eager():
+    """GELU keeps its input for backward, and the next conv the GELU's output: the fused op drops the second. A ReLU
+    keeps its output, which the next conv keeps anyway: nothing to save, declined with that reason."""
+    torch.manual_seed(0)
+    model = ConvFeedForward(nn.functional.gelu).double().train()
+    x = torch.randn(2, 23, 16, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert [(d.pattern, d.route) for d in plan.decisions if d.fused] == [("conv_gelu_dropout_conv", "fx:<model>")]
+    _assert_trains_as_eager(model, fused, x)
+    f32 = ConvFeedForward(nn.functional.gelu).train()
+    fused32, _ = ol.fusion.fuse(f32, (x.float(),))
+    saved = activation_bytes(lambda: f32(x.float())) - activation_bytes(lambda: fused32(x.float()))
+    assert saved == 2 * 48 * 23 * 4, saved  # the GELU's output (conv2's input)
+    _, plan = ol.fusion.fuse(ConvFeedForward(torch.relu).train(), (x.float(),))
+    (relu,) = plan.decisions
+    assert relu.pattern == "conv_relu_dropout_conv" and not relu.fused and "saves 0 of its" in relu.reason
+
+
 def test_fused_conformer_convolution_drops_the_batch_norm_output():
     """Eager keeps the BatchNorm's output for the SiLU's backward; the fused op recomputes it. (The activation's
     output stays: the pointwise conv after it keeps it as its input. A ReLU chain whose output the next conv
