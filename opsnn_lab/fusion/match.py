@@ -78,7 +78,7 @@ def _consumer_reason(g: Graph, node: Node, nxt: Node) -> str:
 
 
 # Activations each chain family names (DESIGN.md); whether an op fuses one is the op's own answer.
-CONV_ACTS = frozenset({"relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu", "gelu_tanh"})
+CONV_ACTS = frozenset({"relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu", "gelu_tanh", "mish", "elu"})
 LINEAR_ACTS = frozenset({"gelu", "gelu_tanh", "quick_gelu", "silu", "relu"})
 
 
@@ -109,6 +109,8 @@ def act_module(n: Node) -> nn.Module | None:
     kind = act_kind(n)
     if kind == "leaky_relu" and n.obj is None:
         return nn.LeakyReLU(float(arg(n, 1, "negative_slope", 0.01)))
+    if kind == "elu" and n.obj is None:  # F.elu(x, alpha): the op takes alpha 1 only, and says so
+        return nn.ELU(float(arg(n, 1, "alpha", 1.0)))
     make = _TORCH_ACTS.get(kind)
     return make() if make is not None else n.obj
 

@@ -10,12 +10,13 @@ from torch.nn import functional as F
 __all__ = ["Act", "ACTS", "RELU", "PoolSpec", "scale_shift"]
 
 # Names as in torch.nn.functional / Hugging Face ACT2FN; the index is the kernels' ACT constexpr.
-ACTS = ("relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu", "gelu_tanh")
+ACTS = ("relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu", "gelu_tanh", "mish", "elu")
 
 
 @dataclass(frozen=True)
 class Act:
-    """A pointwise activation: ``name`` from :data:`ACTS`, ``negative_slope`` read by ``leaky_relu`` only."""
+    """A pointwise activation: ``name`` from :data:`ACTS`, ``negative_slope`` read by ``leaky_relu`` only (``elu``
+    is ELU with alpha 1, the one ``ops._activations`` takes)."""
 
     name: str = "relu"
     negative_slope: float = 0.01
@@ -31,7 +32,7 @@ class Act:
     @property
     def monotone(self) -> bool:
         """Non-decreasing, so max-pool commutes with it and can run first, on the pre-activation."""
-        return self.name in ("relu", "relu6") or (self.name == "leaky_relu" and self.negative_slope >= 0)
+        return self.name in ("relu", "relu6", "elu") or (self.name == "leaky_relu" and self.negative_slope >= 0)
 
     @property
     def has_dead_zone(self) -> bool:
@@ -56,6 +57,10 @@ class Act:
             return F.silu(z, inplace=inplace)
         if n == "hardswish":
             return F.hardswish(z, inplace=inplace)
+        if n == "mish":
+            return F.mish(z, inplace=inplace)
+        if n == "elu":
+            return F.elu(z, inplace=inplace)
         return F.gelu(z, approximate="tanh" if n == "gelu_tanh" else "none")
 
     def backward_(self, grad: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -72,6 +77,10 @@ class Act:
             return aten.silu_backward.grad_input(grad, z, grad_input=z)
         if n == "hardswish":
             return aten.hardswish_backward(grad, z)  # its out= overload computes, then copies: slower
+        if n == "mish":
+            return aten.mish_backward(grad, z)
+        if n == "elu":  # alpha 1, scale 1, input scale 1, from the input (not the result)
+            return aten.elu_backward.grad_input(grad, 1.0, 1, 1, False, z, grad_input=z)
         approx = "tanh" if n == "gelu_tanh" else "none"
         return aten.gelu_backward.grad_input(grad, z, approximate=approx, grad_input=z)
 

@@ -13,7 +13,7 @@ __all__ = ["bn_act_forward_triton", "bn_act_backward_triton"]
 
 _CHUNK = 1024  # elements of one channel per program in the reductions (stage 1 of the two-stage sums)
 tl = None  # triton.language, bound on first kernel build so importing this file never imports triton
-_act_fwd = _act_grad = _affine_of = _merge_stats = _grad_sums = _update_running = None  # bound on first build
+_act_fwd = _act_grad = _softplus = _affine_of = _merge_stats = _grad_sums = _update_running = None  # bound on build
 # Every kernel rounds each product and sum once, as torch ops do (no fused multiply-add): the statistics and the
 # folded affine get the same bits whichever kernel computes them, and the backward recomputes the forward's
 # pre-activation exactly.
@@ -28,11 +28,12 @@ _INLINE_CHUNKS = 128
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """The jitted kernels; built per interpreter mode because triton picks the mode at decoration time."""
-    global tl, _act_fwd, _act_grad, _affine_of, _merge_stats, _grad_sums, _update_running
+    global tl, _act_fwd, _act_grad, _softplus, _affine_of, _merge_stats, _grad_sums, _update_running
     import triton
     import triton.language as language
 
     tl = language
+    _softplus = triton.jit(_softplus_src)
     _act_fwd, _act_grad = triton.jit(_act_fwd_src), triton.jit(_act_grad_src)
     _affine_of, _merge_stats, _grad_sums, _update_running = (
         triton.jit(_affine_of_src), triton.jit(_merge_stats_src), triton.jit(_grad_sums_src),
@@ -43,7 +44,7 @@ def _kernels(interpret: bool):
 
 
 # Activation codes are the index in kernels.bn_act.ACTS: relu 0, relu6 1, leaky_relu 2, silu 3, hardswish 4,
-# gelu 5 (erf), gelu_tanh 6. Formulas as aten's CPU kernels, evaluated in fp32.
+# gelu 5 (erf), gelu_tanh 6, mish 7, elu 8 (alpha 1). Formulas as aten's CPU kernels, evaluated in fp32.
 def _act_fwd_src(z, SLOPE, ACT: tl.constexpr):
     if ACT == 0:
         return tl.maximum(z, 0.0)
@@ -57,9 +58,17 @@ def _act_fwd_src(z, SLOPE, ACT: tl.constexpr):
         return z * tl.minimum(tl.maximum(z + 3.0, 0.0), 6.0) / 6.0
     elif ACT == 5:
         return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
-    else:
+    elif ACT == 6:
         inner = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         return 0.5 * z * (1.0 + 2.0 * tl.sigmoid(2.0 * inner) - 1.0)
+    elif ACT == 7:
+        return z * (2.0 * tl.sigmoid(2.0 * _softplus(z)) - 1.0)
+    else:
+        return tl.where(z > 0, z, tl.exp(tl.minimum(z, 0.0)) - 1.0)
+
+
+def _softplus_src(z):
+    return tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
 
 
 def _act_grad_src(g, z, SLOPE, ACT: tl.constexpr):
@@ -79,6 +88,11 @@ def _act_grad_src(g, z, SLOPE, ACT: tl.constexpr):
         cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
         pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
         return g * (cdf + z * pdf)
+    elif ACT == 7:
+        t = 2.0 * tl.sigmoid(2.0 * _softplus(z)) - 1.0
+        return g * (t + z * tl.sigmoid(z) * (1.0 - t * t))
+    elif ACT == 8:
+        return tl.where(z > 0, g, g * tl.exp(tl.minimum(z, 0.0)))
     else:
         inner = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0

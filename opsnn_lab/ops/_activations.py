@@ -9,14 +9,15 @@ from opsnn_lab.kernels.bn_act import ACTS, Act
 
 __all__ = ["activation_of", "SUPPORTED_ACTIVATIONS"]
 
-_TORCH = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu", nn.Hardswish: "hardswish"}
+_TORCH = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu", nn.Hardswish: "hardswish",
+          nn.Mish: "mish", nn.ELU: "elu"}
 # Hugging Face classes by name (transformers is never imported here). The tanh-GELU variants differ from
 # F.gelu(approximate="tanh") only in rounding; each is also probed below, so a class whose behaviour changes
 # in some release is refused instead of silently computing another function.
 _HF = {"GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh",
        "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "AccurateGELUActivation": "gelu_tanh",
        "SiLUActivation": "silu"}
-SUPPORTED_ACTIVATIONS = ("ReLU", "ReLU6", "LeakyReLU", "SiLU", "Hardswish", "GELU", *_HF)
+SUPPORTED_ACTIVATIONS = ("ReLU", "ReLU6", "LeakyReLU", "SiLU", "Hardswish", "GELU", "Mish", "ELU (alpha 1)", *_HF)
 _PROBE_TOL = 1e-5  # fp32 abs error of the HF tanh-GELU formulas against F.gelu(approximate="tanh") is ~5e-7
 
 
@@ -47,6 +48,8 @@ def activation_of(module, name: str = "act") -> tuple[Act | None, str]:
     if not isinstance(module, nn.Module):
         return None, f"{name} must be an nn.Module activation, got {type(module).__name__}"
     kind = type(module)
+    if kind is nn.ELU and float(module.alpha) != 1.0:
+        return None, f"{name} (ELU) has alpha={module.alpha}; the fused kernels compute ELU with alpha 1"
     if kind in _TORCH:
         slope = float(module.negative_slope) if kind is nn.LeakyReLU else 0.01
         return Act(_TORCH[kind], slope), ""

@@ -62,6 +62,19 @@ class VideoBlock(nn.Module):
         return self.relu(x + self.conv2(self.conv1(x)))
 
 
+class VNetBlock(nn.Module):
+    """A volume segmentation net's block (VNet: Conv3d -> BatchNorm3d -> ELU) and a YOLOv4-style Conv -> BN -> Mish."""
+
+    def __init__(self, c=6):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv3d(1, c, 5, padding=2), nn.BatchNorm3d(c), nn.ELU())
+        self.mish = nn.Sequential(nn.Conv2d(c * 4, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.Mish())
+
+    def forward(self, x):
+        h = self.conv(x)
+        return self.mish(h.flatten(1, 2))
+
+
 def _steps(model, x, steps=2):
     """Two training steps' outputs, every gradient (summed over the steps) and every buffer after them."""
     model.zero_grad(set_to_none=True)
@@ -91,6 +104,7 @@ CASES = {
     "temporal": (TemporalCNN, (4, 3, 33), {"stem.0": "conv_bn_relu_maxpool", "block.0": "conv_bn_hardswish"}),
     "conformer": (ConformerConv, (2, 19, 16), {"depthwise": "conv_bn_silu"}),
     "video": (VideoBlock, (2, 3, 4, 16, 16), {"stem.0": "conv_bn_relu", "conv1.0": "conv_bn_relu"}),
+    "elu_mish": (VNetBlock, (2, 1, 4, 7, 7), {"conv.0": "conv_bn_elu", "mish.0": "conv_bn_mish"}),
 }
 
 

@@ -14,7 +14,8 @@ from opsnn_lab.testing import assert_close_dtype, seeded
 POOLS = [K.PoolSpec((3, 3), (2, 2), (1, 1)), K.PoolSpec((2, 2), (2, 2), (1, 1)), K.PoolSpec((2, 3), (1, 2), (0, 1))]
 POOL_IDS = ["p3s2p1", "p2s2p1", "p2x3"]
 MODULES = {"relu": nn.ReLU(), "relu6": nn.ReLU6(), "leaky_relu": nn.LeakyReLU(0.2), "silu": nn.SiLU(),
-           "hardswish": nn.Hardswish(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh")}
+           "hardswish": nn.Hardswish(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "mish": nn.Mish(),
+           "elu": nn.ELU()}
 ACTS = [K.Act(name, 0.2) for name in K.ACTS]
 
 
@@ -37,9 +38,9 @@ def test_act_table_is_eagers_forward_and_backward(act, dtype):
 
 
 def test_act_properties_and_bad_name():
-    assert [a.monotone for a in ACTS] == [True, True, True, False, False, False, False]
+    assert [a.monotone for a in ACTS] == [True, True, True, False, False, False, False, False, True]
     assert not K.Act("leaky_relu", -0.1).monotone
-    assert [a.has_dead_zone for a in ACTS] == [True, True] + [False] * 5
+    assert [a.has_dead_zone for a in ACTS] == [True, True] + [False] * 7
     assert K.Act("relu6").dead(torch.tensor([-1.0, 0.0, 3.0, 6.0])).tolist() == [True, True, False, True]
     with pytest.raises(ValueError, match="act"):
         K.Act("tanh")

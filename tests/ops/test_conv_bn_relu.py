@@ -26,7 +26,8 @@ SHAPES = [
 
 ACTS = {"relu": lambda: nn.ReLU(), "relu6": lambda: nn.ReLU6(inplace=True), "leaky_relu": lambda: nn.LeakyReLU(0.2),
         "leaky_relu_neg": lambda: nn.LeakyReLU(-0.3), "silu": lambda: nn.SiLU(), "hardswish": lambda: nn.Hardswish(),
-        "gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU(approximate="tanh")}
+        "gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "mish": lambda: nn.Mish(),
+        "elu": lambda: nn.ELU(inplace=True)}
 
 
 def make_chain(cin, cout, k, stride, padding, pool, bias=True, groups=1, seed=0, momentum=0.1, inplace=False,
@@ -151,6 +152,8 @@ LOW_PRECISION = [
     (torch.bfloat16, (2, 4, 9, 7, 6, 3, 1, 1, (3, 2, 1), "gelu", 2)),
     (torch.float16, (2, 4, 9, 7, 6, 3, 1, 1, None, "gelu_tanh", 1)),
     (torch.bfloat16, (2, 4, 9, 7, 6, 3, 1, 1, None, "leaky_relu", 1)),
+    (torch.bfloat16, (2, 4, 9, 7, 6, 3, 2, 1, None, "mish", 2)),
+    (torch.float16, (2, 4, 9, 7, 6, 3, 1, 1, (3, 2, 1), "elu", 1)),
 ]
 
 
@@ -314,7 +317,7 @@ def test_bad_inputs_name_the_argument():
 @pytest.mark.skipif(not triton_interpreter_ready(), reason="triton missing, or imported before TRITON_INTERPRET=1")
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("pool", [None, (3, 2, 1)])
-@pytest.mark.parametrize("act", [None, "hardswish"])
+@pytest.mark.parametrize("act", [None, "hardswish", "mish", "elu"])
 def test_triton_interpreter_path_matches_eager(monkeypatch, act, pool, train):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("OPSNN_BACKEND", "triton")
@@ -426,6 +429,8 @@ def test_unsupported_activations_are_named():
     with pytest.raises(TypeError, match="relu must be ReLU"):
         FusedConvBNReLU.from_modules(conv, bn, nn.SiLU())
     assert FusedConvBNReLU.supports(conv, bn, nn.SiLU())[1].startswith("relu must be ReLU")
+    ok, reason = FusedConvBNAct.supports(conv, bn, nn.ELU(alpha=0.5))  # the kernels compute alpha 1
+    assert not ok and "act (ELU) has alpha=0.5" in reason
 
 
 def test_hugging_face_lookalike_is_probed():

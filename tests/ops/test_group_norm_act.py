@@ -14,7 +14,7 @@ from opsnn_lab.measuring import activation_bytes
 from opsnn_lab.ops import FusedGroupNormAct
 from opsnn_lab.testing import assert_close_dtype, assert_within_eager_error, non_contiguous, run_fwd_bwd, seeded
 
-ACTS = {"silu": nn.SiLU, "gelu": nn.GELU, "relu": nn.ReLU, "hardswish": nn.Hardswish}
+ACTS = {"silu": nn.SiLU, "gelu": nn.GELU, "relu": nn.ReLU, "hardswish": nn.Hardswish, "mish": nn.Mish, "elu": nn.ELU}
 
 
 def _norm(c=12, groups=3, affine=True, dtype=torch.float32, seed=0):
