@@ -47,7 +47,7 @@ def run(module, mods, x, steps=2):
     x = x.detach().clone().requires_grad_()
     for step in range(steps):
         out = module(x)
-        out.backward(seeded(*out.shape, seed=9 + step, dtype=out.dtype))
+        out.backward(seeded(*out.shape, seed=9 + step, dtype=out.dtype, device=out.device))
     grads = [p.grad for m in mods[:2] for p in m.parameters()]
     return [out.detach(), x.grad, *grads, *mods[1].buffers()]
 
@@ -204,3 +204,25 @@ def test_triton_interpreter_path_matches_eager(monkeypatch, dim, case, train):
     x = seeded(2, CASES[case][0], *SPATIAL[dim], seed=7)
     for g, w in zip(run(fused, fm, x, steps=1), run(eager, em, x, steps=1)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+GPU_CASES = [(1, "depthwise", "silu"), (1, "pool", "relu6"), (3, "plain", "relu"), (3, "depthwise", "elu"),
+             (3, "grouped_same", "mish")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim, case, act", GPU_CASES, ids=[f"{d}d-{c}-{a}" for d, c, a in GPU_CASES])
+def test_gpu_triton_path_within_eager_error(dim, case, act, dtype):
+    """The Triton statistics and activation kernels on a 1-d chain's (N, C, 1, L) maps and a 3-d one's (N, C, D,
+    H*W) view, Mish and ELU among the activations: every tensor within twice eager's error against fp64."""
+    mods = chain(dim, case)
+    mods[2] = ACTS[act]() if act in ACTS else {"elu": nn.ELU, "mish": nn.Mish}[act]()
+    mods = [m.cuda() for m in mods]
+    (ref, rm), _ = pair(mods, torch.float64)
+    (eager, em), (fused, fm) = pair(mods, dtype)
+    x = seeded(4, CASES[case][0], *(s * 3 for s in SPATIAL[dim]), seed=8, device="cuda")
+    want = run(ref, rm, x.double(), steps=1)
+    for f, e, r in zip(run(fused, fm, x.to(dtype), steps=1)[:-1], run(eager, em, x.to(dtype), steps=1)[:-1], want[:-1]):
+        assert_within_eager_error(f, e.to(f.dtype), r)
