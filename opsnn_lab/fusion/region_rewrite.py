@@ -109,7 +109,8 @@ def ignored_results(graph) -> frozenset:
 
 def _own_function(fn) -> bool:
     package = (getattr(fn, "__module__", None) or "").split(".")[0]  # torchvision's functions are a model's own
-    return package not in ("torch", "_operator", "operator", "math", "builtins") and \
+    # opsnn_lab's own (the draw-naming calls ``_name_inlined_draws`` inserts after this pass) are this module's to place
+    return package not in ("torch", "_operator", "operator", "math", "builtins", "opsnn_lab") and \
         getattr(fn, "__name__", "") != "_assert_is_none"
 
 
