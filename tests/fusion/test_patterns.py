@@ -119,14 +119,19 @@ def test_conv_output_read_twice():
 
 @pytest.mark.parametrize("act, pattern", [
     (nn.GELU(approximate="tanh"), "conv_bn_gelu_tanh"), (nn.GELU(), "conv_bn_gelu"),
-    (nn.LeakyReLU(0.2), "conv_bn_leaky_relu"), (nn.Mish(), None), (nn.ELU(), None), (nn.Sigmoid(), None)])
+    (nn.LeakyReLU(0.2), "conv_bn_leaky_relu"), (nn.Mish(), "conv_bn_mish"), (nn.ELU(), "conv_bn_elu"),
+    (nn.ELU(alpha=0.5), None), (nn.Sigmoid(), None)])
 def test_conv_bn_activation_rows_and_the_ones_the_op_does_not_compute(act, pattern):
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), act, nn.Conv2d(4, 2, 1)).double()
     x = seeded(2, 3, 7, 6, dtype=torch.float64, requires_grad=True)
     fused, plan = ol.fusion.fuse(model, (x,))
     (d,) = plan.decisions
+    if pattern is None and isinstance(act, nn.ELU):  # the kernels compute ELU at alpha 1
+        assert not d.fused and d.pattern == "conv_bn_elu" and "act (ELU) has alpha=0.5" in d.reason
+        return
     if pattern is None:  # an activation, named as one, with the list the fused op computes
-        assert not d.fused and "an activation FusedConvBNAct does not compute (it computes gelu, gelu_tanh" in d.reason
+        assert not d.fused and "an activation FusedConvBNAct does not compute (it computes elu, gelu, gelu_tanh" in \
+            d.reason
         return
     assert d.fused and d.pattern == pattern
     for mode in (True, False):
