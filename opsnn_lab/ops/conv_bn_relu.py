@@ -4,8 +4,8 @@ instead of int64). A stride-1 depthwise conv's output is recomputed in backward 
 one pass over the input, and the bytes fall from 2/3 to 1/3 of eager's. At stride 2 the output is a quarter
 of the input, and recomputing it (a pass over 4x its size) would save 1/6 of the chain's bytes for ~20% of its
 time: it is saved unless ``recompute=True``. Activations: ReLU, ReLU6, LeakyReLU, SiLU, Hardswish, GELU (erf
-and tanh). The same chain of 1-d modules (a temporal or speech convolution block, with MaxPool1d) and of 3-d ones
-(video and volume models, no pool) is taken too: ``_conv_bn_args.py``.
+and tanh), Mish, ELU (alpha 1). The same chain of 1-d modules (a temporal or speech convolution block, with
+MaxPool1d) and of 3-d ones (video and volume models, no pool) is taken too: ``_conv_bn_args.py``.
 
 Activation bytes on the ResNet stem (8x3x224x224, 3->64 k7 s2, BN, ReLU, MaxPool 3/2/1): eager saves x, the
 conv output, the ReLU output and int64 pool indices (69.0 MB); this op saves x, the conv output and one
@@ -252,7 +252,8 @@ class FusedConvBNAct(nn.Module):
       ``BatchNormAct2d``; the fused op then replaces the BatchNorm and its activation), or BatchNorm2d alone
       when it has no child besides ``nn.Identity`` ones: checked on a probe (``ops/_bn_act.py``).
     * ``act``: ``nn.ReLU``, ``nn.ReLU6``, ``nn.LeakyReLU`` (any ``negative_slope``), ``nn.SiLU``,
-      ``nn.Hardswish``, ``nn.GELU`` (``approximate`` ``'none'`` or ``'tanh'``), or the Hugging Face
+      ``nn.Hardswish``, ``nn.GELU`` (``approximate`` ``'none'`` or ``'tanh'``), ``nn.Mish``, ``nn.ELU``
+      (``alpha=1``), or the Hugging Face
       ``ACT2FN`` modules ``GELUActivation``, ``NewGELUActivation``, ``FastGELUActivation``, ``GELUTanh``,
       ``PytorchGELUTanh``, ``AccurateGELUActivation``, ``SiLUActivation`` (matched by class name and
       checked on a probe tensor; transformers is not imported). ``self.act_spec`` is the resolved

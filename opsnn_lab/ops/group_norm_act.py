@@ -16,9 +16,9 @@ and autocast is off inside.
 
 Contract for the fusion rewrite (``supports`` says yes or gives the reason; ``from_modules`` raises
 ``ValueError`` / ``TypeError`` with it): ``norm`` an ``nn.GroupNorm`` (affine or not), ``act`` a supported
-activation module (``ops._activations``: ReLU, ReLU6, LeakyReLU, SiLU, Hardswish, GELU, Hugging Face ACT2FN
-ones). The fused module references the GroupNorm's own Parameters (``state_dict`` keys unchanged where it is
-registered under the norm's name).
+activation module (``ops._activations``: ReLU, ReLU6, LeakyReLU, SiLU, Hardswish, GELU, Mish, ELU at alpha 1,
+Hugging Face ACT2FN ones). The fused module references the GroupNorm's own Parameters (``state_dict`` keys
+unchanged where it is registered under the norm's name).
 """
 
 from __future__ import annotations
