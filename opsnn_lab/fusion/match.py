@@ -25,9 +25,14 @@ class Match:
     inputs: list[str] = field(default_factory=list)  # producers of the fused op's tensor inputs
     outputs: list[Node] = field(default_factory=list)  # nodes whose results the fused op returns
     params: dict = field(default_factory=dict)  # what the op is built from (modules, scale, p, ...)
+    # the module paths naming a candidate some of whose steps run inside a looked-into module (a conv's own forward,
+    # a frozen batch norm's): those steps have no module of their own, so ``modules`` would leave that module out
+    named: list[str] | None = None
 
     @property
     def modules(self) -> list[str]:
+        if self.named is not None:
+            return list(self.named)
         mods = [n.module for n in self.nodes if n.module]
         if self.pattern == "attention":
             return [self.nodes[0].scope, *mods]

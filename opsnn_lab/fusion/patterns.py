@@ -70,7 +70,8 @@ def _other_batch_norm(g: Graph, conv: Node) -> Match | None:
         act = g.only_user(node) if node.kind == "module" else None
         why = _op_support("FusedConvBNAct", conv.obj, bn, act.obj if act is not None and act.obj is not None
                           else nn.ReLU()) or f"`{path}` ({kind}) is not a batch norm FusedConvBNAct computes"
-    return Match("conv_bn_relu", [conv, node], False, why, inputs=conv.inputs[:1], outputs=[node])
+    return Match("conv_bn_relu", [conv, node], False, why, inputs=conv.inputs[:1], outputs=[node],
+                 named=[conv.module, path])
 
 
 def _conv_inside(g: Graph, conv: Node) -> Match | None:
@@ -83,7 +84,7 @@ def _conv_inside(g: Graph, conv: Node) -> Match | None:
     return Match("conv_bn_relu", [conv, bn], False,
                  f"`{conv.scope}` is a {type(owner).__name__} whose own forward does more than a convolution (or pads "
                  "its input by a fixed amount, not 'same' for each size): FusedConvBNAct computes a Conv2d, or one "
-                 "padding 'same' per call", inputs=conv.inputs[:1], outputs=[bn])
+                 "padding 'same' per call", inputs=conv.inputs[:1], outputs=[bn], named=[conv.scope, bn.module])
 
 
 def find_conv_bn_relu(g: Graph) -> list[Match]:

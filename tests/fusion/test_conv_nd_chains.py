@@ -232,6 +232,9 @@ def test_batch_norms_the_op_does_not_compute_are_named_in_the_plan():
     x = torch.randn(2, 3, 6, 6)
     fused, plan = ol.fusion.fuse(model, (x,))
     reasons = {d.modules[0]: d.reason for d in plan.decisions if d.pattern.startswith("conv_bn")}
+    # each names the conv and its norm, a frozen one's steps (run inside its own forward) included
+    assert sorted(d.modules for d in plan.decisions if d.pattern.startswith("conv_bn")) == [
+        ["0", "1"], ["3", "4"], ["6", "7"]]
     assert not any(d.fused for d in plan.decisions if d.pattern.startswith("conv_bn"))
     assert "`1` is a SyncBatchNorm" in reasons["0"] and "all-reduced across ranks" in reasons["0"]
     assert "`4` is a FrozenBatchNorm2d" in reasons["3"] and "save nothing" in reasons["3"]

@@ -59,7 +59,8 @@ def test_dynamic_same_convs_fuse_and_static_ones_are_declined():
     fused, plan = ol.fusion.fuse(model, (x,))
     conv = {d.modules[0]: d for d in plan.decisions if d.pattern.startswith("conv_bn")}
     assert conv["stem.0"].fused and conv["dw.0"].fused and conv["stem.0"].pattern == "conv_bn_silu"
-    static = conv["static.1"]  # the conv ran inside its module's forward: the chain is named by its BatchNorm
+    static = conv["static.0"]  # the conv ran inside its module's forward: named by that module and its BatchNorm
+    assert static.modules == ["static.0", "static.1"]
     assert not static.fused and "`static.0` is a StaticSame whose own forward" in static.reason
     assert model.stem[0] in Probed.same_conv and model.static[0] not in Probed.same_conv
     for _ in range(2):  # two steps: the running statistics move as eager's
