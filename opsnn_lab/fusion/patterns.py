@@ -77,14 +77,17 @@ def _other_batch_norm(g: Graph, conv: Node) -> Match | None:
 def _conv_inside(g: Graph, conv: Node) -> Match | None:
     """A declined candidate where a convolution run inside a conv module's own forward (one the probe did not find
     to compute a conv alone or a per-call 'same' padding: a fixed padding, a weight transform) feeds a BatchNorm."""
-    owner = g.modules.get(conv.scope)
-    bn = next((u for u in g.users.get(conv.name, []) if _is_module(u, "batch_norm")), None)
-    if conv.kind != "function" or conv.op != "conv2d" or not isinstance(owner, nn.Conv2d) or bn is None:
+    if conv.kind != "function" or conv.op not in _CONV_KINDS:
+        return None
+    owner, norm = g.modules.get(conv.scope), _CONV_KINDS[conv.op][0]
+    bn = next((u for u in g.users.get(conv.name, []) if _is_module(u, norm)), None)
+    if not isinstance(owner, nn.modules.conv._ConvNd) or bn is None:
         return None
     return Match("conv_bn_relu", [conv, bn], False,
                  f"`{conv.scope}` is a {type(owner).__name__} whose own forward does more than a convolution (or pads "
-                 "its input by a fixed amount, not 'same' for each size): FusedConvBNAct computes a Conv2d, or one "
-                 "padding 'same' per call", inputs=conv.inputs[:1], outputs=[bn], named=[conv.scope, bn.module])
+                 "its input by a fixed amount, not 'same' for each size): FusedConvBNAct computes a plain "
+                 "convolution, or a Conv2d padding 'same' per call", inputs=conv.inputs[:1], outputs=[bn],
+                 named=[conv.scope, bn.module])
 
 
 def find_conv_bn_relu(g: Graph) -> list[Match]:

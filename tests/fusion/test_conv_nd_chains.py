@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import opsnn_lab as ol
 from opsnn_lab.bench import activation_bytes
@@ -239,4 +240,31 @@ def test_batch_norms_the_op_does_not_compute_are_named_in_the_plan():
     assert "`1` is a SyncBatchNorm" in reasons["0"] and "all-reduced across ranks" in reasons["0"]
     assert "`4` is a FrozenBatchNorm2d" in reasons["3"] and "save nothing" in reasons["3"]
     assert "bn must be BatchNorm2d" in reasons["6"] and "got ShiftedBatchNorm2d" in reasons["6"]
+    torch.testing.assert_close(fused(x), model(x))
+
+
+class StandardisedConv1d(nn.Conv1d):
+    """Weight standardisation in the conv's own forward: the chain is declined, and said."""
+
+    def forward(self, x):
+        w = self.weight - self.weight.mean((1, 2), keepdim=True)
+        return F.conv1d(x, w, self.bias, self.stride, self.padding)
+
+
+class StandardisedConv3d(nn.Conv3d):
+    def forward(self, x):
+        w = self.weight - self.weight.mean((1, 2, 3, 4), keepdim=True)
+        return F.conv3d(x, w, self.bias, self.stride, self.padding)
+
+
+@pytest.mark.parametrize("conv, bn, shape", [(StandardisedConv1d(3, 8, 3, padding=1), nn.BatchNorm1d(8), (2, 3, 10)),
+                                             (StandardisedConv3d(3, 8, 3, padding=1), nn.BatchNorm3d(8),
+                                              (2, 3, 4, 5, 5))])
+def test_a_1d_or_3d_conv_with_a_forward_of_its_own_is_a_declined_candidate(conv, bn, shape):
+    model = nn.Sequential(conv, bn, nn.SiLU()).train()
+    x = torch.randn(*shape)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    (d,) = plan.decisions
+    assert d.modules == ["0", "1"] and not d.fused
+    assert f"`0` is a {type(conv).__name__} whose own forward does more than a convolution" in d.reason
     torch.testing.assert_close(fused(x), model(x))
