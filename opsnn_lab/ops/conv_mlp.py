@@ -164,6 +164,8 @@ class FusedConvActDropoutConv(CounterRNG, nn.Module):
       dropout mask (element ``e`` of the row-major (N, C, L) tensor draws counter ``offset + e``).
     * ``act``: as ``FusedLinearActDropout``'s (a module computing one of the activations, checked on a probe).
     * ``dropout``: None, ``nn.Dropout`` or ``opsnn_lab.ops.Dropout`` (element-wise; not ``Dropout2d``).
+    * ``x``: (N, C, H, W) for a 2-d pair, (N, C, L) for a 1-d one; an unbatched (C, H, W) / (C, L) input, which the
+      convs take, runs as a batch of one.
     * The convolutions are used by reference and their Parameters read at each call, so the module they sit in
       keeps its state_dict; ``register_modules=True`` (default) also registers them as ``conv1`` / ``conv2``.
     * Saved for backward: x and the pre-activation; never the activation's output or a mask.
@@ -204,9 +206,11 @@ class FusedConvActDropoutConv(CounterRNG, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv1, conv2 = self.convs
+        one_d = isinstance(conv1, nn.Conv1d)
+        if isinstance(x, torch.Tensor) and x.dim() == (2 if one_d else 3):  # unbatched, as the convs take it
+            return self.forward(x.unsqueeze(0)).squeeze(0)  # a batch of one, as aten runs an unbatched conv
         with _amp.region(x) as cast:  # under autocast: the convolutions' casts, autocast off inside
             x, w1, b1, w2, b2 = cast(x, conv1.weight, conv1.bias, conv2.weight, conv2.bias)
-            one_d = isinstance(conv1, nn.Conv1d)
             check_tensor("x", x, dtypes=_FLOATS, dim=3 if one_d else 4)
             if x.shape[1] != conv1.in_channels:
                 raise ValueError(f"x must have {conv1.in_channels} channels (dim 1), got shape {tuple(x.shape)}")

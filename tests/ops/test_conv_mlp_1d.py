@@ -94,3 +94,20 @@ def test_mixed_dimensions_and_bad_inputs_name_the_argument():
     op = fused((conv1, conv2), "gelu")
     with pytest.raises(ValueError, match="x"):
         op(seeded(2, 6, 4, 4))  # a 2-d map for a 1-d MLP
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_an_unbatched_input_runs_as_the_convs_run_it(dim):
+    """nn.Conv1d takes (C, L) and nn.Conv2d (C, H, W): the fused pair takes them too, as a batch of one (the mask
+    over the same row-major elements)."""
+    kind = nn.Conv1d if dim == 1 else nn.Conv2d
+    torch.manual_seed(0)
+    pair = kind(6, 20, 3, padding=1), kind(20, 6, 1)
+    x = seeded(6, *(9,) * dim, dtype=torch.float64)
+    pair = tuple(c.double() for c in pair)
+    out, grads = run_fwd_bwd(fused(pair, "gelu", 0.3), [x], params(pair))
+    ref, ref_grads = run_fwd_bwd(eager(pair, "gelu", 0.3), [x], params(pair))
+    assert out.shape == ref.shape == x.shape
+    assert_close_dtype(out, ref)
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert_close_dtype(g, r, msg=f"grad {i}")
