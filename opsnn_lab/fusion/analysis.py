@@ -144,7 +144,12 @@ class Analysis:
         self.costs: dict[tuple, tuple[int, int, int]] = {}  # match site -> saved, traffic, eager bytes
         for m in viable:
             if m.key in self.rewritable:
-                self.costs[_site(m)] = self.cost.site(self._as_rewritten(m))
+                try:
+                    self.costs[_site(m)] = self.cost.site(self._as_rewritten(m))
+                except Exception as exc:  # noqa: BLE001 - the op cannot take this chain: decline it, not the model
+                    del self.rewritable[m.key]
+                    self.why_not[m.key] = (f"the fused op failed on the chain's recorded inputs ({type(exc).__name__}: "
+                                           f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); it runs unfused")
         self.trace.tensors.clear()  # activations (and the autograd graph holding them) are no longer needed
         self.trace.output = None
 
