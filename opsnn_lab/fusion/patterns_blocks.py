@@ -134,6 +134,11 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
         inner = {n.dtype for n in nodes if n.dtype is not None and n.dtype != t.dtype}
         g.memo[key] = _norm_form(module, t, [_recorded_eps(nodes), getattr(module, "variance_epsilon", None),
                                              getattr(module, "eps", None)], inner)
+        if isinstance(g.memo[key], tuple) and any(isinstance(p, torch.Tensor) and p.dtype != t.dtype
+                                                  for p in (getattr(module, "weight", None),
+                                                            getattr(module, "bias", None))):
+            # a norm giving its input's dtype from parameters of another casts them (FP32LayerNorm): the op too
+            g.memo[("norm_cast", scope)] = True
     form = g.memo[key]
     if isinstance(form, str):
         if "neither" in form or "cannot be called" in form:
@@ -163,6 +168,8 @@ def norm_verdicts(planned: dict) -> dict:
             out[("norm", modules[-1])] = (p["kind"], p["eps"], p["offset"])
             if p.get("shape"):  # a norm without parameters: the size it normalises
                 out[("norm_shape", modules[-1])] = tuple(p["shape"])
+            if p.get("cast_params"):
+                out[("norm_cast", modules[-1])] = True
     return out
 
 
@@ -201,6 +208,8 @@ def _judged_norm(g: Graph, scope: str, module: nn.Module, nodes: list[Node], x: 
               params={"norm": module, "kind": kind, "eps": eps, "offset": offset})
     if next(module.parameters(), None) is None:
         m.params["shape"] = g.memo.get(("norm_shape", scope))
+    if g.memo.get(("norm_cast", scope)):
+        m.params["cast_params"] = True
     return m
 
 
@@ -276,8 +285,8 @@ def _build_norm(m: Match) -> nn.Module:
         return cls.from_modules(norm, save_output=keep_y)
     bias = norm.bias if p["kind"] == "layer" and isinstance(getattr(norm, "bias", None), nn.Parameter) else None
     weight = getattr(norm, "weight", None) if "shape" not in p else None  # a norm without parameters: its size
-    return cls(weight, bias, p["eps"], p.get("shape"), weight_offset=p["offset"], save_output=keep_y).train(
-        norm.training)
+    return cls(weight, bias, p["eps"], p.get("shape"), weight_offset=p["offset"], save_output=keep_y,
+               cast_params=p.get("cast_params", False)).train(norm.training)
 
 
 # --------------------------------------------------------------------------- Linear(Dropout(x))

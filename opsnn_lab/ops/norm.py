@@ -159,10 +159,15 @@ class _FusedNorm(nn.Module):
     _add = False
 
     def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None = None, eps: float = 1e-5,
-                 normalized_shape: tuple[int, ...] | None = None, weight_offset: float = 0.0, save_output: bool = True):
+                 normalized_shape: tuple[int, ...] | None = None, weight_offset: float = 0.0, save_output: bool = True,
+                 cast_params: bool = False):
         super().__init__()
         check_type("weight", weight, nn.Parameter, allow_none=True)
         check_type("save_output", save_output, bool)
+        # True: weight and bias take the input's dtype at each call, as a norm written in Python that casts them does
+        # (diffusers' FP32LayerNorm: ``F.layer_norm(x.float(), ..., weight.float(), bias.float())`` in a bf16 model);
+        # their gradients flow back through the cast, into their own dtype
+        self.cast_params = check_type("cast_params", cast_params, bool)
         check_type("bias", bias, nn.Parameter, allow_none=True)
         check_type("eps", eps, (int, float))
         if eps < 0 or isinstance(eps, bool):
@@ -216,10 +221,18 @@ class _FusedNorm(nn.Module):
             raise ValueError(f"{name} must end with {self.normalized_shape}, got shape {tuple(x.shape)}")
         same_device(weight=self.weight, **{name: x})
 
+    def _params(self, dtype: torch.dtype):
+        """``(weight, bias)`` as the op reads them: cast to ``dtype`` where ``cast_params`` says so."""
+        w, b = self.weight, self.bias
+        if self.cast_params:
+            w, b = (p if p is None or p.dtype == dtype else p.to(dtype) for p in (w, b))
+        return w, b
+
     def _apply_norm(self, x, residual, autocast: torch.dtype | None = None):
         # saving y pays because the op reading it saves the same tensor; under autocast a Linear reading an fp32
         # y saves its own bf16 copy instead, so y is saved only where it already is autocast's dtype
         keep_y = autocast in (None, x.dtype) and self._saves_output(x.dtype)
+        weight, bias = self._params(x.dtype)
         if (not keep_y and not self._rms and not self.weight_offset and x.dtype in _ATEN_EXACT
                 and (not uses_triton(x) or forced_backend() != "triton")):
             # saving its input, an fp32/fp64 LayerNorm is aten's, on CPU and CUDA alike: run it through aten's own
@@ -227,15 +240,14 @@ class _FusedNorm(nn.Module):
             # CUDA without the Triton launches, which took the H200's step to 3.3x eager's wall time). Only
             # OPSNN_BACKEND=triton keeps the kernels here (their tests)
             s = x if residual is None else x + residual
-            y = F.layer_norm(s, self.normalized_shape, self.weight, self.bias, self.eps)
+            y = F.layer_norm(s, self.normalized_shape, weight, bias, self.eps)
             return y if residual is None else (y, s)
         if len(self.normalized_shape) == 1:  # the Function returns x's shape
-            return AddNormFunction.apply(x, residual, self.weight, self.bias, self.eps, self._rms, self.weight_offset,
-                                         keep_y)
+            return AddNormFunction.apply(x, residual, weight, bias, self.eps, self._rms, self.weight_offset, keep_y)
         lead = x.shape[:x.dim() - len(self.normalized_shape)]
         flat = x.reshape(*lead, self.features)
         res = None if residual is None else residual.reshape(*lead, self.features)
-        out = AddNormFunction.apply(flat, res, self._flat(self.weight), self._flat(self.bias), self.eps, self._rms,
+        out = AddNormFunction.apply(flat, res, self._flat(weight), self._flat(bias), self.eps, self._rms,
                                     self.weight_offset, keep_y)
         if residual is None:
             return out.view(x.shape)
@@ -243,6 +255,7 @@ class _FusedNorm(nn.Module):
 
     def extra_repr(self) -> str:
         extra = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        extra += ", cast_params=True" if self.cast_params else ""
         return f"{self.normalized_shape}, eps={self.eps}, bias={self.bias is not None}{extra}"
 
 
