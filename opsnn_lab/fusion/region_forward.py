@@ -225,19 +225,9 @@ class FxForward(Patch):
             return alt(*args, **kwargs) if alt is not None else type(self.host).forward(self.host, *args, **kwargs)
         if bound is None or not facts_hold(self.facts.get(key, {}), bound.arguments):
             return type(self.host).forward(self.host, *args, **kwargs)  # no fit, or a tensor of another rank
-        pos, kw = [], {}
-        for source, name, kind in self._routes(gm):
-            if source not in bound.arguments:
-                continue
-            value = bound.arguments[source]
-            if kind == inspect.Parameter.VAR_POSITIONAL:
-                pos.extend(value)
-            elif kind == inspect.Parameter.VAR_KEYWORD:
-                kw.update(value)
-            elif kind == inspect.Parameter.POSITIONAL_ONLY:
-                pos.append(value)
-            else:
-                kw[name] = value
+        pos, kw = _arguments(self._routes(gm), bound.arguments)
+        if pos is None:
+            return type(self.host).forward(self.host, *args, **kwargs)
         for slot, own in self.modal_slots.get(key, ((), ()))[1]:
             slot.training = modules[own[0]].training  # its op runs in its modules' mode (FusedSlot.forward)
         put_back = draw_state(self._streams(), flatten_tensors((args, kwargs))) \
@@ -252,3 +242,30 @@ class FxForward(Patch):
         if kind is not None and type(out) is dict:
             out = kind(**out) if dataclasses.is_dataclass(kind) else kind(out)
         return out
+
+
+
+def _arguments(routes, given: dict) -> tuple[list | None, dict]:
+    """``(positional, keyword)`` arguments of the traced code for a call bound as ``given`` (the original forward's
+    names, defaults applied). Named parameters go by keyword, but for those before a non-empty ``*args``, which
+    must be positional for the extra values to reach ``*args`` (diffusers' HunyuanVideo blocks take ``forward(self,
+    hidden_states, ..., freqs_cis=None, *args, **kwargs)`` and are called with seven positional values).
+    ``(None, {})`` where such a parameter has no value here."""
+    var = next((i for i, (source, _, kind) in enumerate(routes)
+                if kind == inspect.Parameter.VAR_POSITIONAL and given.get(source)), -1)
+    pos, kw = [], {}
+    for i, (source, name, kind) in enumerate(routes):
+        if source not in given:
+            if i < var:
+                return None, {}
+            continue
+        value = given[source]
+        if kind == inspect.Parameter.VAR_POSITIONAL:
+            pos.extend(value)
+        elif kind == inspect.Parameter.VAR_KEYWORD:
+            kw.update(value)
+        elif kind == inspect.Parameter.POSITIONAL_ONLY or (i < var and kind != inspect.Parameter.KEYWORD_ONLY):
+            pos.append(value)
+        else:
+            kw[name] = value
+    return pos, kw

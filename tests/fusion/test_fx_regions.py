@@ -1292,3 +1292,40 @@ def test_a_key_whose_region_code_would_fuse_a_site_the_record_turned_down_is_not
     for g, w in zip(torch.autograd.grad(loss[1], list(fused.parameters())),
                     torch.autograd.grad(loss[0], list(model.parameters())), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+class TakesArgs(nn.Module):
+    """diffusers' HunyuanVideo block: ``forward(self, x, y, mask=None, *args, **kwargs)``, called with more
+    positional values than it names."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm, self.out = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x, y, mask=None, *args, **kwargs):
+        h = self.proj(x) + y
+        return (self.out(self.norm(h)) + h) * args[1]
+
+
+class PassesArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = TakesArgs()
+
+    def forward(self, x, y):
+        if float(x.sum()) > 1e9:  # data-dependent: the root is not traced, the block is
+            y = y * 2
+        return self.block(x, y, None, None, 3.0)
+
+
+def test_extra_positional_values_reach_the_traced_codes_star_args():
+    torch.manual_seed(0)
+    model = PassesArgs().double().train()
+    x, y = (torch.randn(4, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    fused, plan = ol.fusion.fuse(model, (x, y))
+    assert [f"{d.pattern}@{d.route}" for d in plan.decisions if d.fused] == ["add_layer_norm@fx:block"]
+    got, want = fused(x, y), model(x, y)  # the block raised "got multiple values for argument 'x'"
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grads = [torch.autograd.grad(out.square().sum(), [x, y]) for out in (want, got)]
+    for g_want, g_got in zip(*grads):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
