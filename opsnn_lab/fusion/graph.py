@@ -94,13 +94,16 @@ class Probed:
     * ``bn_act``: BatchNorm2d and GroupNorm subclasses whose forward is ``act(norm(x))`` (timm's
       ``BatchNormAct2d``, ``GroupNormAct``) -> that act child, or None where they compute the norm alone;
     * ``same_conv``: Conv2d subclasses whose forward pads TensorFlow's 'same' way for each call, then convolves
-      (timm's ``Conv2dSame``, EfficientNet-PyTorch's ``Conv2dDynamicSamePadding``).
+      (timm's ``Conv2dSame``, EfficientNet-PyTorch's ``Conv2dDynamicSamePadding``);
+    * ``float32_inside``: activations of ``activation`` computing in float32 on a float64 input (diffusers'
+      ``FP32SiLU``): a chain holding one is fused only where it does not run in float64.
     Each runs as one op, with the canonical name of what it computes; anything else is looked into."""
 
     linear: weakref.WeakSet = weakref.WeakSet()
     activation: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     bn_act: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     same_conv: weakref.WeakSet = weakref.WeakSet()
+    float32_inside: weakref.WeakSet = weakref.WeakSet()
 
     @classmethod
     def leaf(cls, module: nn.Module) -> bool:

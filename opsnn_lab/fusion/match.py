@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -136,6 +137,10 @@ def _common_checks(g: Graph, nodes: list[Node]) -> str:
                     "spectral_norm or torch.nn.utils.parametrize), computed from other Parameters at each access, "
                     "which the fused op would not read; fold it (`parametrize.remove_parametrizations(module, name, "
                     "leave_parametrized=True)`) to fuse this chain")
+    for n in nodes:  # float64 chains only: in float32 and lower the op computes the activation as the module does
+        if n.kind == "module" and n.obj is not None and n.obj in Probed.float32_inside and n.dtype == torch.float64:
+            return (f"`{n.label}` computes {n.op} in float32 inside and casts back, which differs from {n.op} of its "
+                    "float64 input by more than float64 rounding; the fused op computes in float64")
     for n in nodes:
         writer = next((u for u in g.users.get(n.name, []) if u.op == "setitem"), None)
         if writer is not None:

@@ -30,7 +30,7 @@ from torch import nn
 from opsnn_lab.fusion.graph import ACTIVATIONS, Probed, _hf_op, canonical_module, own_forward
 from opsnn_lab.ops._bn_act import PROBE_RTOL, computes_batch_norm, inner_activation, probe_matches
 from opsnn_lab.ops._conv_bn_args import ntuple, same_pads
-from opsnn_lab.ops._mlp_parts import activation_name
+from opsnn_lab.ops._mlp_parts import activation_name, exact_in_float64
 
 __all__ = ["probe_modules"]
 
@@ -102,6 +102,8 @@ def probe_modules(model: nn.Module) -> None:
             name, _ = activation_name(m)
             if name is not None:
                 Probed.activation[m] = name
+                if not exact_in_float64(m, name):
+                    Probed.float32_inside.add(m)
         elif _norm_subclass(m) and m not in Probed.bn_act:
             norms.append(m)
     for m in norms:  # after the activations: the act child may be one probed above

@@ -18,8 +18,8 @@ from torch import nn
 from opsnn_lab.kernels.gelu_dropout import ACTS, act_forward
 from opsnn_lab.ops.dropout import Dropout
 
-__all__ = ["ACTS", "activation_name", "linear_layout", "dropout_p", "features", "parse_act_dropout", "parse_chain",
-           "supports_of", "in_out", "linear2d", "grad_weight"]
+__all__ = ["ACTS", "activation_name", "exact_in_float64", "linear_layout", "dropout_p", "features",
+           "parse_act_dropout", "parse_chain", "supports_of", "in_out", "linear2d", "grad_weight"]
 
 _HF_ACTS = {  # class name -> activation (transformers.activations, 4.x and 5.x)
     "GELUActivation": "gelu",
@@ -52,6 +52,14 @@ def _matches(module) -> list[str]:
     if y is None:
         return []
     return [a for a in ACTS if torch.allclose(y.double(), act_forward(x, a), atol=_PROBE_TOL, rtol=_PROBE_TOL)]
+
+
+def exact_in_float64(module, name: str) -> bool:
+    """Whether ``module`` computes ``name`` to float64 rounding on a float64 probe; False for one that computes in
+    float32 inside and casts back (diffusers' ``FP32SiLU``: ``F.silu(x.float()).to(x.dtype)``), which the probe's
+    tolerance takes for that activation: the same function in float32 and lower, not in a float64 model."""
+    y, x = _probe_outputs(module)
+    return y is not None and torch.allclose(y.double(), act_forward(x, name), atol=1e-12, rtol=1e-12)
 
 
 def activation_name(module) -> tuple[str | None, str]:
