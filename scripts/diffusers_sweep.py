@@ -1,8 +1,17 @@
 """Fuse Hugging Face diffusers' denoisers and autoencoders (built from small configs) and check them against eager.
 
-diffusers is not a dependency of opsnn_lab: install it beside (``pip install diffusers``). Each model is built
-from a config a few layers deep and 32-64 wide, with its own defaults otherwise (DiT keeps its class-label
-dropout, a ``torch.rand`` draw; both sides draw the same, from one seed); then ``hf_sweep.py``'s checks: one
+diffusers is not a dependency of opsnn_lab: install it beside (``pip install diffusers``). The models: Stable
+Diffusion's UNet2DModel, UNet2DConditionModel and AutoencoderKL, DiT, PixArt, SD3 and Flux (below), and from
+``diffusers_models.py`` and ``diffusers_transformers.py``: image autoencoders (Tiny, DC-AE, VQ, asymmetric, SVD's
+temporal decoder), video autoencoders (CogVideoX, Wan, Qwen-Image, LTX-Video, HunyuanVideo, Mochi, EasyAnimate's
+MagVit, Cosmos: Conv3d, causal convs, GroupNorm or RMSNorm -> SiLU), audio models (Oobleck, UNet1D and its value
+function, Stable Audio's DiT, LTX-2's audio autoencoder, ACE-Step), video UNets (UNet3D, Stable Video Diffusion's,
+AnimateDiff's motion UNet), ControlNet, ControlNet-XS, the SD3 and Flux ControlNets, aMUSEd's UVit2D, and image and
+video transformers (Transformer2DModel, the unCLIP prior, Sana, AuraFlow, Lumina2, HunyuanDiT, CogView3-Plus,
+CogView4, Qwen-Image, Chroma, Flux.2, Z-Image, HiDream, CogVideoX, Wan, Wan-VACE, SkyReels-V2, LTX-Video,
+HunyuanVideo, Mochi, Latte, Allegro, Cosmos, EasyAnimate, Sana-Video). Each is built from a config 1-2 layers deep
+and 8-64 wide, with its own defaults otherwise (DiT keeps its class-label dropout, a ``torch.rand`` draw; LTX-
+Video's decoder its noise injection: both sides draw the same, from one seed); then ``hf_sweep.py``'s checks: one
 training step of the fused model and of the original (the outputs and every parameter gradient of a fixed random
 projection of them), eval, ``inference_mode``, the fused model pickled. The same records and line as
 ``hf_sweep.py``.
@@ -21,18 +30,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import diffusers_models as DM  # noqa: E402 - the other models' builders
+import diffusers_transformers as DT  # noqa: E402 - the image and video transformers' builders
 import hf_sweep as S  # noqa: E402 - the comparisons and the sweep loop of the Hugging Face sweep
 import timm_sweep as TS  # noqa: E402 - the command line, shared
-
-BATCH, SIDE, TOKENS, TEXT = 2, 16, 5, 32  # images of SIDE px (latents of 4 channels), 5 text tokens 32 wide
-
-
-def _randn(seed: int, *shape, dtype):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def _steps(dtype=None):
-    return torch.tensor([3, 7]) if dtype is None else torch.tensor([0.3, 0.7], dtype=dtype)
+from diffusers_models import BATCH, SIDE, TEXT, TOKENS, _randn, _steps  # noqa: E402 - shared with those builders
 
 
 def _unet2d(d, dtype):
@@ -94,7 +96,7 @@ def _flux(d, dtype):
 
 
 MODELS = {"unet2d": _unet2d, "unet2d_condition": _unet2d_condition, "autoencoder_kl": _autoencoder_kl, "dit": _dit,
-          "pixart": _pixart, "sd3": _sd3, "flux": _flux}
+          "pixart": _pixart, "sd3": _sd3, "flux": _flux, **DM.MODELS, **DT.MODELS}
 
 
 def build(name: str, dtype: torch.dtype):
