@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import json
 import math
+import os
 import pickle
 import time
 import traceback
@@ -315,11 +316,14 @@ def model_names(arg: str) -> list[str]:
 
 def run_sweep(names, check_one, line, out: str = "") -> dict:
     """``check_one(name, record)`` per model (an exception is recorded with the stage it left, and the sweep goes
-    on); prints ``line(record)`` per model; writes every record as JSON to ``out`` when given."""
+    on); prints ``line(record)`` per model; writes every record as JSON to ``out`` when given, after each model: a
+    process that dies (a segfault in a native kernel, the OOM killer) leaves the records so far, and the model it
+    was running recorded as started."""
     torch.set_num_threads(1)
     results = {}
     for name in tqdm(names, desc="models", unit="model"):
         t0, r = time.perf_counter(), results.setdefault(name, {})
+        _write(out, {**results, name: {"stage": "started; the process ended inside this model"}})
         try:
             check_one(name, r)
         except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
@@ -327,10 +331,16 @@ def run_sweep(names, check_one, line, out: str = "") -> dict:
             r["trace"] = traceback.format_exc()[-2000:]
         r["seconds"] = round(time.perf_counter() - t0, 1)
         tqdm.write(f"{name:20s} {(r.get('error') or line(r))[:150]}")
-    if out:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
+        _write(out, results)
     return results
+
+
+def _write(out: str, results: dict) -> None:
+    """``results`` as JSON at ``out`` (nothing when ``out`` is empty), replaced whole: never half written."""
+    if out:
+        with open(f"{out}.part", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(f"{out}.part", out)
 
 
 def _line(r: dict) -> str:

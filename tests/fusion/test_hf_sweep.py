@@ -131,3 +131,21 @@ def test_checker_memory_prints_the_traced_peaks_per_limit(capsys):
     assert unlimited["ok"] and limited["ok"] and unlimited["compared_ratio"] > 2 * limited["compared_ratio"]
     assert limited["summarised"].split("/")[0] == limited["summarised"].split("/")[1]  # limit 0: every event
     assert "memory_limit 0" in capsys.readouterr().out
+
+
+def test_the_records_are_on_disk_after_each_model(tmp_path):
+    """A process that dies inside a model (a native kernel's segfault) keeps the records before it and names it."""
+    run_sweep = runpy.run_path(str(SCRIPT))["run_sweep"]
+    out = tmp_path / "sweep.json"
+    seen = []
+
+    def check_one(name, r):
+        seen.append(json.loads(out.read_text()))
+        r["fused"], r["stage"] = [name], "fuse"
+        del r["stage"]
+
+    run_sweep(["a", "b"], check_one, lambda r: "ok", str(out))
+    assert seen[0] == {"a": {"stage": "started; the process ended inside this model"}}
+    assert seen[1]["a"]["fused"] == ["a"] and seen[1]["b"]["stage"].startswith("started")
+    final = json.loads(out.read_text())
+    assert final["b"]["fused"] == ["b"] and "stage" not in final["b"] and not list(tmp_path.glob("*.part"))
