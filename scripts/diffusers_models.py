@@ -278,14 +278,20 @@ def _controlnet_xs(d, dtype):
                    "controlnet_cond": _randn(2, BATCH, 3, 2 * SIDE, 2 * SIDE, dtype=dtype)}
 
 
+# SD3's MMDiT as diffusers_sweep.py builds it (two layers there), and its inputs: shared with its ControlNet
+SD3 = dict(sample_size=8, patch_size=2, in_channels=4, attention_head_dim=16, num_attention_heads=2,
+           joint_attention_dim=TEXT, caption_projection_dim=TEXT, pooled_projection_dim=16, out_channels=4,
+           pos_embed_max_size=16)
+
+
+def sd3_inputs(dtype) -> dict:
+    return {"hidden_states": _randn(0, BATCH, 4, 8, 8, dtype=dtype), "timestep": _steps(),
+            "encoder_hidden_states": _text(1, TEXT, dtype), "pooled_projections": _randn(2, BATCH, 16, dtype=dtype)}
+
+
 def _sd3_controlnet(d, dtype):
-    model = d.SD3ControlNetModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=16,
-                                 num_attention_heads=2, joint_attention_dim=TEXT, caption_projection_dim=TEXT,
-                                 pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16)
-    return model, {"hidden_states": _randn(0, BATCH, 4, 8, 8, dtype=dtype), "timestep": _steps(),
-                   "controlnet_cond": _randn(3, BATCH, 4, 8, 8, dtype=dtype),
-                   "encoder_hidden_states": _text(1, TEXT, dtype),
-                   "pooled_projections": _randn(2, BATCH, 16, dtype=dtype)}
+    model = d.SD3ControlNetModel(num_layers=1, **SD3)
+    return model, {**sd3_inputs(dtype), "controlnet_cond": _randn(3, BATCH, 4, 8, 8, dtype=dtype)}
 
 
 def _flux_controlnet(d, dtype):

@@ -77,12 +77,7 @@ def _pixart(d, dtype):
 
 
 def _sd3(d, dtype):
-    model = d.SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
-                                    num_attention_heads=2, joint_attention_dim=TEXT, caption_projection_dim=TEXT,
-                                    pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16)
-    return model, {"hidden_states": _randn(0, BATCH, 4, 8, 8, dtype=dtype), "timestep": _steps(),
-                   "encoder_hidden_states": _randn(1, BATCH, TOKENS, TEXT, dtype=dtype),
-                   "pooled_projections": _randn(2, BATCH, 16, dtype=dtype)}
+    return d.SD3Transformer2DModel(num_layers=2, **DM.SD3), DM.sd3_inputs(dtype)
 
 
 def _flux(d, dtype):

@@ -71,14 +71,21 @@ def _hunyuan_dit(d, dtype):
                    "style": torch.zeros(BATCH, dtype=torch.long), "image_rotary_emb": [t.to(dtype) for t in rope]}
 
 
-def _cogview4(d, dtype):
-    model = d.CogView4Transformer2DModel(patch_size=2, in_channels=4, out_channels=4, num_layers=2,
-                                         attention_head_dim=8, num_attention_heads=2, text_embed_dim=TEXT,
-                                         time_embed_dim=16, condition_dim=4, pos_embed_max_size=16, sample_size=8)
+def _cogview_inputs(dtype) -> dict:
+    """CogView3-Plus' and CogView4's inputs: latents, text, and the SDXL-style size and crop conditions."""
     size = torch.tensor([[64, 64]] * BATCH)
-    return model, {"hidden_states": _randn(0, BATCH, 4, 8, 8, dtype=dtype), "timestep": _steps(),
-                   "encoder_hidden_states": _text(1, TEXT, dtype), "original_size": size, "target_size": size,
-                   "crop_coords": torch.zeros(BATCH, 2, dtype=torch.long)}
+    return {"hidden_states": _randn(0, BATCH, 4, 8, 8, dtype=dtype), "timestep": _steps(),
+            "encoder_hidden_states": _text(1, TEXT, dtype), "original_size": size, "target_size": size,
+            "crop_coords": torch.zeros(BATCH, 2, dtype=torch.long)}
+
+
+# CogView3-Plus' and CogView4's settings (the same names in both)
+COGVIEW = dict(patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+               text_embed_dim=TEXT, time_embed_dim=16, condition_dim=4, sample_size=8)
+
+
+def _cogview4(d, dtype):
+    return d.CogView4Transformer2DModel(pos_embed_max_size=16, **COGVIEW), _cogview_inputs(dtype)
 
 
 def _qwenimage(d, dtype):
@@ -124,13 +131,7 @@ def _z_image(d, dtype):
 
 
 def _cogview3plus(d, dtype):
-    model = d.CogView3PlusTransformer2DModel(patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-                                             num_attention_heads=2, out_channels=4, text_embed_dim=TEXT,
-                                             time_embed_dim=16, condition_dim=4, pos_embed_max_size=8, sample_size=8)
-    size = torch.tensor([[64, 64]] * BATCH)
-    return model, {"hidden_states": _randn(0, BATCH, 4, 8, 8, dtype=dtype), "timestep": _steps(),
-                   "encoder_hidden_states": _text(1, TEXT, dtype), "original_size": size, "target_size": size,
-                   "crop_coords": torch.zeros(BATCH, 2, dtype=torch.long)}
+    return d.CogView3PlusTransformer2DModel(pos_embed_max_size=8, **COGVIEW), _cogview_inputs(dtype)
 
 
 def _hidream(d, dtype):
