@@ -137,7 +137,11 @@ def test_a_state_dict_loaded_with_assign_is_packed_again(inline):
     assert all(op.packed for op in ops)
     for (name, p), (_, q) in zip(model.named_parameters(), fused.named_parameters(), strict=True):
         assert torch.equal(p, q), name
-    torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-5)
+    # random-normal weights give attention logits in the tens, whose softmax amplifies the packed GEMM's rounding
+    # (another summation order; an AMD EPYC's GEMM blocking put it at 5e-5 of the largest output): scaled to it. A
+    # weight left unpacked would be off by the output's own size
+    want = model(x)
+    torch.testing.assert_close(fused(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     fused.load_state_dict(model.state_dict())  # in place: still packed, and the hook leaves them as they are
     assert all(op.packed for op in ops)
     assert ol.fusion.revert(fused)._load_state_dict_post_hooks == {}
