@@ -239,6 +239,8 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     if returned:
         m.outputs.append(tail)
         m.params["return_probs"] = True
+    if mask is not None:  # scores + mask: a bool mask adds 0 / 1 there, as the code computes it
+        m.params["mask_added"] = True
     m.reason = _op_support("FusedAttention", build=lambda: build_attention(m)) or _common_checks(g, chain)
     m.ok = not m.reason
     return m
@@ -291,4 +293,5 @@ def build_attention(m: Match) -> nn.Module:
                                       return_probs=m.params.get("return_probs", False),
                                       is_causal=m.params.get("is_causal", False),
                                       enable_gqa=m.params.get("enable_gqa", False),
-                                      fp32_softmax=m.params.get("fp32_softmax", False))
+                                      fp32_softmax=m.params.get("fp32_softmax", False),
+                                      mask_added=m.params.get("mask_added", False))

@@ -263,12 +263,13 @@ class FusedAttention(CounterRNG, nn.Module):
     with dropout, whose CPU math path saves the T x T probabilities: ``ol.fusion``'s ``attention`` pattern).
     ``fp32_softmax=True``: half-precision scores give fp32 probabilities, cast to v's dtype for ``@ v``, and the
     backward takes the softmax's gradient in fp32, as for Llama-style ``softmax(..., dtype=torch.float32)
-    .to(q.dtype)`` code under autograd.
+    .to(q.dtype)`` code under autograd. ``mask_added=True``: the op stands for eager code computing ``scores + mask``,
+    where a bool mask is a number (True adds 1, False 0; a BERT given a 4-d bool mask), not SDPA's keep / discard.
     """
 
     def __init__(self, scale: float | None = None, dropout_p: float = 0.0, *, seed: int | None = None,
                  return_probs: bool = False, is_causal: bool = False, enable_gqa: bool = False,
-                 fp32_softmax: bool = False):
+                 fp32_softmax: bool = False, mask_added: bool = False):
         super().__init__()
         self.scale = None if scale is None else float(check_positive("scale", scale))
         self.dropout_p = float(check_range("dropout_p", dropout_p, 0.0, 1.0))
@@ -276,6 +277,7 @@ class FusedAttention(CounterRNG, nn.Module):
         self.is_causal = check_type("is_causal", is_causal, bool)  # as SDPA's: a top-left lower triangle
         self.enable_gqa = check_type("enable_gqa", enable_gqa, bool)  # as SDPA's: k/v heads repeated per group
         self.fp32_softmax = check_type("fp32_softmax", fp32_softmax, bool)
+        self.mask_added = check_type("mask_added", mask_added, bool)
         self._init_rng(seed)
 
     @classmethod
@@ -296,6 +298,8 @@ class FusedAttention(CounterRNG, nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         with _amp.region(q) as cast:
             q, k, v, mask = _cast_operands(cast, q, k, v, mask)
+            if mask is not None and mask.dtype == torch.bool and self.__dict__.get("mask_added", False):
+                mask = mask.to(q.dtype)  # scores + mask, as the eager code adds it (in the scores' dtype)
             if not self.enable_gqa:  # before the draw: a refused call does not advance the stream (GQA's heads
                 _check_qkv(q, k, v, mask)  # are checked once repeated)
             p, seed, offset = 0.0, 0, 0
@@ -319,6 +323,6 @@ class FusedAttention(CounterRNG, nn.Module):
                             offset=offset)
 
     def extra_repr(self) -> str:
-        flags = "".join(f", {k}=True" for k in ("return_probs", "is_causal", "enable_gqa", "fp32_softmax")
+        flags = "".join(f", {k}=True" for k in ("return_probs", "is_causal", "enable_gqa", "fp32_softmax", "mask_added")
                         if getattr(self, k, False))
         return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}{flags}"

@@ -164,6 +164,22 @@ def test_attention_forms_rewrite_equivalently(variant):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
+def test_a_bool_mask_added_to_the_scores_adds_one_where_true_as_the_code_does():
+    """``scores + mask`` with a bool mask adds 1.0 where True (a BERT text backbone given a 4-d bool mask, as Grounding
+    DINO passes it); SDPA's bool mask means keep / discard. The fused core took the second reading (train 0.9 off)."""
+    q, k, v, _ = _attention_inputs()
+    mask = torch.eye(12, dtype=torch.bool).expand(2, 1, 12, 12).contiguous()
+    model = Attn("plain")
+    fused, plan = ol.fusion.fuse(model, (q, k, v, mask))
+    (d,) = [d for d in plan.decisions if d.pattern == "attention"]
+    assert d.fused and d.params.get("mask_added") is True, d.reason
+    want, got = model(q, k, v, mask), fused(q, k, v, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    grads = [torch.autograd.grad(out.sum(), (q, k, v)) for out in (want, got)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
 class DropsTheWeights(nn.Module):
     """Eager attention code returning its weights to a caller that drops them (a Hugging Face layer without
     output_attentions); the root's data-dependent branch makes ``attn`` the region fx rewrites."""
