@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 import weakref
 from dataclasses import dataclass, field
 
@@ -123,14 +124,31 @@ def graph_free_memo(*modules: nn.Module) -> dict:
     return memo
 
 
-def _held_tensors(value, depth: int = 0):
-    """Tensors in an attribute value and in the lists, tuples and dicts it holds; not inside other objects (a
-    config's properties may raise when read: Gemma-4's per-layer ``head_dim``)."""
+def _held_tensors(value, depth: int = 0, seen: set | None = None):
+    """Tensors in an attribute value, in the lists, tuples, sets and dicts it holds and in the instance attributes of
+    the other objects it holds (OmDet-Turbo's LRU caches of text embeddings: an object around an OrderedDict), four
+    levels deep. Only what ``vars`` holds is read: a property is never called (a config's may raise when read:
+    Gemma-4's per-layer ``head_dim``). Modules are walked by the caller; classes, functions and Python modules are
+    not containers."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif depth < 4 and isinstance(value, (list, tuple, dict)):
-        for v in value.values() if isinstance(value, dict) else value:
-            yield from _held_tensors(v, depth + 1)
+        return
+    seen = set() if seen is None else seen
+    if depth >= 4 or id(value) in seen or isinstance(value, (nn.Module, type, types.ModuleType, types.FunctionType,
+                                                             types.MethodType, str, bytes)):
+        return
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        try:
+            items = list(vars(value).values())
+        except TypeError:  # no instance dict (ints, slotted objects)
+            return
+    for v in items:
+        yield from _held_tensors(v, depth + 1, seen)
 
 
 def buffers_kept(model: nn.Module):

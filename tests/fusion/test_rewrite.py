@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import warnings
 from dataclasses import dataclass
@@ -401,4 +402,39 @@ def test_a_model_caching_graph_tensors_in_attributes_fuses_and_stays_as_it_was()
     # the model keeps its own cache (the analysis's forward writes it again, as any forward does)
     assert torch.equal(model.state[0], cached) and model.state[0].grad_fn is not None
     assert fused.state[0].grad_fn is None and torch.equal(fused.state[0], cached)  # copied, detached
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+class PromptCache:
+    """An object around an OrderedDict (OmDet-Turbo's LRU cache of text embeddings), with a property that raises."""
+
+    def __init__(self):
+        self.entries = collections.OrderedDict()
+
+    @property
+    def broken(self):
+        raise AttributeError("never read")
+
+
+class CachesInAnObject(StateCachingMLP):
+    def __init__(self):
+        super().__init__()
+        self.prompts, self.itself = PromptCache(), None
+
+    def forward(self, x):
+        y = super().forward(x)
+        self.prompts.entries[x.shape[0]] = y.sum(0)  # computed: it carries the forward's autograd graph
+        self.itself = self.prompts  # a cycle through the object
+        return y
+
+
+def test_a_model_caching_graph_tensors_inside_another_object_fuses():
+    """``fuse`` copies the model; a tensor with its graph inside an object the model holds stopped that copy."""
+    torch.manual_seed(0)
+    model, x = CachesInAnObject(), seeded(4, 8, requires_grad=True)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert [d.pattern for d in plan.fused] == ["linear_gelu_linear"]
+    cached = fused.prompts.entries[4]
+    assert cached.grad_fn is None and torch.equal(cached, model.prompts.entries[4].detach())
+    assert fused.prompts is not model.prompts and fused.itself is fused.prompts
     torch.testing.assert_close(fused(x), model(x), rtol=1e-6, atol=1e-6)
