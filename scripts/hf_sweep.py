@@ -204,6 +204,12 @@ def _train_step(model, inputs):
     return outs, [g if g is not None else torch.zeros(0) for g in grads]
 
 
+# what pickling a model that cannot be pickled raises: torch pickles a parametrization (weight norm) only through its
+# state_dict (RuntimeError); a local function held as a hook (transformers' output capturing around a backbone) is
+# AttributeError or PicklingError; an object refusing it, TypeError
+_UNPICKLABLE = (RuntimeError, AttributeError, TypeError, pickle.PicklingError)
+
+
 def fuse_recorded(model, example, r: dict):
     """``ol.fusion.fuse`` (stage "fuse"), the fused model pickled, and in ``r`` what fused: the patterns with their
     routes, the fx regions, and any fx rewrite that failed (its region runs unfused with a warning, which the
@@ -212,10 +218,10 @@ def fuse_recorded(model, example, r: dict):
     fused, plan = ol.fusion.fuse(model, example)
     try:
         pickle.dumps(fused)
-    except RuntimeError:
+    except _UNPICKLABLE:
         try:
             pickle.dumps(model)
-        except RuntimeError as exc:  # torch pickles a parametrization (weight norm) only through its state_dict
+        except _UNPICKLABLE as exc:  # the model itself does not pickle: recorded, not counted against fusion
             r["pickled"] = f"neither: the model itself does not pickle ({str(exc)[:80]})"
         else:
             raise
