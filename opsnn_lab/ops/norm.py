@@ -224,7 +224,7 @@ class _FusedNorm(nn.Module):
     def _params(self, dtype: torch.dtype):
         """``(weight, bias)`` as the op reads them: cast to ``dtype`` where ``cast_params`` says so."""
         w, b = self.weight, self.bias
-        if self.cast_params:
+        if self.__dict__.get("cast_params", False):  # a module pickled before this option: False
             w, b = (p if p is None or p.dtype == dtype else p.to(dtype) for p in (w, b))
         return w, b
 
@@ -255,7 +255,7 @@ class _FusedNorm(nn.Module):
 
     def extra_repr(self) -> str:
         extra = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
-        extra += ", cast_params=True" if self.cast_params else ""
+        extra += ", cast_params=True" if self.__dict__.get("cast_params", False) else ""
         return f"{self.normalized_shape}, eps={self.eps}, bias={self.bias is not None}{extra}"
 
 

@@ -5,6 +5,8 @@ stopped (``fuse`` raised "mixed dtype" for Wan in bf16 and float64)."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,3 +91,14 @@ def test_a_fused_op_failing_on_the_recorded_inputs_declines_its_chain_not_the_mo
             "unfused") in by["layer_norm"].reason
     assert by["linear_gelu_linear"].fused  # the other chains are planned as before
     torch.testing.assert_close(fused(x), model(x))
+
+
+def test_a_norm_op_pickled_before_cast_params_loads_and_runs():
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(8)
+    op = ops.FusedLayerNorm.from_modules(norm)
+    del op.__dict__["cast_params"]  # as a module saved before the option existed
+    loaded = pickle.loads(pickle.dumps(op))
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(loaded(x), norm(x))
+    assert "cast_params" not in repr(loaded)
