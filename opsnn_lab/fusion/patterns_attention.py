@@ -239,8 +239,9 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     if returned:
         m.outputs.append(tail)
         m.params["return_probs"] = True
-    if mask is not None:  # scores + mask: a bool mask adds 0 / 1 there, as the code computes it
-        m.params["mask_added"] = True
+    # eager code adds its mask to the scores (a bool one as 0 / 1); set with no mask too, so the code traced for a call
+    # without one and for a call with one (a region's alternate) build the same op and share its stream
+    m.params["mask_added"] = True
     m.reason = _op_support("FusedAttention", build=lambda: build_attention(m)) or _common_checks(g, chain)
     m.ok = not m.reason
     return m
