@@ -40,7 +40,7 @@ def test_encoder_finds_every_pattern_in_every_layer():
     assert qkv[1].modules == ["layers.1.attention.query", "layers.1.attention.key", "layers.1.attention.value"]
     att = next(d for d in plan.decisions if d.pattern == "attention")
     assert att.modules == ["layers.0.attention", "layers.0.attention.attn_dropout"]
-    assert att.params == {"scale": pytest.approx(0.25), "dropout_p": 0.1}
+    assert att.params == {"scale": pytest.approx(0.25), "dropout_p": 0.1, "mask_added": True}  # scores + mask
     # module calls carry the MLP and QKV chains; the attention is functional code inside one forward (fx)
     assert all(d.route.startswith("fx:layers.") if d.pattern in ("attention", "add_layer_norm")
                else d.route.startswith("module:") for d in plan.decisions if d.fused)
