@@ -24,7 +24,7 @@ from opsnn_lab.fusion.patterns import (
     pattern_of,
 )
 from opsnn_lab.fusion.plan import Decision, FusionPlan
-from opsnn_lab.fusion.regions import Region, find_regions, library_hooks
+from opsnn_lab.fusion.regions import Region, error_line, find_regions, library_hooks
 from opsnn_lab.fusion.routes import Route, RoutePlanner
 from opsnn_lab.fusion.runtime import RuntimeTrace, buffers_kept, own_dtypes, trace_runtime
 
@@ -149,7 +149,7 @@ class Analysis:
                 except Exception as exc:  # noqa: BLE001 - the op cannot take this chain: decline it, not the model
                     del self.rewritable[m.key]
                     self.why_not[m.key] = (f"the fused op failed on the chain's recorded inputs ({type(exc).__name__}: "
-                                           f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); it runs unfused")
+                                           f"{error_line(exc)[:200]}); it runs unfused")
         self.trace.tensors.clear()  # activations (and the autograd graph holding them) are no longer needed
         self.trace.output = None
 

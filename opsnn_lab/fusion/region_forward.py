@@ -244,7 +244,6 @@ class FxForward(Patch):
         return out
 
 
-
 def _arguments(routes, given: dict) -> tuple[list | None, dict]:
     """``(positional, keyword)`` arguments of the traced code for a call bound as ``given`` (the original forward's
     names, defaults applied). Named parameters go by keyword, but for those before a non-empty ``*args``, which
@@ -264,7 +263,7 @@ def _arguments(routes, given: dict) -> tuple[list | None, dict]:
             pos.extend(value)
         elif kind == inspect.Parameter.VAR_KEYWORD:
             kw.update(value)
-        elif kind == inspect.Parameter.POSITIONAL_ONLY or (i < var and kind != inspect.Parameter.KEYWORD_ONLY):
+        elif kind == inspect.Parameter.POSITIONAL_ONLY or i < var:  # keyword-only ones come after *args
             pos.append(value)
         else:
             kw[name] = value
