@@ -17,7 +17,8 @@
   on one of them and is looked into.
 
 Probes call ``forward`` (the user's hooks do not fire) under ``no_grad`` and ``fork_rng`` (their RNG stream
-does not move); a BatchNorm's buffers and mode are restored after its probe. A module whose probe raises or
+does not move); a BatchNorm's buffers and mode are restored after its probe, and every module's plain attributes
+after all probes. A module whose probe raises or
 differs is looked into, as before.
 """
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opsnn_lab.fusion.graph import ACTIVATIONS, Probed, _hf_op, canonical_module, own_forward
+from opsnn_lab.fusion.instance import instance_state, restore_instance_state
 from opsnn_lab.ops._bn_act import PROBE_RTOL, computes_batch_norm, inner_activation, probe_matches
 from opsnn_lab.ops._conv_bn_args import ntuple, same_pads
 from opsnn_lab.ops._mlp_parts import activation_name, exact_in_float64
@@ -89,7 +91,16 @@ def _unknown(module: nn.Module) -> bool:
 
 
 def probe_modules(model: nn.Module) -> None:
-    """Mark what ``model``'s own classes compute (see the module docstring); cheap to call again."""
+    """Mark what ``model``'s own classes compute (see the module docstring); cheap to call again. What a probed
+    forward writes in its module (a causal conv's cache of frames for its next call) is put back after."""
+    state = instance_state(model)
+    try:
+        _probe_modules(model)
+    finally:
+        restore_instance_state(state)
+
+
+def _probe_modules(model: nn.Module) -> None:
     norms = []
     for m in model.modules():
         if isinstance(m, nn.Linear) and own_forward(m) is not nn.Linear:

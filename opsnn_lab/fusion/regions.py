@@ -26,8 +26,9 @@ from torch import nn
 from opsnn_lab._hooks import has_hooks
 from opsnn_lab.fusion.fx_dataflow import fx_graph
 from opsnn_lab.fusion.graph import Graph, is_leaf_module
+from opsnn_lab.fusion.instance import instance_state, restore_instance_state
 from opsnn_lab.fusion.specialise import check_guards
-from opsnn_lab.fusion.tracer import instance_state, kwargs_values, library_hooks, restore_instance_state, trace_region
+from opsnn_lab.fusion.tracer import kwargs_values, library_hooks, trace_region
 from opsnn_lab.fusion.wrappers import forward_wrapper, holds_tensors, passes_through
 
 __all__ = ["Region", "find_regions", "trace_region", "fx_graph", "bind_call", "error_line", "concrete_args",

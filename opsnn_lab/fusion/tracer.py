@@ -29,7 +29,6 @@ loops over tensor sizes and isinstance checks on its proxies):
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 import inspect
 import operator
@@ -45,6 +44,7 @@ from torch import nn
 from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab._randomness import enter_module, exit_module
 from opsnn_lab.fusion.graph import is_leaf_module
+from opsnn_lab.fusion.instance import instance_state, restore_instance_state
 from opsnn_lab.fusion.specialise import (
     Answers,
     GuardAfterState,
@@ -56,8 +56,7 @@ from opsnn_lab.fusion.specialise import (
 )
 from opsnn_lab.fusion.wrappers import unwrapped_forward
 
-__all__ = ["trace_region", "library_hooks", "instance_state", "restore_instance_state", "kwargs_values",
-           "apply_function"]
+__all__ = ["trace_region", "library_hooks", "kwargs_values", "apply_function", "power"]
 
 
 def kwargs_values(fact: dict) -> dict | None:
@@ -326,12 +325,19 @@ def _tracing_patches(tracer: _Tracer):
         raise fx.proxy.TraceError(f"torch.is_tensor of a traced value (`{obj.node.name}`) is not known here")
 
     def assign(module, name, value):
-        if isinstance(value, fx.Proxy) and (name in module.__dict__.get("_buffers", ()) or
-                                            name in module.__dict__.get("_parameters", ())):
-            # fx records no assignment: the code would compute the new value and drop it (``self.count += 1``, an
-            # EMA written ``self.avg = m * self.avg + ...``); stopping here keeps that module one call
-            raise fx.proxy.TraceError(f"`{type(module).__name__}.{name}` (a buffer or Parameter) is assigned a "
-                                      "computed value in the forward, which traced code would not write")
+        # fx records no assignment: the code would drop it, computed (``self.count += 1``, an EMA written ``self.avg
+        # = m * self.avg + ...``, the frames a causal conv keeps for its next call, MagVit's ``self.prev_features =
+        # x[:, :, -2:].clone()``) or not (a cache cleared for the next video, ``self.prev_features = None``).
+        # Stopping here keeps the module writing one call. Only a write of the value the attribute holds is left
+        # out, unless a module kept as one call (which runs no code while tracing) may have changed it by then.
+        traced = []
+        fx.node.map_aggregate(value, lambda v: traced.append(v) if isinstance(v, fx.Proxy) else None)
+        if traced or not _holds(module, name, value) or _inside_leaf(tracer, module):
+            what = "a buffer or Parameter" if name in module.__dict__.get("_buffers", ()) or \
+                name in module.__dict__.get("_parameters", ()) else "an attribute"
+            how = "a computed value" if traced else f"{type(value).__name__}"
+            raise fx.proxy.TraceError(f"`{type(module).__name__}.{name}` ({what}) is assigned {how} in the forward, "
+                                      "which traced code would not write")
         _SETATTR(module, name, value)
 
     torch.autograd.Function.apply = classmethod(apply)
@@ -463,6 +469,7 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
                     tracer.failed_child = exc.module or None
                     raise
                 flattened_output = _drop_empty_kwargs(graph, tracer)
+                _keep_negative_bases(graph)
                 for node in graph.nodes:  # the call of a submodule named ``self`` (ConvBERT's attention.self):
                     if node.name == "self":  # fx names its result ``self``, which shadows the module in the code
                         node._rename("self_module")
@@ -492,6 +499,40 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
         restore_instance_state(state)
 
 
+def _holds(module: nn.Module, name: str, value) -> bool:
+    """Whether ``module.name`` is ``value`` already (a write that changes nothing)."""
+    for where in (module.__dict__.get("_parameters", {}), module.__dict__.get("_buffers", {}),
+                  module.__dict__.get("_modules", {}), module.__dict__):
+        if name in where:
+            return where[name] is value
+    return False
+
+
+def _inside_leaf(tracer, module: nn.Module) -> bool:
+    """Whether ``module`` is, or is inside, a module the trace keeps as one call."""
+    paths = {id(m): p for p, m in tracer.root.named_modules()}
+    path = paths.get(id(module))
+    if path is None:
+        return False
+    parts = path.split(".") if path else []
+    return any(tracer.is_leaf_module(tracer.root.get_submodule(".".join(parts[:i])), ".".join(parts[:i]))
+               for i in range(1, len(parts) + 1))
+
+
+def power(base, exponent):
+    """``base ** exponent``, called by name in traced code (``_keep_negative_bases``)."""
+    return base ** exponent
+
+
+def _keep_negative_bases(graph: fx.Graph) -> None:
+    """fx writes ``operator.pow(-1, x)`` as ``-1 ** x``, which Python reads as ``-(1 ** x)``: Cosmos' wavelet
+    filters, ``h * (-1) ** arange``, came out all of one sign. Such a power is called by name instead."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is operator.pow and node.args \
+                and isinstance(node.args[0], (int, float)) and repr(node.args[0]).startswith("-"):  # -0.0 too
+            node.target = power
+
+
 def _drop_empty_kwargs(graph: fx.Graph, tracer: _Tracer) -> type | None:
     """Remove the ``**kwargs`` placeholders the forward saw as ``{}``. That ``{}`` was the one container among
     the forward's arguments, for which fx generated code that flattens the arguments and the output against
@@ -519,36 +560,3 @@ def _drop_empty_kwargs(graph: fx.Graph, tracer: _Tracer) -> type | None:
             kind = tracer.flat_output_type
     graph._codegen = fx.graph.CodeGen()
     return kind
-
-
-# nn.Module's own bookkeeping, restored by other means (flags) or never touched by a forward
-_MODULE_KEYS = frozenset({"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
-                          "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                          "_state_dict_hooks", "_load_state_dict_pre_hooks", "_state_dict_pre_hooks",
-                          "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                          "_forward_pre_hooks_with_kwargs", "_is_full_backward_hook"})
-
-
-def instance_state(module: nn.Module) -> list:
-    """Each module's plain attributes, with a shallow copy of each dict, list or set (a cache filled in place)."""
-    out = []
-    for m in module.modules():
-        attrs = {k: (v, copy.copy(v) if type(v) in (dict, list, set) else None)
-                 for k, v in m.__dict__.items() if k not in _MODULE_KEYS}
-        out.append((m, attrs))
-    return out
-
-
-def restore_instance_state(state: list) -> None:
-    for m, attrs in state:
-        for k in [k for k in m.__dict__ if k not in _MODULE_KEYS and k not in attrs]:
-            del m.__dict__[k]
-        for k, (value, contents) in attrs.items():
-            m.__dict__[k] = value
-            if contents is None:
-                continue
-            value.clear()  # refilled as it was (no == on contents: they may hold tensors)
-            if isinstance(value, list):
-                value.extend(contents)
-            else:
-                value.update(contents)
