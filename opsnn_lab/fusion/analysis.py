@@ -25,7 +25,7 @@ from opsnn_lab.fusion.patterns import (
 )
 from opsnn_lab.fusion.plan import Decision, FusionPlan
 from opsnn_lab.fusion.regions import Region, error_line, find_regions, library_hooks
-from opsnn_lab.fusion.routes import Route, RoutePlanner
+from opsnn_lab.fusion.routes import Route, RoutePlanner, inline_view
 from opsnn_lab.fusion.runtime import RuntimeTrace, buffers_kept, own_dtypes, trace_runtime
 
 __all__ = ["analyze", "Analysis", "split_inputs", "check_patterns"]
@@ -223,7 +223,13 @@ class Analysis:
             if route is not None:
                 d.carriers, d.first, d.ops = list(route.carriers), route.first, [act_kind(n) for n in m.nodes]
                 for label, path in zip(route.after, route.carriers):
-                    if label:
+                    if label and inline_view(label):
+                        views = [f"`{n.op}`" for n in m.nodes if n.name in m.views]
+                        d.reason += (f"; {', '.join(views)} run{'s' if len(views) == 1 else ''} inline in "
+                                     f"`{label.rpartition('.')[0] or '<model>'}`.forward before `{path}`: they view "
+                                     "the fused output (the activation ran before them, where it gives the same "
+                                     f"elements), and `{path}` checks at each call that it receives such a view")
+                    elif label:
                         host = label.rpartition('.')[0] or '<model>'
                         d.reason += (f"; the `{label.rpartition('.')[2]}` run inline in `{host}`.forward before "
                                      f"`{path}` has p=0 here and runs as it is on the fused output: a setting of "

@@ -10,10 +10,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from opsnn_lab._hooks import has_hooks
-from opsnn_lab.fusion.graph import Graph, Node, Probed, arg, canonical_module
+from opsnn_lab.fusion.graph import Graph, Node, Probed, Ref, arg, canonical_module
 
 __all__ = ["Match", "op_class", "act_kind", "act_module", "inplace_writer", "inplace_reason", "inner_act", "CONV_ACTS",
-           "LINEAR_ACTS"]
+           "LINEAR_ACTS", "VIEW_OPS", "is_view_step", "past_views"]
 
 
 @dataclass
@@ -29,6 +29,9 @@ class Match:
     # the module paths naming a candidate some of whose steps run inside a looked-into module (a conv's own forward,
     # a frozen batch norm's): those steps have no module of their own, so ``modules`` would leave that module out
     named: list[str] | None = None
+    # the view steps (``is_view_step``) between a chain's op and its pointwise activation, run by the model's own code
+    # on the fused op's output: the op computes the activation before them, where it gives the same elements
+    views: list[str] = field(default_factory=list)
 
     @property
     def modules(self) -> list[str]:
@@ -178,6 +181,47 @@ def past_identities(g: Graph, node: Node) -> tuple[list[Node], Node | None]:
     The identities join the chain: a module-level rewrite passes their input through, as they do."""
     passed, nxt = [], g.only_user(node)
     while _is_module(nxt, "identity") and g.only_user(nxt) is not None:
+        passed.append(nxt)
+        nxt = g.only_user(nxt)
+    return passed, nxt
+
+
+# Ops whose result is always a view of their input, never a copy, whatever its strides: a pointwise step after them
+# computes on the same elements as before them, so a chain's activation can run before them (reshape and flatten copy
+# some inputs, and are not here).
+VIEW_OPS = frozenset({"view", "view_as", "unflatten", "permute", "transpose", "swapaxes", "movedim", "t", "squeeze",
+                      "unsqueeze", "narrow", "select", "getitem"})
+
+
+def _basic_index(index) -> bool:
+    """An index of ints, slices of ints, None and Ellipsis: ``t[index]`` is a view (a tensor or a list copies)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or (isinstance(i, int) and not isinstance(i, bool))
+               or (isinstance(i, slice) and all(v is None or (isinstance(v, int) and not isinstance(v, bool))
+                                                for v in (i.start, i.stop, i.step)))
+               for i in items)
+
+
+def is_view_step(n: Node) -> bool:
+    """A call that views its one tensor argument: ``unflatten``, ``permute``, ``x[:, :, None]``, ... (``VIEW_OPS``),
+    not in place, with constant arguments (``view(dtype)``, which reinterprets bits, is no rearrangement)."""
+    if n.kind != "function" or n.op not in VIEW_OPS or n.inplace or len(set(n.inputs)) != 1:
+        return False
+    if not n.args or n.args[0] != Ref(n.inputs[0]):
+        return False
+    rest = [*n.args[1:], *n.kwargs.values()]
+    if n.op == "getitem":
+        return len(n.args) == 2 and not n.kwargs and _basic_index(n.args[1])
+    flat = [v for a in rest for v in (a if isinstance(a, (tuple, list)) else (a,))]
+    return all(isinstance(v, (int, str)) and not isinstance(v, bool) or v is None for v in flat)
+
+
+def past_views(g: Graph, node: Node) -> tuple[list[Node], Node | None]:
+    """``node``'s only reader past view steps each read only by the next (MagVit's and Cosmos' per-frame GroupNorm:
+    ``norm(x).unflatten(0, (b, -1)).permute(0, 2, 1, 3, 4)`` before the activation; UNet1D's ``t[:, :, 0, :]``):
+    ``(the views passed, that reader or None)``."""
+    passed, nxt = [], g.only_user(node)
+    while nxt is not None and is_view_step(nxt):
         passed.append(nxt)
         nxt = g.only_user(nxt)
     return passed, nxt

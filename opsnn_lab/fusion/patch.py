@@ -52,7 +52,7 @@ from opsnn_lab._opaque import opaque_to_compile
 from opsnn_lab.fusion import owners
 from opsnn_lab.fusion.packing import RepackAfterApply, fused_ops, repack, repack_after_load
 from opsnn_lab.fusion.patch_base import CONSTANT, Patch, own_code
-from opsnn_lab.fusion.routes import Route
+from opsnn_lab.fusion.routes import Route, inline_view
 from opsnn_lab.fusion.runtime import tensor_version
 from opsnn_lab.fusion.staleness import (
     changed,
@@ -96,9 +96,10 @@ class ChainHead(Patch):
     settings: tuple = ()
     inline_hosts: tuple = ()
     places: tuple = ()
+    viewed = False
 
     def __init__(self, host: nn.Module, op: nn.Module, steps: list[nn.Module], pattern: str, path: str = "",
-                 paths: tuple[str, ...] = (), inline_hosts: tuple = (), places: tuple = ()):
+                 paths: tuple[str, ...] = (), inline_hosts: tuple = (), places: tuple = (), viewed: bool = False):
         super().__init__(host)
         self.op, self.steps, self.pattern, self.path = op, steps, pattern, path
         self.paths = tuple(paths)  # the steps' qualified names, for the warning
@@ -109,6 +110,9 @@ class ChainHead(Patch):
         # under autocast, that tensor itself until the chain's last step has run: a forward may cast it to that
         # Linear's weight dtype on the way (T5's `wo`), after which nothing else holds it
         self.held = None
+        # the model views the output before a later step (``Route.after``): under ``inference_mode`` a view keeps
+        # no reference to it, so it is held (as under autocast) until the chain's last step has run
+        self.viewed = viewed
 
     def __call__(self, x):
         if own_code():  # exporting, a torch.func transform: the model's own code (see the module docstring)
@@ -146,7 +150,8 @@ class ChainHead(Patch):
             self._sync(self.op, mode)
             x = owners.call(self.op, x)
         self.last = weakref.ref(x) if isinstance(x, torch.Tensor) else None
-        self.held = x if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type) else None
+        self.held = x if isinstance(x, torch.Tensor) and (self.viewed or torch.is_autocast_enabled(x.device.type)) \
+            else None
         return x
 
     def __getstate__(self):
@@ -178,18 +183,31 @@ class PassThrough(Patch):
             self.head.held = None
         if x is last:
             return x
+        if self.after and inline_view(self.after) and _view_of(x, last if last is not None else held):
+            return x  # the model's views of the fused output (the op ran this pointwise step before them)
         if held is not None and _cast_of(x, held):
             # the forward cast the chain's output to this Linear's weight dtype (T5's `wo` under autocast); the
             # fused op's output is already what autocast makes of that Linear's output
             return held
-        what = (f"the `{self.after.rpartition('.')[2]}` run inline in `{self.after.rpartition('.')[0] or '<model>'}`"
-                ".forward before it was an identity when the chain was fused (p=0) and is not now (p > 0?), or a "
-                "forward hook replaced an output; set that p back to 0, or" if self.after else
+        step, host = self.after.rpartition('.')[2], self.after.rpartition('.')[0] or '<model>'
+        what = (f"the `{step}` run inline in `{host}`.forward before it viewed that output when the chain was fused "
+                "and does not now (another code path, a copy?), or a forward hook replaced an output;"
+                if self.after and inline_view(self.after) else
+                f"the `{step}` run inline in `{host}`.forward before it was an identity when the chain was fused "
+                "(p=0) and is not now (p > 0?), or a forward hook replaced an output; set that p back to 0, or"
+                if self.after else
                 "a call the analysis did not see (this module called on its own, or a forward hook replacing an "
                 "output);")
         raise RuntimeError(f"`{self.path}` passes on the output of the fused {self.head.pattern} chain "
                            f"(`{self.head.path}` computes it whole), but received another tensor: {what} "
                            "ol.fusion.revert(model) undoes the rewrite (fusing again plans it anew)")
+
+
+def _view_of(x, last: torch.Tensor | None) -> bool:
+    """Whether ``x`` views ``last``'s memory: one storage (a view made under ``inference_mode`` has no ``_base``)."""
+    if not isinstance(x, torch.Tensor) or last is None or x.device != last.device:
+        return False
+    return x.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
 
 
 def _cast_of(x, last: torch.Tensor) -> bool:
@@ -346,12 +364,14 @@ def install(model: nn.Module, route: Route, op: nn.Module, pattern: str) -> None
             raise ValueError(f"module {route.carriers[mods.index(mod)]!r} is already rewritten by another chain")
     if route.kind == "chain":
         after = route.after or ("",) * len(mods)
-        hosts = dict.fromkeys(a.rpartition(".")[0] for a in after if a)  # whose forward runs an identity step
+        # whose forward runs an identity step (a view has no setting to watch)
+        hosts = dict.fromkeys(a.rpartition(".")[0] for a in after if a and not inline_view(a))
         places = tuple((model.get_submodule(p.rpartition(".")[0]), p.rpartition(".")[2]) if p else None
                        for p in route.carriers)
         head = mods[0].__dict__["forward"] = ChainHead(mods[0], op, mods, pattern, route.carriers[0],
                                                            route.carriers,
-                                                           tuple((p, model.get_submodule(p)) for p in hosts), places)
+                                                           tuple((p, model.get_submodule(p)) for p in hosts), places,
+                                                           any(inline_view(a) for a in after))
         for mod, path, inline in zip(mods[1:], route.carriers[1:], after[1:]):
             mod.__dict__["forward"] = PassThrough(mod, head, path, inline)
     elif route.kind == "whole":

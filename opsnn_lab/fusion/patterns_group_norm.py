@@ -20,6 +20,7 @@ from opsnn_lab.fusion.match import (
     inner_act,
     inplace_reason,
     op_class,
+    past_views,
 )
 
 __all__ = ["find_group_norm_acts", "build_group_norm_act"]
@@ -27,13 +28,18 @@ __all__ = ["find_group_norm_acts", "build_group_norm_act"]
 
 def find_group_norm_acts(g: Graph) -> list[Match]:
     """``act(group_norm(x))`` where only the activation reads the normalised tensor: the fused op saves x and the
-    statistics, never the normalised tensor eager's activation keeps."""
+    statistics, never the normalised tensor eager's activation keeps. Views between the two (a per-frame norm on
+    ``(B * T, C, H, W)`` whose output is unflattened and permuted back before the activation) stay in the model's
+    code, run on the op's output (``Match.views``)."""
     out = []
     for norm in g.nodes:
         if not _is_module(norm, "group_norm"):
             continue
         inner = inner_act(norm)  # a GroupNorm module applying its own activation (timm's GroupNormAct)
         passed, act = ([], inner) if inner is not None else act_reader(g, norm, CONV_ACTS)
+        views, behind = past_views(g, norm) if act is None and inner is None else ([], None)
+        if views and behind is not None and act_kind(behind) in CONV_ACTS:
+            act = behind  # the activation is pointwise: the op runs it before the views, on the norm's layout
         m = Match("group_norm_act", [norm], False, "", inputs=norm.inputs[:1], outputs=[norm])
         users = g.users.get(norm.name, [])
         if inner is not None and act_kind(inner) not in CONV_ACTS:
@@ -42,16 +48,18 @@ def find_group_norm_acts(g: Graph) -> list[Match]:
             out.append(m)
             continue
         if act is None:
-            m.reason = (f"the output of `{norm.label}` goes to {', '.join(f'`{u.label}`' for u in users)}, not one "
-                        f"activation of {', '.join(sorted(CONV_ACTS))}" if users else f"`{norm.label}` is unused")
+            past = f", past {', '.join(f'`{v.op}`' for v in views)}," if views else ""
+            to = [behind] if views and behind is not None else users if not views else g.users.get(views[-1].name, [])
+            m.reason = (f"the output of `{norm.label}`{past} goes to {', '.join(f'`{u.label}`' for u in to)}, not one "
+                        f"activation of {', '.join(sorted(CONV_ACTS))}" if to else f"`{norm.label}` is unused")
             out.append(m)
             continue
         m.pattern = f"group_norm_{act_kind(act)}"
         if inner is None:
-            m.nodes, m.outputs = [norm, *passed, act], [act]
+            m.nodes, m.outputs, m.views = [norm, *passed, *views, act], [act], [v.name for v in views]
         module = act_module(act)
         m.params = {"norm": norm.obj, "act": module}
-        m.reason = (("" if inner else _consumer_reason(g, norm, passed[0] if passed else act))
+        m.reason = (("" if inner else _consumer_reason(g, norm, (passed or views or [act])[0]))
                     or _op_support("FusedGroupNormAct", norm.obj, module) or inplace_reason(g, m.outputs[0])
                     or _common_checks(g, m.nodes))
         m.ok = not m.reason

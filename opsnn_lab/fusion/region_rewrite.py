@@ -69,6 +69,9 @@ def _rewrite(gm, g, m: Match, slot: str, moved: dict) -> None:
     graph = gm.graph
     chain = [n.ref for n in m.nodes]
     inputs = tuple(moved.get(g[name].ref, g[name].ref) for name in m.inputs)
+    if m.views:
+        _rewrite_past_views(graph, chain, inputs, slot, moved)
+        return
     anchor = chain[0] if m.pattern == "qkv" else chain[-1]
     # An output the code reads before the chain ends (FocalNet reads the residual sum's ``.shape`` before its
     # norm) needs the fused call before that read; the inputs come before the chain's first node.
@@ -85,6 +88,20 @@ def _rewrite(gm, g, m: Match, slot: str, moved: dict) -> None:
         out.ref.replace_all_uses_with(repl)
         moved[out.ref] = repl
     for node in reversed(chain):
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _rewrite_past_views(graph, chain: list, inputs: tuple, slot: str, moved: dict) -> None:
+    """A chain ``op -> views -> activation`` (``Match.views``): the fused call takes the op's place, the views read
+    its output as they read the op's, and what read the activation reads the last view."""
+    head, act = chain[0], chain[-1]
+    with graph.inserting_before(head):
+        new = graph.call_module(slot, inputs)
+    head.replace_all_uses_with(new)
+    act.replace_all_uses_with(act.args[0])
+    moved[head], moved[act] = new, act.args[0]
+    for node in (act, head):
         if not node.users:
             graph.erase_node(node)
 

@@ -30,7 +30,7 @@ from opsnn_lab.fusion.probe import probe_modules
 from opsnn_lab.fusion.region_forward import FxForward
 from opsnn_lab.fusion.region_rewrite import FusedSlot, name_stream, trace_variants
 from opsnn_lab.fusion.regions import error_line, library_hooks
-from opsnn_lab.fusion.routes import Route, inline_after
+from opsnn_lab.fusion.routes import Route, inline_after, inline_view
 from opsnn_lab.fusion.runtime import buffers_kept, graph_free_memo, own_dtypes
 
 __all__ = ["apply", "FusedSlot", "FxForward", "revert", "REWRITE_FAILED"]
@@ -62,9 +62,12 @@ def _rebuild(model: nn.Module, d: Decision) -> Match:
     ops = [op for label, op in zip(d.chain, d.ops) if label in d.carriers] if len(d.ops) == len(d.chain) else []
     ops = ops if len(ops) == len(mods) else [canonical_module(mod) for mod in mods]
     for i, (path, mod, op, inline) in enumerate(zip(d.carriers, mods, ops, after)):
-        if inline:  # an inline dropout with p=0 (routes.inline_identity) between two steps
-            scope = inline.rpartition(".")[0]
-            nodes.append(Node(f"i{i}", "function", "dropout", [prev], (Ref(prev), 0.0), scope=scope))
+        if inline:  # an inline dropout with p=0 (routes.inline_identity) or a view between two steps
+            scope, _, step = inline.rpartition(".")
+            args = ((Ref(prev), slice(None)) if step == "getitem" else (Ref(prev),)) if inline_view(inline) \
+                else (Ref(prev), 0.0)
+            nodes.append(Node(f"i{i}", "function", step if inline_view(inline) else "dropout", [prev], args,
+                              scope=scope))
             prev = f"i{i}"
         nodes.append(Node(f"n{i}", "module", op, [prev], (Ref(prev),), module=path, obj=mod))
         prev = prev if kind == "qkv" else f"n{i}"

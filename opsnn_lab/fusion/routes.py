@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opsnn_lab.fusion.graph import arg
+from opsnn_lab.fusion.match import VIEW_OPS
 from opsnn_lab.fusion.patterns import Match, op_name
 from opsnn_lab.fusion.runtime import ModuleCall, RuntimeTrace
 
-__all__ = ["Route", "RoutePlanner", "inline_identity", "inline_after"]
+__all__ = ["Route", "RoutePlanner", "inline_identity", "inline_view", "inline_after"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Route:
     kind: str  # "chain" | "qkv" | "whole" | "sdpa"
     carriers: tuple[str, ...]  # chain: the module of each step (first gets the op); qkv: q, k, v; whole, sdpa: one
     first: int = 0  # qkv: which sibling the model calls first (it runs the packed GEMM)
-    after: tuple[str, ...] = ()  # chain: per carrier, the identity op run inline just before it ('' when none)
+    after: tuple[str, ...] = ()  # chain: per carrier, the identity op or view run inline just before it ('' if none)
 
     @property
     def label(self) -> str:
@@ -82,7 +83,8 @@ class RoutePlanner:
     def _chain(self, m: Match) -> Route | str:
         carriers, reads = [], list(m.inputs[:1])
         for i, n in enumerate(m.nodes):
-            if carriers and i < len(m.nodes) - 1 and inline_identity(n) and n.inputs[:1] == reads:
+            if carriers and i < len(m.nodes) - 1 and (inline_identity(n) or n.name in m.views) \
+                    and n.inputs[:1] == reads:
                 reads = [n.name]  # runs in the model's own code between two steps; the next one checks it was one
                 continue
             c, why = self._carrier(n, reads)
@@ -150,6 +152,12 @@ class RoutePlanner:
 def inline_identity(n) -> bool:
     """A dropout called inline (not as a module) with p=0 in the recorded call: it returned its input."""
     return n.kind == "function" and n.op == "dropout" and arg(n, 1, "p", 0.5) == 0
+
+
+def inline_view(label: str) -> bool:
+    """Whether an inline step (a label of ``Route.after``) is a view step (``match.VIEW_OPS``) the model runs on the
+    fused output, not an identity dropout: the next carrier receives a view of that output."""
+    return label.rpartition(".")[2] in VIEW_OPS
 
 
 def inline_after(labels: list[str], carriers) -> tuple[str, ...]:
