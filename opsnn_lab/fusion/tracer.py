@@ -330,6 +330,8 @@ def _tracing_patches(tracer: _Tracer):
         # x[:, :, -2:].clone()``) or not (a cache cleared for the next video, ``self.prev_features = None``).
         # Stopping here keeps the module writing one call. Only a write of the value the attribute holds is left
         # out, unless a module kept as one call (which runs no code while tracing) may have changed it by then.
+        if module is tracer.root and name.startswith(_FX_CONSTANTS):  # fx keeps a constant tensor of the code
+            return _SETATTR(module, name, value)
         traced = []
         fx.node.map_aggregate(value, lambda v: traced.append(v) if isinstance(v, fx.Proxy) else None)
         if traced or not _holds(module, name, value) or _inside_leaf(tracer, module):
@@ -497,6 +499,9 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
         for m, flag in flags.items():
             m.training = flag
         restore_instance_state(state)
+
+
+_FX_CONSTANTS = ("_tensor_constant", "_torchbind_obj")  # fx.Tracer.create_arg's names on the root
 
 
 def _holds(module: nn.Module, name: str, value) -> bool:
