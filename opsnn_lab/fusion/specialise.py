@@ -239,6 +239,24 @@ def _after_state(guard: fx.Node, root: nn.Module) -> bool:
     return False
 
 
+_REAL_CODE = [0]  # > 0 while an answer runs the model's code for real on the example (``Answers._value``)
+
+
+@contextlib.contextmanager
+def _real_code():
+    _REAL_CODE[0] += 1
+    try:
+        yield
+    finally:
+        _REAL_CODE[0] -= 1
+
+
+def runs_real_code() -> bool:
+    """Whether the code running now is a step run on the example to answer a question, not code being traced: what
+    it writes in a module (a counter stream's step) is its own, put back with its draws."""
+    return _REAL_CODE[0] > 0
+
+
 def _unpatched():
     """fx's own context that lifts its patches (``Module.__call__``, wrapped functions) while a trace runs."""
     try:
@@ -332,7 +350,7 @@ class Answers:
             # a draw (a label dropout's ``torch.rand(n) < p``) runs with its sources put back afterwards: its sizes
             # are the ones a question needs, and the model's own draws stay as they were
             args = fx.node.map_arg((node.args, node.kwargs), self._value)
-            with torch.no_grad(), _unpatched(), _drawing_aside(node, self.root, args) if why else \
+            with torch.no_grad(), _unpatched(), _real_code(), _drawing_aside(node, self.root, args) if why else \
                     contextlib.nullcontext():
                 value = self._run(node, *args)
         self._values[key] = value

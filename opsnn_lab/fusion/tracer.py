@@ -53,6 +53,7 @@ from opsnn_lab.fusion.specialise import (
     expect,
     expect_dtype,
     expect_len,
+    runs_real_code,
 )
 from opsnn_lab.fusion.wrappers import unwrapped_forward
 
@@ -330,8 +331,8 @@ def _tracing_patches(tracer: _Tracer):
         # x[:, :, -2:].clone()``) or not (a cache cleared for the next video, ``self.prev_features = None``).
         # Stopping here keeps the module writing one call. Only a write of the value the attribute holds is left
         # out, unless a module kept as one call (which runs no code while tracing) may have changed it by then.
-        if module is tracer.root and name.startswith(_FX_CONSTANTS):  # fx keeps a constant tensor of the code
-            return _SETATTR(module, name, value)
+        if runs_real_code() or (module is tracer.root and name.startswith(_FX_CONSTANTS)):
+            return _SETATTR(module, name, value)  # an answer's step run for real; fx's constant tensors of the code
         traced = []
         fx.node.map_aggregate(value, lambda v: traced.append(v) if isinstance(v, fx.Proxy) else None)
         if traced or not _holds(module, name, value) or _inside_leaf(tracer, module):
