@@ -189,8 +189,8 @@ def past_identities(g: Graph, node: Node) -> tuple[list[Node], Node | None]:
 # Ops whose result is always a view of their input, never a copy, whatever its strides: a pointwise step after them
 # computes on the same elements as before them, so a chain's activation can run before them (reshape and flatten copy
 # some inputs, and are not here).
-VIEW_OPS = frozenset({"view", "view_as", "unflatten", "permute", "transpose", "swapaxes", "movedim", "t", "squeeze",
-                      "unsqueeze", "narrow", "select", "getitem"})
+VIEW_OPS = frozenset({"view", "view_as", "unflatten", "permute", "transpose", "swapaxes", "movedim", "t", "T", "mT",
+                      "squeeze", "unsqueeze", "narrow", "select", "getitem"})
 
 
 def _basic_index(index) -> bool:

@@ -181,6 +181,21 @@ class Rearranged(nn.Module):
         return self.act(self.step(self.norm(x)))
 
 
+@pytest.mark.parametrize("step", [
+    lambda h: h.mT, lambda h: h.transpose(1, 2), lambda h: h.swapaxes(1, 3), lambda h: h.movedim(1, -1),
+    lambda h: h.narrow(3, 1, 4), lambda h: h.select(2, 1), lambda h: h.unsqueeze(0).squeeze(0),
+    lambda h: h.view(2, 4, 18), lambda h: h[:, 1:, None, ..., ::2], lambda h: h.unflatten(2, (1, 3)),
+])
+def test_each_view_step_runs_on_the_fused_output(step):
+    torch.manual_seed(0)
+    model, x = Rearranged(step).double(), seeded(2, 4, 3, 6, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    (d,) = plan.decisions
+    assert d.fused and d.route == "module:chain" and len(d.chain) >= 3, d.reason
+    for a, b in zip(_step(model, x), _step(fused, x)):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("step, reason", [
     (lambda h: h.reshape(2, 4, -1), "the output of `norm` goes to `reshape`"),  # may copy: not a view step
     (lambda h: h[:, torch.tensor([1, 0, 3, 2])], "the output of `norm` goes to `getitem`"),  # a gather copies
