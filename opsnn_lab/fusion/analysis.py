@@ -13,6 +13,7 @@ from torch import nn
 
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion.cost import CostModel
+from opsnn_lab.fusion.instance import instance_state, restore_instance_state
 from opsnn_lab.fusion.patterns import (
     CONV_ACTS,
     FAMILIES,
@@ -463,7 +464,8 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     ``FusionPlan.not_analysed`` with why (they run unfused).
 
     The model's mode flags, its buffers, its dropout streams (counter-RNG steps, the ``make_reproducible``
-    step) and the global RNGs (torch's, Python's, numpy's) are left as they were. Called inside
+    step), what its forward writes in its modules' attributes and in the plain objects they hold (a cache), and the
+    global RNGs (torch's, Python's, numpy's) are left as they were. Called inside
     ``torch.autocast``, the forward is recorded with autocast off (``runtime.own_dtypes``): the plan is about the
     model's own dtypes, the one made outside autocast, and the fused ops it picks apply autocast's casts
     themselves when they run under it.
@@ -477,6 +479,9 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     flags = {m: m.training for m in model.modules()}
     restore = buffers_kept(model)
     streams = _dropout_streams(model)
+    # what the forwards write in the modules and the plain objects they hold (a cache of text embeddings filled
+    # with tensors holding the recorded graph) is put back too
+    state = instance_state(model)
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
 
     try:
@@ -490,6 +495,7 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
             m.training = flag
         restore()
         streams()
+        restore_instance_state(state)
     # ops are built (and some validated) as the chains' own dtypes run them; a region's size questions run its
     # code on the example, which moves buffers too (a spectral norm's power iteration): restored again
     try:
@@ -498,6 +504,7 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     finally:
         restore()
         streams()
+        restore_instance_state(state)
     plan.analysis_seconds = time.perf_counter() - t0
     return plan
 

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import collections
 import copy
+import functools
+import types
 
+import torch
 from torch import nn
 
 __all__ = ["instance_state", "restore_instance_state"]
@@ -18,22 +22,42 @@ _MODULE_KEYS = frozenset({"_parameters", "_buffers", "_modules", "training", "_n
                           "_forward_pre_hooks_with_kwargs", "_is_full_backward_hook"})
 
 
+_CONTAINERS = (dict, list, set, collections.OrderedDict, collections.defaultdict)  # refilled in place (exact types)
+_NOT_HOLDERS = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
+                types.BuiltinFunctionType, functools.partial)
+
+
+def _attrs(d: dict, skip=frozenset()) -> dict:
+    return {k: (v, copy.copy(v) if type(v) in _CONTAINERS else None) for k, v in d.items() if k not in skip}
+
+
+def _holder(v) -> bool:
+    """A plain object a module holds (a cache around an OrderedDict, a config): its attributes are kept too."""
+    return not isinstance(v, _NOT_HOLDERS) and isinstance(getattr(v, "__dict__", None), dict)
+
+
 def instance_state(module: nn.Module) -> list:
-    """Each module's plain attributes, with a shallow copy of each dict, list or set (a cache filled in place)."""
-    out = []
+    """Each module's plain attributes, with a shallow copy of each dict, list or set (a cache filled in place); and
+    those of the plain objects the modules hold (OmDet-Turbo's LRU cache of text embeddings, which a forward fills
+    with tensors still holding their autograd graph)."""
+    out, seen = [], set()
     for m in module.modules():
-        attrs = {k: (v, copy.copy(v) if type(v) in (dict, list, set) else None)
-                 for k, v in m.__dict__.items() if k not in _MODULE_KEYS}
-        out.append((m, attrs))
+        out.append((m, _attrs(m.__dict__, _MODULE_KEYS)))
+        for v in list(m.__dict__.values()):
+            if _holder(v) and id(v) not in seen:
+                seen.add(id(v))
+                out.append((v, _attrs(vars(v))))
     return out
 
 
 def restore_instance_state(state: list) -> None:
     for m, attrs in state:
-        for k in [k for k in m.__dict__ if k not in _MODULE_KEYS and k not in attrs]:
-            del m.__dict__[k]
+        d = m.__dict__
+        skip = _MODULE_KEYS if isinstance(m, nn.Module) else ()
+        for k in [k for k in d if k not in skip and k not in attrs]:
+            del d[k]
         for k, (value, contents) in attrs.items():
-            m.__dict__[k] = value
+            d[k] = value
             if contents is None:
                 continue
             value.clear()  # refilled as it was (no == on contents: they may hold tensors)

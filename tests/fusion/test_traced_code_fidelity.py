@@ -1,9 +1,11 @@
 """What torch.fx's code would get wrong in a region it rewrites, and how the tracer keeps it right: a power of a
 negative constant (fx writes ``-1 ** x``, which Python reads as ``-(1 ** x)``), and a forward that assigns a
-computed value to an attribute its next call reads (fx records no assignment: the module stays one call)."""
+computed value to an attribute its next call reads (fx records no assignment: the module stays one call). And what
+fusing must not leave behind in the model: what its forwards wrote in the modules or in a cache object they hold."""
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import torch
@@ -103,3 +105,36 @@ def test_a_module_assigning_a_computed_value_for_its_next_call_stays_one_call_of
     assert fused(x).shape == (2, 8, 7)  # 1 frame, then 3 doubled
     for gm in fused.decoder.__dict__["forward"].variants.values():
         assert [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target == "up"] == ["up"]
+
+
+class LRUCache:  # OmDet-Turbo's cache of text embeddings: a plain object around an OrderedDict
+    def __init__(self):
+        self.cache = collections.OrderedDict()
+
+
+class PromptedNorm(nn.Module):
+    """Embeds its prompt once and caches the embedding (with its autograd graph) for the calls after."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.embed, self.norm, self.texts = nn.Embedding(16, c), nn.GroupNorm(2, c), LRUCache()
+        self.prompt = torch.tensor([3, 1, 4])
+
+    def forward(self, x):
+        key = tuple(self.prompt.tolist())
+        if key not in self.texts.cache:
+            self.texts.cache[key] = self.embed(self.prompt).mean(0)
+        return F.silu(self.norm(x)) * self.texts.cache[key][None, :, None]
+
+
+def test_fusing_leaves_no_entry_in_a_cache_object_the_forward_fills():
+    """The analysis's forward filled the model's cache with an embedding whose graph it kept: the model's next
+    step backpropagated into the analysis's graph, and the fused copy (a detached copy of the entry) did not, so
+    their gradients differed (OmDet-Turbo's text encoder: no gradient in the fused model)."""
+    torch.manual_seed(0)
+    model, x = PromptedNorm().double(), seeded(2, 8, 5, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(model, (x,))
+    assert not model.texts.cache and not fused.texts.cache
+    assert [d.fused for d in plan.decisions if d.pattern.startswith("group_norm")] == [True]
+    for a, b in zip(_step(model, x), _step(fused, x)):  # the embedding's gradient included
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
