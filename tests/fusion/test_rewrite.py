@@ -429,12 +429,16 @@ class CachesInAnObject(StateCachingMLP):
 
 
 def test_a_model_caching_graph_tensors_inside_another_object_fuses():
-    """``fuse`` copies the model; a tensor with its graph inside an object the model holds stopped that copy."""
+    """``fuse`` copies the model; a tensor with its graph inside an object the model holds (left by the user's own
+    forward) stopped that copy. The analysis's forwards write there too, and what they wrote is put back."""
     torch.manual_seed(0)
     model, x = CachesInAnObject(), seeded(4, 8, requires_grad=True)
+    model(x)
+    before = model.prompts.entries[4]
     fused, plan = ol.fusion.fuse(model, (x,))
     assert [d.pattern for d in plan.fused] == ["linear_gelu_linear"]
+    assert list(model.prompts.entries.items()) == [(4, before)]  # the user's entry, with its graph, as it was
     cached = fused.prompts.entries[4]
-    assert cached.grad_fn is None and torch.equal(cached, model.prompts.entries[4].detach())
+    assert cached.grad_fn is None and torch.equal(cached, before.detach())
     assert fused.prompts is not model.prompts and fused.itself is fused.prompts
     torch.testing.assert_close(fused(x), model(x), rtol=1e-6, atol=1e-6)
