@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fusion._sweeps import clean_records, sweep
+
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
@@ -17,17 +19,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "audio_sweep.py"
 
 
 def test_the_audio_sweep_fuses_the_speech_models_and_checks_them(tmp_path, capsys):
-    sweep = runpy.run_path(str(SCRIPT))
     assert {"Wav2Vec2ForCTC", "Wav2Vec2ConformerForCTC", "ParakeetForCTC",
-            "WhisperForConditionalGeneration"} <= set(sweep["audio_models"]())
-    out = tmp_path / "audio.json"
+            "WhisperForConditionalGeneration"} <= set(sweep("audio_sweep.py")["audio_models"]())
     names = ["Wav2Vec2ConformerForCTC", "ParakeetForCTC", "WhisperForConditionalGeneration"]
-    sweep["main"](["--models", ",".join(names), "--out", str(out)])
-    results = json.loads(out.read_text())
-    for name in names:
-        r = results[name]
-        assert "error" not in r and r["fused"] and r["rewrite_failed"] == [] and "ran_unfused" not in r, r
-        assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-12, r
+    results = clean_records("audio_sweep.py", names, tmp_path, tol=1e-12)
     assert results["Wav2Vec2ConformerForCTC"]["fused"].count("conv_bn_gelu@module") == 2
     assert results["ParakeetForCTC"]["fused"].count("conv_bn_silu@module") == 2
     assert "does not pickle" in results["Wav2Vec2ConformerForCTC"]["pickled"]

@@ -5,28 +5,18 @@ BatchNorm inside)."""
 
 from __future__ import annotations
 
-import json
-import runpy
-from pathlib import Path
-
 import pytest
+
+from tests.fusion._sweeps import clean_records, sweep
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "multimodal_sweep.py"
 NAMES = ["CLIPModel", "LlavaForConditionalGeneration", "PatchTSTForPrediction"]
 
 
 def test_the_multimodal_sweep_fuses_a_dual_encoder_a_vlm_and_a_forecaster(tmp_path, capsys):
-    sweep = runpy.run_path(str(SCRIPT))
-    out = tmp_path / "multimodal.json"
-    sweep["main"](["--models", ",".join(NAMES), "--out", str(out)])
-    results = json.loads(out.read_text())
-    for name in NAMES:
-        r = results[name]
-        assert "error" not in r and r["fused"] and r["rewrite_failed"] == [] and "ran_unfused" not in r, r
-        assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-10, r
+    results = clean_records("multimodal_sweep.py", NAMES, tmp_path)
     assert {"qkv@module", "linear_quick_gelu_linear@module"} <= set(results["CLIPModel"]["fused"])
     assert "attention@fx" in results["PatchTSTForPrediction"]["fused"]
     llava = results["LlavaForConditionalGeneration"]
@@ -37,7 +27,7 @@ def test_the_multimodal_sweep_fuses_a_dual_encoder_a_vlm_and_a_forecaster(tmp_pa
 
 
 def test_the_multimodal_sweep_lists_the_mapped_classes(capsys):
-    runpy.run_path(str(SCRIPT))["main"](["--list"])
+    sweep("multimodal_sweep.py")["main"](["--list"])
     listed = capsys.readouterr().out.split()
     assert {"LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration", "Idefics3ForConditionalGeneration",
             "Qwen2VLForConditionalGeneration", "Blip2ForConditionalGeneration", "CLIPModel", "SiglipModel",
