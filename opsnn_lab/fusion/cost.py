@@ -208,7 +208,7 @@ class CostModel:
         if m.pattern == "qkv":
             x = self.trace.graph.by_name.get(m.inputs[0])
             return 4 * (x.nbytes if x is not None else 0)
-        outs = {o.name for o in m.outputs}
+        outs = {o.name for o in m.outputs} | set(m.views)  # a view moves no bytes
         return 4 * sum(n.nbytes for n in m.nodes if n.name not in outs)
 
 

@@ -105,6 +105,7 @@ def test_per_frame_norms_fuse_as_a_module_chain_with_the_views_left_in_the_model
     assert "`unflatten`, `permute` run inline in `<model>`.forward before `act1`: they view the fused output" \
         in d.reason
     assert ol.fusion.patches(fused)["act1"].after == "permute"
+    assert d.traffic_bytes == 4 * X5.numel() * X5.element_size()  # the normalised map's round trips; views move none
 
 
 def test_a_shared_activation_after_per_frame_norms_fuses_each_call_site_through_fx():
