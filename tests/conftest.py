@@ -6,12 +6,17 @@ kernel is tested under ``TRITON_INTERPRET=1`` against its torch reference. torch
 same way, before torch is imported.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # torch.compile's kernels go to a cache of this run's own: a cache shared with other processes (or left by a
-# run under another ATEN_CPU_CAPABILITY) is not what a fresh clone tests.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="opsnn-inductor-"))
+# run under another ATEN_CPU_CAPABILITY) is not what a fresh clone tests. The run removes it when it ends.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="opsnn-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
