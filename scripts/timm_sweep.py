@@ -145,9 +145,10 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=
     del r["stage"]
 
 
-def sweep_main(argv, doc: str, default_names, build=build, check=check) -> None:
-    """The command line of this sweep and of torchvision_sweep.py / diffusers_sweep.py: ``default_names()`` when no
-    ``--models``; ``check(name, dtype, record, autocast, build=build)`` per model."""
+def sweep_main(argv, doc: str, default_names, build=build, check=check, running=None) -> None:
+    """The command line of this sweep and of the others: ``default_names()`` when no ``--models``; ``check(name,
+    dtype, record, autocast, build=build)`` per model, or with ``running`` (a sweep of Hugging Face models that builds
+    and runs each itself: audio, dense vision, multimodal) ``hf_sweep.check(..., running=running)``."""
     ap = S.argument_parser(doc)
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     ap.add_argument("--list", action="store_true", help="print the default models and stop")
@@ -161,7 +162,10 @@ def sweep_main(argv, doc: str, default_names, build=build, check=check) -> None:
     if args.autocast and args.dtype != "float32":
         ap.error("--autocast compares with the float32 step: use it with --dtype float32")
     dtype = getattr(torch, args.dtype)
-    S.run_sweep(names, lambda name, r: check(name, dtype, r, args.autocast, build=build), S._line, args.out)
+    if running is not None:
+        S.run_sweep(names, lambda name, r: S.check(name, dtype, r, args.autocast, running=running), S._line, args.out)
+    else:
+        S.run_sweep(names, lambda name, r: check(name, dtype, r, args.autocast, build=build), S._line, args.out)
 
 
 def main(argv=None) -> None:

@@ -236,15 +236,10 @@ def running(name: str, dtype: torch.dtype, r: dict, dropout: float = 0.0):
     return model, inputs
 
 
-def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=None) -> None:
-    """``hf_sweep.check`` with these models (``build`` is the command line's, unused: ``running`` builds). A model
-    holding a transformers backbone has output-capturing hooks from its construction on (local functions): it does
-    not pickle, and ``hf_sweep.fuse_recorded`` records that instead of a fusion failure."""
-    S.check(name, dtype, r, autocast, running=running)
-
-
 def main(argv=None) -> None:
-    TS.sweep_main(argv, __doc__, vision_task_models, check=check)
+    # a model holding a transformers backbone has output-capturing hooks from its construction on (local functions):
+    # it does not pickle, and ``hf_sweep.fuse_recorded`` records that instead of a fusion failure
+    TS.sweep_main(argv, __doc__, vision_task_models, running=running)
 
 
 if __name__ == "__main__":
