@@ -11,7 +11,7 @@ import types
 import torch
 from torch import nn
 
-__all__ = ["instance_state", "restore_instance_state"]
+__all__ = ["instance_state", "restore_instance_state", "plain_object"]
 
 
 # nn.Module's own bookkeeping, restored by other means (flags) or never touched by a forward
@@ -31,8 +31,9 @@ def _attrs(d: dict, skip=frozenset()) -> dict:
     return {k: (v, copy.copy(v) if type(v) in _CONTAINERS else None) for k, v in d.items() if k not in skip}
 
 
-def _holder(v) -> bool:
-    """A plain object a module holds (a cache around an OrderedDict, a config): its attributes are kept too."""
+def plain_object(v) -> bool:
+    """A plain Python object with instance attributes (a cache around an OrderedDict, a config): not a module, a
+    tensor, a class, a function or a Python module, whose attributes are no state a forward writes."""
     return not isinstance(v, _NOT_HOLDERS) and isinstance(getattr(v, "__dict__", None), dict)
 
 
@@ -44,7 +45,7 @@ def instance_state(module: nn.Module) -> list:
     for m in module.modules():
         out.append((m, _attrs(m.__dict__, _MODULE_KEYS)))
         for v in list(m.__dict__.values()):
-            if _holder(v) and id(v) not in seen:
+            if plain_object(v) and id(v) not in seen:
                 seen.add(id(v))
                 out.append((v, _attrs(vars(v))))
     return out

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
 import weakref
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from opsnn_lab.fusion.graph import (
     canonical_module,
     is_leaf_module,
 )
+from opsnn_lab.fusion.instance import plain_object
 from opsnn_lab.fusion.probe import probe_modules
 from opsnn_lab.fusion.wrappers import ArgumentState, RecordedCall
 from opsnn_lab.measuring import pack_detached
@@ -129,24 +129,22 @@ def _held_tensors(value, depth: int = 0, seen: set | None = None):
     the other objects it holds (OmDet-Turbo's LRU caches of text embeddings: an object around an OrderedDict), four
     levels deep. Only what ``vars`` holds is read: a property is never called (a config's may raise when read:
     Gemma-4's per-layer ``head_dim``). Modules are walked by the caller; classes, functions and Python modules are
-    not containers."""
+    not containers (``instance.plain_object``)."""
     if isinstance(value, torch.Tensor):
         yield value
         return
     seen = set() if seen is None else seen
-    if depth >= 4 or id(value) in seen or isinstance(value, (nn.Module, type, types.ModuleType, types.FunctionType,
-                                                             types.MethodType, str, bytes)):
+    if depth >= 4 or id(value) in seen:
         return
     seen.add(id(value))
     if isinstance(value, dict):
         items = list(value.values())
     elif isinstance(value, (list, tuple, set, frozenset)):
         items = list(value)
-    else:
-        try:
-            items = list(vars(value).values())
-        except TypeError:  # no instance dict (ints, slotted objects)
-            return
+    elif plain_object(value):  # not a module (the caller walks those), class, function, Python module
+        items = list(vars(value).values())
+    else:  # no instance dict (ints, strings, slotted objects)
+        return
     for v in items:
         yield from _held_tensors(v, depth + 1, seen)
 
