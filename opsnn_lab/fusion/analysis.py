@@ -482,6 +482,12 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     # what the forwards write in the modules and the plain objects they hold (a cache of text embeddings filled
     # with tensors holding the recorded graph) is put back too
     state = instance_state(model)
+
+    def put_back() -> None:
+        restore()
+        streams()
+        restore_instance_state(state)
+
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
 
     try:
@@ -493,18 +499,14 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     finally:
         for m, flag in flags.items():
             m.training = flag
-        restore()
-        streams()
-        restore_instance_state(state)
+        put_back()
     # ops are built (and some validated) as the chains' own dtypes run them; a region's size questions run its
     # code on the example, which moves buffers too (a spectral norm's power iteration): restored again
     try:
         with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs):
             plan = analysis.plan(patterns)
     finally:
-        restore()
-        streams()
-        restore_instance_state(state)
+        put_back()
     plan.analysis_seconds = time.perf_counter() - t0
     return plan
 

@@ -49,7 +49,7 @@ def find_group_norm_acts(g: Graph) -> list[Match]:
             continue
         if act is None:
             past = f", past {', '.join(f'`{v.op}`' for v in views)}," if views else ""
-            to = [behind] if views and behind is not None else users if not views else g.users.get(views[-1].name, [])
+            to = g.users.get(views[-1].name, []) if views else users
             m.reason = (f"the output of `{norm.label}`{past} goes to {', '.join(f'`{u.label}`' for u in to)}, not one "
                         f"activation of {', '.join(sorted(CONV_ACTS))}" if to else f"`{norm.label}` is unused")
             out.append(m)

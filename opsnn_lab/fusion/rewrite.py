@@ -64,10 +64,11 @@ def _rebuild(model: nn.Module, d: Decision) -> Match:
     for i, (path, mod, op, inline) in enumerate(zip(d.carriers, mods, ops, after)):
         if inline:  # an inline dropout with p=0 (routes.inline_identity) or a view between two steps
             scope, _, step = inline.rpartition(".")
-            args = ((Ref(prev), slice(None)) if step == "getitem" else (Ref(prev),)) if inline_view(inline) \
-                else (Ref(prev), 0.0)
-            nodes.append(Node(f"i{i}", "function", step if inline_view(inline) else "dropout", [prev], args,
-                              scope=scope))
+            if inline_view(inline):
+                args = (Ref(prev), slice(None)) if step == "getitem" else (Ref(prev),)
+            else:
+                step, args = "dropout", (Ref(prev), 0.0)
+            nodes.append(Node(f"i{i}", "function", step, [prev], args, scope=scope))
             prev = f"i{i}"
         nodes.append(Node(f"n{i}", "module", op, [prev], (Ref(prev),), module=path, obj=mod))
         prev = prev if kind == "qkv" else f"n{i}"
