@@ -27,7 +27,8 @@ _FIXED = {"conv_bn_relu": "#1f77b4", "linear_gelu_dropout": "#2ca02c", "attentio
           "add_rms_norm": "#aec7e8", "linear_cross_entropy": "#ffbb78"}
 _SPARE = ("#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
 # one colour per pattern family the engine knows (a family added later takes a spare colour, never a KeyError)
-PATTERN_COLORS = {f: _FIXED.get(f) or _SPARE[i % len(_SPARE)] for i, f in enumerate(FAMILIES)}
+_UNFIXED = [f for f in FAMILIES if f not in _FIXED]
+PATTERN_COLORS = {f: _FIXED.get(f) or _SPARE[_UNFIXED.index(f) % len(_SPARE)] for f in FAMILIES}
 _REJECTED, _OTHER, _BLOCK = "#d62728", "#b0b0b0", "#7f7f7f"
 _NUMBERED = re.compile(r"^(.*?\.)?(\d+)(\.|$)")
 

@@ -30,6 +30,14 @@ And a diffusion UNet's ResNet block:
   the 56 x 56 stage. Eager saves x, the normalised tensor and the SiLU's output (the conv's input); the fused op
   (``FusedGroupNormAct``) x and the conv's input, plus 2 statistics per (sample, group): 2 / 3 of the chain.
 
+And a 3-d segmentation UNet's block (nnU-Net's, MONAI's):
+
+* ``instance_norm_leaky_relu+conv3d``: InstanceNorm3d (affine) -> LeakyReLU (not in place) -> the 3x3x3 conv that
+  reads it, at the stem's width over a 14^3 volume at FULL. Eager saves x, the normalised tensor (the LeakyReLU's
+  input) and the conv's input, plus its weight repeated per sample; the fused op (``FusedInstanceNormAct``) x and the
+  conv's input, plus 2 statistics per (sample, channel): 2 / 3. (An in-place LeakyReLU keeps its output instead,
+  which the conv keeps anyway: eager then saves what the fused op does, and ``ol.fusion`` declines it.)
+
 Widths from the bench's shape table: ``FULL`` (batch 8, stem 224) gives MobileNetV2's 56 x 56 stage
 (24 -> 144 channels); ``QUICK`` a 8 x 8 plane with 4 -> 24 channels. ReLU6 and Hardswish rows use
 MobileNetV2/V3's in-place activations, as torchvision builds them.
@@ -49,7 +57,7 @@ _ROWS = (("relu6", 1), ("silu", 2), ("hardswish", 1))
 CONV_CHAINS = (*(name for act, _ in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw")),
                "conv_bn_silu_dw[recompute]", "conv1d_bn_silu_dw", "conv1d_bn_silu_dw[recompute]",
                "conv3d_bn_relu", "conv_gelu_conv",
-               "group_norm_silu+conv")
+               "group_norm_silu+conv", "instance_norm_leaky_relu+conv3d")
 
 
 def _widths(s: dict) -> tuple[int, int, int]:
@@ -151,3 +159,19 @@ def _group_norm_chain(s, device, dtype):
 
 
 CONV_BUILDERS["group_norm_silu+conv"] = _group_norm_chain
+
+
+def _instance_norm_chain(s, device, dtype):
+    """A 3-d segmentation UNet's ``conv(leaky_relu(norm(x)))``: the stem's width, a volume of side image / 16."""
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    c, side = s["channels"], max(4, s["image"] // 16)
+    norm, act, conv = nn.InstanceNorm3d(c, affine=True), nn.LeakyReLU(0.01), nn.Conv3d(c, c, 3, padding=1)
+    eager = nn.Sequential(norm, act, conv).to(device, dtype)
+    fused = nn.Sequential(ops.FusedInstanceNormAct.from_modules(norm, act), conv)
+    x = torch.randn(s["batch"], c, side, side, side, device=device, dtype=dtype, requires_grad=True)
+    return Chain("instance_norm_leaky_relu+conv3d", eager, fused, (x,), note=f"{c} ch, {side}^3")
+
+
+CONV_BUILDERS["instance_norm_leaky_relu+conv3d"] = _instance_norm_chain

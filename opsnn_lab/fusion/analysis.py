@@ -48,7 +48,7 @@ _VARIANT = re.compile(rf"conv_bn_({'|'.join(sorted(CONV_ACTS))})(_maxpool)?|"
                       rf"linear_({'|'.join(sorted(LINEAR_ACTS))})(_dropout)?(_linear)?|"
                       rf"gated_(mlp|product)_({'|'.join(sorted(LINEAR_ACTS))})|"
                       rf"conv_({'|'.join(sorted(LINEAR_ACTS))})(_dropout)?_conv|"
-                      rf"group_norm_({'|'.join(sorted(CONV_ACTS))})")
+                      rf"(group|instance)_norm_({'|'.join(sorted(CONV_ACTS))})")
 
 
 def check_patterns(patterns) -> list[str] | None:

@@ -25,7 +25,8 @@ _MODULE_OPS = {
     nn.Softmax: "softmax", nn.LayerNorm: "layer_norm", nn.Embedding: "embedding", nn.Hardswish: "hardswish",
     nn.Identity: "identity", nn.RMSNorm: "rms_norm", nn.CrossEntropyLoss: "cross_entropy", nn.GroupNorm: "group_norm",
     nn.Conv1d: "conv1d", nn.Conv3d: "conv3d", nn.BatchNorm1d: "batch_norm1d", nn.BatchNorm3d: "batch_norm3d",
-    nn.MaxPool1d: "max_pool1d",
+    nn.MaxPool1d: "max_pool1d", nn.InstanceNorm1d: "instance_norm", nn.InstanceNorm2d: "instance_norm",
+    nn.InstanceNorm3d: "instance_norm",
 }
 # Hugging Face modules by class name (no import of transformers needed): activations -> the name used in
 # torch.nn.functional / ACT2FN; Conv1D is a Linear whose weight is stored transposed (in, out).

@@ -46,7 +46,8 @@ def _batch_norm_like(g: Graph, node: Node) -> tuple[nn.Module, str] | None:
     Python forward is looked into); else None."""
     obj, path = (node.obj, node.module) if node.kind == "module" else (g.modules.get(node.scope), node.scope)
     named = obj is not None and "batchnorm" in type(obj).__name__.lower()
-    if obj is None or not (named or isinstance(obj, nn.modules.batchnorm._NormBase)):
+    if obj is None or not (named or isinstance(obj, nn.modules.batchnorm._NormBase)) \
+            or isinstance(obj, nn.modules.instancenorm._InstanceNorm):  # a norm per sample: the instance_norm row
         return None
     return obj, path
 
@@ -291,9 +292,10 @@ _PRODUCT_NEEDS = ("the fused product drops act(gate), which pays only where the 
 _ATTENTION_NEEDS = ("the fused core keeps its output and a statistic per query (or recomputes the probabilities) in "
                     "place of eager's probabilities, which pays only where there are more keys than the head's width")
 
-# GroupNorm's backward reads its input, not its output: eager keeps the normalised tensor only for an activation
-# that saves its input (SiLU, GELU, ReLU6's hardtanh, ...); ReLU keeps its output, which the next op keeps anyway
-_GROUP_NORM_NEEDS = ("the fused op drops the normalised tensor, which pays only where the activation saves its input "
+# GroupNorm's and InstanceNorm's backward read their input, not their output: eager keeps the normalised tensor
+# only for an activation that saves its input (SiLU, GELU, ReLU6's hardtanh, ...); ReLU keeps its output, which
+# the next op keeps anyway
+_NORM_ACT_NEEDS = ("the fused op drops the normalised tensor, which pays only where the activation saves its input "
                      "(SiLU, GELU, Hardswish, ReLU6, LeakyReLU; a ReLU keeps its output, which the next op keeps too)")
 
 PATTERNS: tuple[Pattern, ...] = (
@@ -330,7 +332,10 @@ PATTERNS: tuple[Pattern, ...] = (
             "nn.RMSNorm, or a module computing RMSNorm of its input (HF *RMSNorm, T5LayerNorm)"),
     Pattern("group_norm_act", group_norm.find_group_norm_acts, group_norm.build_group_norm_act, "FusedGroupNormAct",
             "GroupNorm -> activation (a diffusion UNet's ResNet block)", "group_norm_", min_share=0.1,
-            needs=_GROUP_NORM_NEEDS),
+            needs=_NORM_ACT_NEEDS),
+    Pattern("instance_norm_act", group_norm.find_instance_norm_acts, group_norm.build_instance_norm_act,
+            "FusedInstanceNormAct", "InstanceNorm1d/2d/3d -> activation (a segmentation UNet's conv block)",
+            "instance_norm_", min_share=0.1, needs=_NORM_ACT_NEEDS),
     Pattern("linear_cross_entropy", blocks.find_linear_cross_entropy, blocks.build_linear_cross_entropy,
             "FusedLinearCrossEntropy", "vocabulary head -> cross-entropy (logits read only by the loss)",
             keeps_rank=False),

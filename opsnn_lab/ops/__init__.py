@@ -26,6 +26,7 @@ _EXPORTS = {
     "FusedAddLayerNorm": "norm",
     "FusedAddRMSNorm": "norm",
     "FusedGroupNormAct": "group_norm_act",
+    "FusedInstanceNormAct": "instance_norm_act",
     "FusedLinearCrossEntropy": "fused_linear_cross_entropy",
     "linear_cross_entropy": "fused_linear_cross_entropy",
     "lm_head_loss": "lm_head",

@@ -90,9 +90,10 @@ def test_overlapping_candidates_and_switches():
 def test_table_rows():
     assert FAMILIES == ("conv_bn_relu", "conv_act_conv", "gated_mlp", "gated_product", "linear_gelu_dropout",
                         "dropout_linear", "attention", "qkv", "add_layer_norm", "add_rms_norm", "layer_norm",
-                        "rms_norm", "group_norm_act", "linear_cross_entropy")
+                        "rms_norm", "group_norm_act", "instance_norm_act", "linear_cross_entropy")
     assert pattern_of("linear_cross_entropy").op == "FusedLinearCrossEntropy"
     assert pattern_of("group_norm_silu").op == "FusedGroupNormAct"
+    assert pattern_of("instance_norm_leaky_relu").op == "FusedInstanceNormAct"
     assert pattern_of("gated_product_gelu_tanh").op == "FusedGatedProduct"
     assert pattern_of("dropout_linear").op == "FusedDropoutLinear"
     assert pattern_of("add_rms_norm").op == "FusedAddRMSNorm" and pattern_of("rms_norm").op == "FusedRMSNorm"

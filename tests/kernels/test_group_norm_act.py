@@ -79,7 +79,7 @@ def interpreted():
 @pytest.mark.parametrize("shape, groups, act", [((2, 12, 5, 7), 3, "silu"), ((3, 8, 33), 4, "gelu"),
                                                 ((1, 6, 2, 2), 6, "relu"), ((2, 4, 40, 40), 2, "hardswish"),
                                                 ((2, 4, 3, 2, 5), 1, "gelu_tanh"), ((2, 6, 7, 5), 3, "mish"),
-                                                ((2, 4, 9, 4), 2, "elu")])
+                                                ((2, 4, 9, 4), 2, "elu"), ((2, 5, 3, 4, 3), 5, "leaky_relu")])
 def test_triton_interpreter_matches_eager(interpreted, shape, groups, act):
     _check(interpreted.group_norm_act_forward_triton, interpreted.group_norm_act_backward_triton, shape, groups,
            Act(act), affine=True, dtype=torch.float32)

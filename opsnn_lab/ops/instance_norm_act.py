@@ -1,0 +1,124 @@
+"""InstanceNorm -> activation as one autograd op: a GroupNorm with one group per channel
+(``kernels.group_norm_act``, through :class:`GroupNormActFunction`).
+
+Segmentation and image-to-image nets write ``Conv -> InstanceNorm -> LeakyReLU / ReLU`` in every block (nnU-Net's
+``ConvDropoutNormReLU``, MONAI's ``Convolution`` with instance norm, CycleGAN's and pix2pix's ResNet generators).
+Per element of the (N, C, *) input, what is saved for backward:
+
+=======================================  =======================================  =======================
+chain                                    eager saves                              fused saves
+=======================================  =======================================  =======================
+``InstanceNorm3d -> LeakyReLU``          x, the normalised y, 2 stats per plane   x, 2 stats per plane
+=======================================  =======================================  =======================
+
+Eager's ``instance_norm`` runs ``batch_norm`` on an ``(1, N * C, *)`` view; the statistics are the same per
+(sample, channel) plane, formed by another kernel (bits differ at rounding level). Autocast leaves instance_norm
+in its input's dtype on CPU and CUDA, and so does the op.
+
+Running statistics (``track_running_stats=True``): in training the op normalises with the plane's own statistics,
+as eager does, and updates ``running_mean`` / ``running_var`` as eager's ``instance_norm`` does (the batch's mean
+of each plane's mean and unbiased variance, by ``momentum``; a ``momentum`` of None leaves them as they are, as
+``nn.InstanceNorm*d`` passes 0 then). In eval mode with running statistics it runs eager's ``instance_norm`` and
+the activation: that normalisation is an affine map per channel, and nothing of it is worth fusing.
+
+Contract (``supports`` says yes or gives the reason; ``from_modules`` raises ``ValueError`` / ``TypeError`` with
+it): ``norm`` an ``nn.InstanceNorm1d`` / ``2d`` / ``3d`` (affine or not), ``act`` a supported activation module
+(``ops._activations``). Inputs batched ``(N, C, *)`` or unbatched ``(C, *)`` as the norm takes them; without
+affine parameters any channel count runs (eager warns and runs too). The fused module references the norm's own
+Parameters and buffers (``state_dict`` keys unchanged where it is registered under the norm's name).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opsnn_lab._checks import check_tensor, check_type
+from opsnn_lab.kernels.bn_act_spec import Act
+from opsnn_lab.ops._activations import activation_of
+from opsnn_lab.ops.group_norm_act import GroupNormActFunction
+
+__all__ = ["FusedInstanceNormAct"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+_NOT_A_NORM = "norm must be nn.InstanceNorm1d, nn.InstanceNorm2d or nn.InstanceNorm3d, got {}"
+
+
+def _why_not(norm, act) -> tuple[Act | None, str]:
+    if not isinstance(norm, _NORMS):
+        return None, _NOT_A_NORM.format(type(norm).__name__)
+    return activation_of(act)
+
+
+def _spatial_dims(norm: nn.Module) -> int:
+    return next(i + 1 for i, cls in enumerate(_NORMS) if isinstance(norm, cls))
+
+
+@torch.no_grad()
+def _update_running_stats(norm: nn.Module, x: torch.Tensor) -> None:
+    """What eager's ``instance_norm`` does to the buffers: per plane, ``(1 - m) * running + m * stat``, averaged
+    over the batch (the unbiased variance, as ``batch_norm`` keeps it)."""
+    m = norm.momentum if norm.momentum is not None else 0.0
+    planes = x.detach().flatten(2)
+    var, mean = torch.var_mean(planes.to(norm.running_mean.dtype), dim=-1, correction=1 if planes.shape[-1] > 1 else 0)
+    norm.running_mean.copy_(((1 - m) * norm.running_mean + m * mean).mean(0))
+    norm.running_var.copy_(((1 - m) * norm.running_var + m * var).mean(0))
+
+
+class FusedInstanceNormAct(nn.Module):
+    """``act(instance_norm(x))`` saving x and the statistics only (see the module docstring)."""
+
+    def __init__(self, norm: nn.Module, act: Act, *, register: bool = True, name: str = "norm"):
+        super().__init__()
+        if not isinstance(norm, _NORMS):
+            raise TypeError(_NOT_A_NORM.format(type(norm).__name__))
+        self.act = check_type("act", act, Act)
+        if check_type("register", register, bool):
+            self.add_module(check_type("name", name, str), norm)
+        else:
+            object.__setattr__(self, "_norm", norm)
+        self.name = name
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.__dict__["_norm"] if "_norm" in self.__dict__ else self._modules[self.name]
+
+    @classmethod
+    def supports(cls, norm, act) -> tuple[bool, str]:
+        """``(True, "")`` if ``from_modules(norm, act)`` would build, else ``(False, reason)``."""
+        spec, why = _why_not(norm, act)
+        return spec is not None, why
+
+    @classmethod
+    def from_modules(cls, norm: nn.Module, act: nn.Module, *, register: bool = True,
+                     name: str = "norm") -> FusedInstanceNormAct:
+        spec, why = _why_not(norm, act)
+        if spec is None:
+            raise (TypeError if "must be" in why else ValueError)(why)
+        return cls(norm, spec, register=register, name=name).train(norm.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.norm
+        check_tensor("x", x, dtypes=_FLOATS)
+        dims = _spatial_dims(norm)
+        if x.dim() == dims + 1:  # unbatched (C, *), as the norm takes it
+            return self(x.unsqueeze(0)).squeeze(0)
+        if x.dim() != dims + 2 or (norm.affine and x.shape[1] != norm.num_features):
+            channels = norm.num_features if norm.affine else "C"
+            raise ValueError(f"x must be ({channels}, *) or (N, {channels}, *) with {dims} spatial dims for "
+                             f"{type(norm).__name__}, got shape {tuple(x.shape)}")
+        if norm.track_running_stats and not norm.training:  # an affine map per channel from the running stats
+            y = F.instance_norm(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0, norm.eps)
+            return self.act.forward(y, inplace=False)
+        if x.numel() and x[0, 0].numel() == 1:  # eager's check: one element normalises to 0
+            raise ValueError(f"x must have more than 1 spatial element when training, got shape {tuple(x.shape)}")
+        if norm.track_running_stats and x.numel():
+            _update_running_stats(norm, x)
+        return GroupNormActFunction.apply(x, norm.weight, norm.bias, x.shape[1], norm.eps, self.act)
+
+    def extra_repr(self) -> str:
+        n = self.norm
+        return (f"{type(n).__name__}, channels={n.num_features}, eps={n.eps}, affine={n.affine}, "
+                f"track_running_stats={n.track_running_stats}, act={self.act.name!r}")

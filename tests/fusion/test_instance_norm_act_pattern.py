@@ -1,0 +1,98 @@
+"""The instance_norm_<act> row: an nnU-Net-style 3-d encoder (Conv3d -> InstanceNorm3d -> LeakyReLU modules in a
+Sequential: module chains) and an image-to-image block calling ``F.leaky_relu`` on its norm (the fx route) fuse and
+train as eager, running statistics included; the plan's saving is the measured one; an in-place activation (which
+already keeps no more than the fused op) and a ReLU are declined with the reason, and a conv before an
+InstanceNorm is no conv_bn candidate."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import opsnn_lab as ol
+from opsnn_lab.measuring import activation_bytes
+from opsnn_lab.testing import seeded
+
+
+class ConvNormAct(nn.Module):  # nnU-Net's ConvDropoutNormReLU: one Sequential of conv, norm, nonlinearity
+    def __init__(self, cin, cout, stride=1, inplace=False):
+        super().__init__()
+        conv, norm = nn.Conv3d(cin, cout, 3, stride, 1), nn.InstanceNorm3d(cout, affine=True)
+        self.all_modules = nn.Sequential(conv, norm, nn.LeakyReLU(0.01, inplace=inplace))
+
+    def forward(self, x):
+        return self.all_modules(x)
+
+
+def encoder(inplace=False):
+    return nn.Sequential(ConvNormAct(1, 4, inplace=inplace), ConvNormAct(4, 4, inplace=inplace),
+                         ConvNormAct(4, 8, 2, inplace=inplace), nn.Conv3d(8, 2, 1))
+
+
+class ResidualBlock(nn.Module):  # an image-to-image generator's block, its activation called in the forward
+    def __init__(self, c=6, track=False):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1)
+        self.norm1 = nn.InstanceNorm2d(c, track_running_stats=track)
+        self.norm2 = nn.InstanceNorm2d(c, track_running_stats=track)
+
+    def forward(self, x):
+        h = F.leaky_relu(self.norm1(self.conv1(F.pad(x, (1, 1, 1, 1), mode="reflect")[..., 1:-1, 1:-1])), 0.2)
+        return x + self.norm2(self.conv2(h))
+
+
+def _grads(model, x):
+    out = model(x)
+    return out, torch.autograd.grad(out.sin().sum(), list(model.parameters()))
+
+
+def _fuses_like_eager(model, x, route):
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    decisions = [d for d in plan.decisions if d.pattern.startswith("instance_norm_") and d.fused]
+    assert decisions and all(d.fused and d.route.startswith(route) for d in decisions), plan.summary()
+    (out_a, grads_a), (out_b, grads_b) = _grads(model, x), _grads(fused, x)
+    torch.testing.assert_close(out_b, out_a, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    for a, b in zip(model.buffers(), fused.buffers()):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    eager = activation_bytes(lambda: model(x).sum(), exclude=tuple(model.parameters()))
+    ours = activation_bytes(lambda: fused(x).sum(), exclude=tuple(fused.parameters()))
+    assert plan.saved_bytes == eager - ours > 0
+    return fused, decisions, ours / eager
+
+
+def test_a_3d_segmentation_encoder_fuses_every_block_as_a_module_chain():
+    torch.manual_seed(0)
+    model = encoder().double()
+    _, decisions, ratio = _fuses_like_eager(model, seeded(2, 1, 8, 8, 8, dtype=torch.float64), "module")
+    assert [d.pattern for d in decisions] == ["instance_norm_leaky_relu"] * 3
+    assert ratio < 0.75  # each block's conv input, norm input and normalised map: the normalised ones go
+
+
+def test_a_generator_block_fuses_through_fx_with_running_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(ResidualBlock(track=True), ResidualBlock(track=True)).double()
+    fused, decisions, _ = _fuses_like_eager(model, seeded(2, 6, 7, 9, dtype=torch.float64), "fx")
+    assert [(d.pattern, d.modules) for d in decisions] == [("instance_norm_leaky_relu", ["0.norm1"]),
+                                                           ("instance_norm_leaky_relu", ["1.norm1"])]
+    x = seeded(2, 6, 7, 9, seed=3, dtype=torch.float64)
+    torch.testing.assert_close(fused.eval()(x), model.eval()(x), rtol=1e-12, atol=1e-12)  # the running stats
+
+
+def test_refusals_say_why():
+    x = seeded(2, 1, 8, 8, 8)
+    plan = ol.fusion.analyze(encoder(inplace=True), (x,))
+    found = [d for d in plan.decisions if d.pattern.startswith("instance_norm_")]
+    assert len(found) == 3 and not any(d.fused for d in found)
+    assert all("under 10%" in d.reason for d in found), [d.reason for d in found]  # eager keeps no more in place
+    assert not any(d.pattern.startswith("conv_bn") for d in plan.decisions)  # an InstanceNorm is no batch norm
+    relu = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1))
+    (d,) = ol.fusion.analyze(relu, (seeded(2, 3, 9, 9),)).decisions
+    assert d.pattern == "instance_norm_relu" and not d.fused and "a ReLU keeps its output" in d.reason
+    tanh = nn.Sequential(nn.InstanceNorm1d(4), nn.Tanh())
+    (d,) = ol.fusion.analyze(tanh, (seeded(2, 4, 9),)).decisions
+    assert d.pattern == "instance_norm_act" and not d.fused and "not one activation of" in d.reason
