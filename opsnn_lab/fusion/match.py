@@ -175,15 +175,24 @@ def _is_module(n: Node | None, op: str) -> bool:
     return n is not None and n.kind == "module" and n.op == op
 
 
-def past_identities(g: Graph, node: Node) -> tuple[list[Node], Node | None]:
+def past_identities(g: Graph, node: Node, zero_dropouts: bool = False) -> tuple[list[Node], Node | None]:
     """``node``'s only reader, looking past ``nn.Identity`` modules each read only by the next (placeholders
     such as timm's ``drop_block`` or an Mlp's ``norm``): ``(the identities passed, that reader or None)``.
-    The identities join the chain: a module-level rewrite passes their input through, as they do."""
+    The identities join the chain: a module-level rewrite passes their input through, as they do. With
+    ``zero_dropouts``, a dropout module of p=0 is one too (MONAI's norm -> dropout -> activation blocks): a row
+    whose op computes no dropout of its own passes it, and the chain runs unfused if its p changes later (its
+    setting is watched as every step's is)."""
     passed, nxt = [], g.only_user(node)
-    while _is_module(nxt, "identity") and g.only_user(nxt) is not None:
+    while (_is_module(nxt, "identity") or zero_dropouts and _zero_dropout(nxt)) and g.only_user(nxt) is not None:
         passed.append(nxt)
         nxt = g.only_user(nxt)
     return passed, nxt
+
+
+def _zero_dropout(n: Node | None) -> bool:
+    """A dropout module (any of torch.nn's) whose p is 0: it returns its input's values in training and eval."""
+    return n is not None and n.kind == "module" and isinstance(n.obj, nn.modules.dropout._DropoutNd) \
+        and float(n.obj.p) == 0.0
 
 
 # Ops whose result is always a view of their input, never a copy, whatever its strides: a pointwise step after them
@@ -227,7 +236,7 @@ def past_views(g: Graph, node: Node) -> tuple[list[Node], Node | None]:
     return passed, nxt
 
 
-def act_reader(g: Graph, node: Node, acts) -> tuple[list[Node], Node | None]:
+def act_reader(g: Graph, node: Node, acts, zero_dropouts: bool = False) -> tuple[list[Node], Node | None]:
     """The activation (a kind in ``acts``) reading ``node``: a direct reader, else the one behind ``nn.Identity``
     placeholders (timm's ConvMlp: ``fc1 -> norm (Identity) -> act``): ``(the identities passed, the activation)``,
     ``([], None)`` where there is none. A direct reader is taken even when ``node`` has others, so the candidate
@@ -235,7 +244,7 @@ def act_reader(g: Graph, node: Node, acts) -> tuple[list[Node], Node | None]:
     act = next((u for u in g.users.get(node.name, []) if act_kind(u) in acts), None)
     if act is not None:
         return [], act
-    passed, nxt = past_identities(g, node)
+    passed, nxt = past_identities(g, node, zero_dropouts)
     return (passed, nxt) if passed and nxt is not None and act_kind(nxt) in acts else ([], None)
 
 

@@ -109,7 +109,7 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
         inner = inner_act(bn)  # a BatchNorm module that applies its own activation (timm's BatchNormAct2d)
         passed, act = [], inner
         if inner is None and len(users) == 1:
-            passed, act = past_identities(g, bn)
+            passed, act = past_identities(g, bn, zero_dropouts=True)
         m.reason = _consumer_reason(g, conv, bn)
         if not m.reason and act is None:
             m.reason = (f"the output of `{bn.label}` goes to {', '.join(f'`{u.label}`' for u in users)}"

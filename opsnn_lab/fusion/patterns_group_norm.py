@@ -47,7 +47,7 @@ def _find_norm_acts(g: Graph, op: str, fused: str) -> list[Match]:
         if not _is_module(norm, op):
             continue
         inner = inner_act(norm)  # a GroupNorm module applying its own activation (timm's GroupNormAct)
-        passed, act = ([], inner) if inner is not None else act_reader(g, norm, CONV_ACTS)
+        passed, act = ([], inner) if inner is not None else act_reader(g, norm, CONV_ACTS, zero_dropouts=True)
         views, behind = past_views(g, norm) if act is None and inner is None else ([], None)
         if views and behind is not None and act_kind(behind) in CONV_ACTS:
             act = behind  # the activation is pointwise: the op runs it before the views, on the norm's layout

@@ -2,12 +2,14 @@
 Sequential: module chains) and an image-to-image block calling ``F.leaky_relu`` on its norm (the fx route) fuse and
 train as eager, running statistics included; the plan's saving is the measured one; an in-place activation (which
 already keeps no more than the fused op) and a ReLU are declined with the reason, and a conv before an
-InstanceNorm is no conv_bn candidate."""
+InstanceNorm is no conv_bn candidate; a dropout of p=0 between a norm and its activation (MONAI's norm, dropout,
+activation Sequential) joins the chain, which runs unfused once its p changes."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,3 +98,32 @@ def test_refusals_say_why():
     tanh = nn.Sequential(nn.InstanceNorm1d(4), nn.Tanh())
     (d,) = ol.fusion.analyze(tanh, (seeded(2, 4, 9),)).decisions
     assert d.pattern == "instance_norm_act" and not d.fused and "not one activation of" in d.reason
+
+
+def adn_block(cin, cout, norm, p=0.0):  # MONAI's Convolution: conv, then an ADN Sequential of norm, dropout, act
+    adn = nn.Sequential()
+    adn.add_module("N", norm(cout))
+    adn.add_module("D", nn.Dropout(p))
+    adn.add_module("A", nn.LeakyReLU(0.01))
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), adn)
+
+
+def test_a_dropout_of_p0_between_the_norm_and_its_activation_is_passed_and_watched():
+    torch.manual_seed(0)
+    model = nn.Sequential(adn_block(3, 6, lambda c: nn.InstanceNorm2d(c, affine=True)),
+                          adn_block(6, 6, nn.BatchNorm2d)).double()
+    x = seeded(2, 3, 8, 8, dtype=torch.float64)
+    fused, decisions, _ = _fuses_like_eager(model, x, "module")
+    assert [(d.pattern, d.chain) for d in decisions] == [("instance_norm_leaky_relu", ["0.1.N", "0.1.D", "0.1.A"])]
+    assert ol.fusion.analyze(model, (x,)).summary()["conv_bn_leaky_relu"] == {"fused": 1, "rejected": 0}
+    for m in (model, fused):
+        m[0][1].D.p = 0.5  # no longer an identity: the chain runs every module's own forward, with a warning
+    torch.manual_seed(1)
+    want = model(x)
+    torch.manual_seed(1)
+    with pytest.warns(RuntimeWarning, match=r"a setting changed: p 0.0 -> 0.5"):
+        got = fused(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    kept = adn_block(3, 6, nn.InstanceNorm2d, p=0.1)
+    (d,) = [d for d in ol.fusion.analyze(kept, (seeded(2, 3, 8, 8),)).decisions if d.pattern.startswith("instance")]
+    assert not d.fused and "goes to `1.D`" in d.reason
