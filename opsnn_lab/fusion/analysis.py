@@ -14,6 +14,7 @@ from torch import nn
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion.cost import CostModel
 from opsnn_lab.fusion.instance import instance_state, restore_instance_state
+from opsnn_lab.fusion.match import NORM_ACTS
 from opsnn_lab.fusion.patterns import (
     CONV_ACTS,
     FAMILIES,
@@ -48,7 +49,7 @@ _VARIANT = re.compile(rf"conv_bn_({'|'.join(sorted(CONV_ACTS))})(_maxpool)?|"
                       rf"linear_({'|'.join(sorted(LINEAR_ACTS))})(_dropout)?(_linear)?|"
                       rf"gated_(mlp|product)_({'|'.join(sorted(LINEAR_ACTS))})|"
                       rf"conv_({'|'.join(sorted(LINEAR_ACTS))})(_dropout)?_conv|"
-                      rf"(group|instance)_norm_({'|'.join(sorted(CONV_ACTS))})")
+                      rf"(group|instance)_norm_({'|'.join(sorted(NORM_ACTS))})")
 
 
 def check_patterns(patterns) -> list[str] | None:

@@ -89,6 +89,8 @@ def _consumer_reason(g: Graph, node: Node, nxt: Node) -> str:
 # Activations each chain family names (DESIGN.md); whether an op fuses one is the op's own answer.
 CONV_ACTS = frozenset({"relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu", "gelu_tanh", "mish", "elu"})
 LINEAR_ACTS = frozenset({"gelu", "gelu_tanh", "quick_gelu", "silu", "relu"})
+# the norm -> activation rows also take a PReLU module (its slope a parameter of the fused op)
+NORM_ACTS = CONV_ACTS | {"prelu"}
 
 
 def act_kind(n: Node) -> str:

@@ -9,7 +9,7 @@ from torch import nn
 
 from opsnn_lab.fusion.graph import Graph
 from opsnn_lab.fusion.match import (
-    CONV_ACTS,
+    NORM_ACTS,
     Match,
     _common_checks,
     _consumer_reason,
@@ -47,22 +47,22 @@ def _find_norm_acts(g: Graph, op: str, fused: str) -> list[Match]:
         if not _is_module(norm, op):
             continue
         inner = inner_act(norm)  # a GroupNorm module applying its own activation (timm's GroupNormAct)
-        passed, act = ([], inner) if inner is not None else act_reader(g, norm, CONV_ACTS, zero_dropouts=True)
+        passed, act = ([], inner) if inner is not None else act_reader(g, norm, NORM_ACTS, zero_dropouts=True)
         views, behind = past_views(g, norm) if act is None and inner is None else ([], None)
-        if views and behind is not None and act_kind(behind) in CONV_ACTS:
+        if views and behind is not None and act_kind(behind) in NORM_ACTS:
             act = behind  # the activation is pointwise: the op runs it before the views, on the norm's layout
         m = Match(f"{op}_act", [norm], False, "", inputs=norm.inputs[:1], outputs=[norm])
         users = g.users.get(norm.name, [])
-        if inner is not None and act_kind(inner) not in CONV_ACTS:
+        if inner is not None and act_kind(inner) not in NORM_ACTS:
             m.reason = (f"`{norm.label}` applies {type(inner.obj).__name__} itself, not one of "
-                        f"{', '.join(sorted(CONV_ACTS))}")
+                        f"{', '.join(sorted(NORM_ACTS))}")
             out.append(m)
             continue
         if act is None:
             past = f", past {', '.join(f'`{v.op}`' for v in views)}," if views else ""
             to = g.users.get(views[-1].name, []) if views else users
             m.reason = (f"the output of `{norm.label}`{past} goes to {', '.join(f'`{u.label}`' for u in to)}, not one "
-                        f"activation of {', '.join(sorted(CONV_ACTS))}" if to else f"`{norm.label}` is unused")
+                        f"activation of {', '.join(sorted(NORM_ACTS))}" if to else f"`{norm.label}` is unused")
             out.append(m)
             continue
         m.pattern = f"{op}_{act_kind(act)}"
@@ -70,7 +70,9 @@ def _find_norm_acts(g: Graph, op: str, fused: str) -> list[Match]:
             m.nodes, m.outputs, m.views = [norm, *passed, *views, act], [act], [v.name for v in views]
         module = act_module(act)
         m.params = {"norm": norm.obj, "act": module}
-        m.reason = (("" if inner else _consumer_reason(g, norm, (passed or views or [act])[0]))
+        functional = (f"`{act.label}` is `F.prelu` with a weight of the forward's own; the op takes an nn.PReLU module"
+                      if module is None and act_kind(act) == "prelu" else "")
+        m.reason = (("" if inner else _consumer_reason(g, norm, (passed or views or [act])[0])) or functional
                     or _op_support(fused, norm.obj, module) or inplace_reason(g, m.outputs[0])
                     or _common_checks(g, m.nodes))
         m.ok = not m.reason

@@ -32,32 +32,34 @@ from opsnn_lab.kernels.group_norm_act import group_norm_act_backward, group_norm
 from opsnn_lab.ops import _amp
 from opsnn_lab.ops._activations import activation_of
 
-__all__ = ["FusedGroupNormAct", "GroupNormActFunction"]
+__all__ = ["FusedGroupNormAct", "GroupNormActFunction", "NormAct", "act_spec"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class GroupNormActFunction(torch.autograd.Function):
-    """``apply(x, weight, bias, groups, eps, act)`` -> ``act(group_norm(x))``; saves x, mean and 1/std."""
+    """``apply(x, weight, bias, groups, eps, act, slope=None)`` -> ``act(group_norm(x))``; saves x, mean and 1/std.
+    ``slope``: a PReLU's weight (1 or C values), the activation then being that PReLU."""
 
     @staticmethod
     @_amp.no_autocast
-    def forward(ctx, x, weight, bias, groups, eps, act):
+    def forward(ctx, x, weight, bias, groups, eps, act, slope=None):
         x = _dense(x)  # the kernels read x densely; eager's group_norm saves such a copy too
-        out, mean, rstd = group_norm_act_forward(x, weight, bias, groups, eps, act)
+        out, mean, rstd = group_norm_act_forward(x, weight, bias, groups, eps, act, slope)
         ctx.cfg = (groups, act)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.save_for_backward(x, weight, bias, mean, rstd, slope)
         return out
 
     @staticmethod
     @_amp.no_autocast
     def backward(ctx, grad):
         first_derivative_only("FusedGroupNormAct")
-        x, weight, bias, mean, rstd = ctx.saved_tensors
+        x, weight, bias, mean, rstd, slope = ctx.saved_tensors
         groups, act = ctx.cfg
         need = ctx.needs_input_grad
-        gx, gw, gb = group_norm_act_backward(grad, x, weight, bias, mean, rstd, groups, act, need[:3])
-        return gx if need[0] else None, gw, gb, None, None, None
+        gx, gw, gb, gs = group_norm_act_backward(grad, x, weight, bias, mean, rstd, groups, act,
+                                                 (*need[:3], len(need) > 6 and need[6]), slope)
+        return gx if need[0] else None, gw, gb, None, None, None, gs
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
@@ -67,44 +69,111 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _why_not(norm, act) -> tuple[Act | None, str]:
-    if not isinstance(norm, nn.GroupNorm):
-        return None, f"norm must be nn.GroupNorm, got {type(norm).__name__}"
+def act_spec(act, channels: int | None) -> tuple[Act | None, nn.PReLU | None, str]:
+    """``(Act, prelu, '')`` for an activation module the norm ops compute, else ``(None, None, reason)``: a
+    ``nn.PReLU`` (1 slope, or one per channel: ``channels`` where the norm fixes them) runs as a leaky ReLU whose
+    slope is its weight, read at each call; the others as ``ops._activations`` names them."""
+    if isinstance(act, nn.PReLU) and type(act).forward is nn.PReLU.forward:
+        n = act.num_parameters
+        if channels is not None and n not in (1, channels):
+            return None, None, f"act (PReLU) has {n} parameters for {channels} channels"
+        return Act("leaky_relu"), act, ""
     spec, why = activation_of(act)
-    return spec, why
+    return spec, None, why
 
 
-class FusedGroupNormAct(nn.Module):
-    """``act(group_norm(x))`` saving x and the statistics only (see the module docstring)."""
+class NormAct(nn.Module):
+    """What the norm -> activation ops share: the norm (and a PReLU) referenced, registered or not, ``supports`` /
+    ``from_modules`` and the PReLU's slope as the Function takes it. Subclasses name their norm (``_norm_reason``,
+    ``_channels``) and compute."""
 
-    def __init__(self, norm: nn.GroupNorm, act: Act, *, register: bool = True, name: str = "norm"):
+    op_name = "NormAct"
+
+    def __init__(self, norm: nn.Module, act: Act, *, prelu: nn.PReLU | None = None, register: bool = True,
+                 name: str = "norm"):
         super().__init__()
-        if not isinstance(norm, nn.GroupNorm):
-            raise TypeError(f"norm must be nn.GroupNorm, got {type(norm).__name__}")
+        if why := self._norm_reason(norm):
+            raise TypeError(why)
         self.act = check_type("act", act, Act)
+        if prelu is not None and not isinstance(prelu, nn.PReLU):
+            raise TypeError(f"prelu must be nn.PReLU or None, got {type(prelu).__name__}")
         if check_type("register", register, bool):
             self.add_module(check_type("name", name, str), norm)
+            if prelu is not None:
+                self._modules["prelu"] = prelu  # add_module would refuse the name of the `prelu` property
         else:
             object.__setattr__(self, "_norm", norm)
+            object.__setattr__(self, "_prelu", prelu)
         self.name = name
 
+    @classmethod
+    def _norm_reason(cls, norm) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def _channels(cls, norm) -> int | None:
+        raise NotImplementedError
+
     @property
-    def norm(self) -> nn.GroupNorm:
+    def norm(self) -> nn.Module:
         return self.__dict__["_norm"] if "_norm" in self.__dict__ else self._modules[self.name]
+
+    @property
+    def prelu(self) -> nn.PReLU | None:
+        return self.__dict__["_prelu"] if "_prelu" in self.__dict__ else self._modules.get("prelu")
+
+    @classmethod
+    def _spec(cls, norm, act) -> tuple[Act | None, nn.PReLU | None, str]:
+        if why := cls._norm_reason(norm):
+            return None, None, why
+        return act_spec(act, cls._channels(norm))
 
     @classmethod
     def supports(cls, norm, act) -> tuple[bool, str]:
         """``(True, "")`` if ``from_modules(norm, act)`` would build, else ``(False, reason)``."""
-        spec, why = _why_not(norm, act)
+        spec, _, why = cls._spec(norm, act)
         return spec is not None, why
 
     @classmethod
-    def from_modules(cls, norm: nn.GroupNorm, act: nn.Module, *, register: bool = True,
-                     name: str = "norm") -> FusedGroupNormAct:
-        spec, why = _why_not(norm, act)
+    def from_modules(cls, norm: nn.Module, act: nn.Module, *, register: bool = True, name: str = "norm"):
+        spec, prelu, why = cls._spec(norm, act)
         if spec is None:
             raise (TypeError if "must be" in why else ValueError)(why)
-        return cls(norm, spec, register=register, name=name).train(norm.training)
+        return cls(norm, spec, prelu=prelu, register=register, name=name).train(norm.training)
+
+    def _slope(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The PReLU's weight for input ``x`` (None without a PReLU): cast to autocast's dtype where autocast would
+        cast it (``prelu`` runs in autocast's dtype on CPU and CUDA)."""
+        prelu = self.prelu
+        if prelu is None:
+            return None
+        w = prelu.weight
+        if w.numel() > 1 and w.numel() != x.shape[1]:
+            raise ValueError(f"act (PReLU) has {w.numel()} parameters, x has {x.shape[1]} channels")
+        cast = _amp.autocast_dtype(x)
+        if cast is not None and x.dtype != torch.float64 and w.dtype != torch.float64:
+            return w.to(cast)
+        if w.dtype != x.dtype:
+            raise TypeError(f"act (PReLU) weight is {w.dtype} and the normalised input {x.dtype}: F.prelu takes one "
+                            "dtype outside autocast")
+        return w
+
+    def _act_repr(self) -> str:
+        return "'prelu'" if self.prelu is not None else repr(self.act.name)
+
+
+class FusedGroupNormAct(NormAct):
+    """``act(group_norm(x))`` saving x and the statistics only (see the module docstring)."""
+
+    op_name = "FusedGroupNormAct"
+
+    @classmethod
+    def _norm_reason(cls, norm) -> str:
+        return "" if isinstance(norm, nn.GroupNorm) else f"norm must be nn.GroupNorm, got {type(norm).__name__}"
+
+    @classmethod
+    def _channels(cls, norm) -> int:
+        return norm.num_channels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.norm
@@ -114,8 +183,9 @@ class FusedGroupNormAct(nn.Module):
         if x.device.type == "cuda" and _amp.autocast_dtype(x) is not None and x.dtype in (torch.float16,
                                                                                         torch.bfloat16):
             x = x.float()  # CUDA autocast runs group_norm in fp32 (CPU autocast in the input's dtype)
-        return GroupNormActFunction.apply(x, norm.weight, norm.bias, norm.num_groups, norm.eps, self.act)
+        return GroupNormActFunction.apply(x, norm.weight, norm.bias, norm.num_groups, norm.eps, self.act,
+                                          self._slope(x))
 
     def extra_repr(self) -> str:
         n = self.norm
-        return f"groups={n.num_groups}, channels={n.num_channels}, eps={n.eps}, act={self.act.name!r}"
+        return f"groups={n.num_groups}, channels={n.num_channels}, eps={n.eps}, act={self._act_repr()}"

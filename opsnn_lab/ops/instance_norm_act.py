@@ -34,22 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opsnn_lab._checks import check_tensor, check_type
-from opsnn_lab.kernels.bn_act_spec import Act
-from opsnn_lab.ops._activations import activation_of
-from opsnn_lab.ops.group_norm_act import GroupNormActFunction
+from opsnn_lab._checks import check_tensor
+from opsnn_lab.ops.group_norm_act import GroupNormActFunction, NormAct
 
 __all__ = ["FusedInstanceNormAct"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 _NOT_A_NORM = "norm must be nn.InstanceNorm1d, nn.InstanceNorm2d or nn.InstanceNorm3d, got {}"
-
-
-def _why_not(norm, act) -> tuple[Act | None, str]:
-    if not isinstance(norm, _NORMS):
-        return None, _NOT_A_NORM.format(type(norm).__name__)
-    return activation_of(act)
 
 
 def _spatial_dims(norm: nn.Module) -> int:
@@ -67,37 +59,18 @@ def _update_running_stats(norm: nn.Module, x: torch.Tensor) -> None:
     norm.running_var.copy_(((1 - m) * norm.running_var + m * var).mean(0))
 
 
-class FusedInstanceNormAct(nn.Module):
+class FusedInstanceNormAct(NormAct):
     """``act(instance_norm(x))`` saving x and the statistics only (see the module docstring)."""
 
-    def __init__(self, norm: nn.Module, act: Act, *, register: bool = True, name: str = "norm"):
-        super().__init__()
-        if not isinstance(norm, _NORMS):
-            raise TypeError(_NOT_A_NORM.format(type(norm).__name__))
-        self.act = check_type("act", act, Act)
-        if check_type("register", register, bool):
-            self.add_module(check_type("name", name, str), norm)
-        else:
-            object.__setattr__(self, "_norm", norm)
-        self.name = name
-
-    @property
-    def norm(self) -> nn.Module:
-        return self.__dict__["_norm"] if "_norm" in self.__dict__ else self._modules[self.name]
+    op_name = "FusedInstanceNormAct"
 
     @classmethod
-    def supports(cls, norm, act) -> tuple[bool, str]:
-        """``(True, "")`` if ``from_modules(norm, act)`` would build, else ``(False, reason)``."""
-        spec, why = _why_not(norm, act)
-        return spec is not None, why
+    def _norm_reason(cls, norm) -> str:
+        return "" if isinstance(norm, _NORMS) else _NOT_A_NORM.format(type(norm).__name__)
 
     @classmethod
-    def from_modules(cls, norm: nn.Module, act: nn.Module, *, register: bool = True,
-                     name: str = "norm") -> FusedInstanceNormAct:
-        spec, why = _why_not(norm, act)
-        if spec is None:
-            raise (TypeError if "must be" in why else ValueError)(why)
-        return cls(norm, spec, register=register, name=name).train(norm.training)
+    def _channels(cls, norm) -> int | None:
+        return norm.num_features if norm.affine else None  # without affine any channel count runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.norm
@@ -111,14 +84,14 @@ class FusedInstanceNormAct(nn.Module):
                              f"{type(norm).__name__}, got shape {tuple(x.shape)}")
         if norm.track_running_stats and not norm.training:  # an affine map per channel from the running stats
             y = F.instance_norm(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0, norm.eps)
-            return self.act.forward(y, inplace=False)
+            return self.prelu(y) if self.prelu is not None else self.act.forward(y, inplace=False)
         if x.numel() and x[0, 0].numel() == 1:  # eager's check: one element normalises to 0
             raise ValueError(f"x must have more than 1 spatial element when training, got shape {tuple(x.shape)}")
         if norm.track_running_stats and x.numel():
             _update_running_stats(norm, x)
-        return GroupNormActFunction.apply(x, norm.weight, norm.bias, x.shape[1], norm.eps, self.act)
+        return GroupNormActFunction.apply(x, norm.weight, norm.bias, x.shape[1], norm.eps, self.act, self._slope(x))
 
     def extra_repr(self) -> str:
         n = self.norm
         return (f"{type(n).__name__}, channels={n.num_features}, eps={n.eps}, affine={n.affine}, "
-                f"track_running_stats={n.track_running_stats}, act={self.act.name!r}")
+                f"track_running_stats={n.track_running_stats}, act={self._act_repr()}")

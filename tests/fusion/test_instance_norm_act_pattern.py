@@ -100,11 +100,11 @@ def test_refusals_say_why():
     assert d.pattern == "instance_norm_act" and not d.fused and "not one activation of" in d.reason
 
 
-def adn_block(cin, cout, norm, p=0.0):  # MONAI's Convolution: conv, then an ADN Sequential of norm, dropout, act
+def adn_block(cin, cout, norm, p=0.0, act=None):  # MONAI's Convolution: conv, then a Sequential of norm, dropout, act
     adn = nn.Sequential()
     adn.add_module("N", norm(cout))
     adn.add_module("D", nn.Dropout(p))
-    adn.add_module("A", nn.LeakyReLU(0.01))
+    adn.add_module("A", act or nn.LeakyReLU(0.01))
     return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), adn)
 
 
@@ -127,3 +127,27 @@ def test_a_dropout_of_p0_between_the_norm_and_its_activation_is_passed_and_watch
     kept = adn_block(3, 6, nn.InstanceNorm2d, p=0.1)
     (d,) = [d for d in ol.fusion.analyze(kept, (seeded(2, 3, 8, 8),)).decisions if d.pattern.startswith("instance")]
     assert not d.fused and "goes to `1.D`" in d.reason
+
+
+class FunctionalPReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.slope = nn.InstanceNorm2d(4), nn.Parameter(torch.full((4,), 0.25))
+
+    def forward(self, x):
+        return F.prelu(self.norm(x), self.slope)
+
+
+def test_a_prelu_after_either_norm_fuses_with_its_weight_trained():
+    """MONAI's UNet default: InstanceNorm -> PReLU (one slope per channel, or one), GroupNorm too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(adn_block(3, 6, lambda c: nn.InstanceNorm3d(c, affine=True), act=nn.PReLU(6)),
+                          adn_block(6, 6, lambda c: nn.GroupNorm(2, c), act=nn.PReLU())).double()
+    for block in model:  # 3-d convolutions, as MONAI's 3-d nets
+        block[0] = nn.Conv3d(block[0].in_channels, block[0].out_channels, 3, padding=1).double()
+    fused, _, ratio = _fuses_like_eager(model, seeded(2, 3, 6, 6, 6, dtype=torch.float64), "module")
+    plan = ol.fusion.analyze(model, (seeded(2, 3, 6, 6, 6, dtype=torch.float64),))
+    assert {d.pattern for d in plan.decisions if d.fused} == {"instance_norm_prelu", "group_norm_prelu"}
+    assert ratio < 0.75  # the PReLU's input (the normalised map) is not kept
+    (d,) = [d for d in ol.fusion.analyze(FunctionalPReLU(), (seeded(2, 4, 5, 5),)).decisions]
+    assert d.pattern == "instance_norm_prelu" and not d.fused and "`F.prelu` with a weight" in d.reason
