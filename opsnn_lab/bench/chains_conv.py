@@ -18,6 +18,9 @@ The same op over the other dimensions:
   ``conv1d_bn_silu_dw[recompute]`` saves x alone, 1 / 3, for the recomputed conv.
 * ``conv3d_bn_relu``: a video ResNet's (R3D / MC3 / R(2+1)D) 3x3x3 convolution over 4 frames of the first stage.
   Eager saves x, the conv output and the ReLU's output, the fused op x and the conv output: 2 / 3.
+* ``conv_bn_prelu``: a face-recognition backbone's (MobileFaceNet's, IResNet's) 3x3 conv -> BN -> PReLU (one slope
+  per channel) at the stem's width over the 56 x 56 stage. Eager saves x, the conv output and the BN output (the
+  PReLU's input); the fused op x and the conv output: 2 / 3, and it trains the PReLU's weight.
 
 And the channels-first MLP (timm's ``ConvMlp`` / ``Mlp(use_conv=True)``: FocalNet, PoolFormer, RDNet):
 
@@ -56,7 +59,7 @@ _ACTS = {"relu6": lambda: nn.ReLU6(inplace=True), "silu": lambda: nn.SiLU(inplac
 _ROWS = (("relu6", 1), ("silu", 2), ("hardswish", 1))
 CONV_CHAINS = (*(name for act, _ in _ROWS for name in (f"conv_bn_{act}", f"conv_bn_{act}_dw")),
                "conv_bn_silu_dw[recompute]", "conv1d_bn_silu_dw", "conv1d_bn_silu_dw[recompute]",
-               "conv3d_bn_relu", "conv_gelu_conv",
+               "conv3d_bn_relu", "conv_bn_prelu", "conv_gelu_conv",
                "group_norm_silu+conv", "instance_norm_leaky_relu+conv3d")
 
 
@@ -126,6 +129,22 @@ def _video_chain(s, device, dtype):
 CONV_BUILDERS["conv1d_bn_silu_dw"] = _conformer_chain
 CONV_BUILDERS["conv1d_bn_silu_dw[recompute]"] = lambda s, device, dtype: _conformer_chain(s, device, dtype, True)
 CONV_BUILDERS["conv3d_bn_relu"] = _video_chain
+
+
+def _prelu_chain(s, device, dtype):
+    """A face-recognition backbone's 3x3 conv -> BN -> PReLU (per channel), the stem's width over image / 4."""
+    from opsnn_lab import ops
+    from opsnn_lab.bench.ops import Chain
+
+    c, side = s["channels"], s["image"] // 4
+    conv, bn, act = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.PReLU(c)
+    eager = nn.Sequential(conv, bn, act).to(device, dtype)
+    x = torch.randn(s["batch"], c, side, side, device=device, dtype=dtype, requires_grad=True)
+    return Chain("conv_bn_prelu", eager, ops.FusedConvBNAct.from_modules(conv, bn, act), (x,),
+                 note=f"3x3 {c} ch, {side}x{side}")
+
+
+CONV_BUILDERS["conv_bn_prelu"] = _prelu_chain
 
 
 def _conv_mlp_chain(s, device, dtype):

@@ -16,7 +16,6 @@ from opsnn_lab.fusion.cost import CostModel
 from opsnn_lab.fusion.instance import instance_state, restore_instance_state
 from opsnn_lab.fusion.match import NORM_ACTS
 from opsnn_lab.fusion.patterns import (
-    CONV_ACTS,
     FAMILIES,
     LINEAR_ACTS,
     Match,
@@ -45,7 +44,7 @@ def split_inputs(example_inputs) -> tuple[tuple, dict]:
                     f"arguments, got {type(example_inputs).__name__}")
 
 
-_VARIANT = re.compile(rf"conv_bn_({'|'.join(sorted(CONV_ACTS))})(_maxpool)?|"
+_VARIANT = re.compile(rf"conv_bn_({'|'.join(sorted(NORM_ACTS))})(_maxpool)?|"
                       rf"linear_({'|'.join(sorted(LINEAR_ACTS))})(_dropout)?(_linear)?|"
                       rf"gated_(mlp|product)_({'|'.join(sorted(LINEAR_ACTS))})|"
                       rf"conv_({'|'.join(sorted(LINEAR_ACTS))})(_dropout)?_conv|"

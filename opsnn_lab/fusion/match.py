@@ -89,8 +89,16 @@ def _consumer_reason(g: Graph, node: Node, nxt: Node) -> str:
 # Activations each chain family names (DESIGN.md); whether an op fuses one is the op's own answer.
 CONV_ACTS = frozenset({"relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu", "gelu_tanh", "mish", "elu"})
 LINEAR_ACTS = frozenset({"gelu", "gelu_tanh", "quick_gelu", "silu", "relu"})
-# the norm -> activation rows also take a PReLU module (its slope a parameter of the fused op)
+# the norm -> activation rows (GroupNorm, InstanceNorm, BatchNorm after a conv) also take a PReLU module (its slope a
+# parameter of the fused op)
 NORM_ACTS = CONV_ACTS | {"prelu"}
+
+
+def functional_prelu(act: Node, module) -> str:
+    """The reason a PReLU called as ``F.prelu`` (no module to take its weight from) is declined, else ''."""
+    if module is None and act_kind(act) == "prelu":
+        return f"`{act.label}` is `F.prelu` with a weight of the forward's own; the op takes an nn.PReLU module"
+    return ""
 
 
 def act_kind(n: Node) -> str:

@@ -15,8 +15,8 @@ from opsnn_lab.fusion import patterns_gated as gated
 from opsnn_lab.fusion import patterns_group_norm as group_norm
 from opsnn_lab.fusion.graph import ACTIVATIONS, Graph, Node, Probed, is_transposed_linear
 from opsnn_lab.fusion.match import (
-    CONV_ACTS,
     LINEAR_ACTS,
+    NORM_ACTS,
     Match,
     _common_checks,
     _consumer_reason,
@@ -26,6 +26,7 @@ from opsnn_lab.fusion.match import (
     act_kind,
     act_module,
     act_reader,
+    functional_prelu,
     inner_act,
     op_class,
     past_identities,
@@ -114,10 +115,10 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
         if not m.reason and act is None:
             m.reason = (f"the output of `{bn.label}` goes to {', '.join(f'`{u.label}`' for u in users)}"
                         if users else f"`{bn.label}` output is unused")
-        elif not m.reason and act_kind(act) in ACTIVATIONS and act_kind(act) not in CONV_ACTS:
+        elif not m.reason and act_kind(act) in ACTIVATIONS and act_kind(act) not in NORM_ACTS:
             m.reason = (f"`{bn.label}` feeds `{act.label}` ({act_kind(act)}), an activation FusedConvBNAct does not "
-                        f"compute (it computes {', '.join(sorted(CONV_ACTS))})")
-        elif not m.reason and act_kind(act) not in CONV_ACTS:
+                        f"compute (it computes {', '.join(sorted(NORM_ACTS))})")
+        elif not m.reason and act_kind(act) not in NORM_ACTS:
             m.reason = f"`{bn.label}` feeds `{act.label}` ({act.op}), not a ReLU or another activation"
         if m.reason:
             out.append(m)
@@ -135,7 +136,8 @@ def find_conv_bn_relu(g: Graph) -> list[Match]:
             m.pattern, m.nodes, m.outputs = f"{m.pattern}_maxpool", [*m.nodes, *passed, pool], [pool]
         m.params = {"conv": conv.obj, "bn": bn.obj, "relu": relu_mod, "maxpool": pool.obj if pooled else None,
                     "pad_same": bool(same)}
-        why = _op_support(op, conv.obj, bn.obj, relu_mod, m.params["maxpool"], **same)
+        why = functional_prelu(act, relu_mod) or _op_support(op, conv.obj, bn.obj, relu_mod, m.params["maxpool"],
+                                                             **same)
         m.reason = why or _common_checks(g, m.nodes)
         m.ok = not m.reason
         out.append(m)

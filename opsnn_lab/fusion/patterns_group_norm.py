@@ -18,6 +18,7 @@ from opsnn_lab.fusion.match import (
     act_kind,
     act_module,
     act_reader,
+    functional_prelu,
     inner_act,
     inplace_reason,
     op_class,
@@ -70,9 +71,8 @@ def _find_norm_acts(g: Graph, op: str, fused: str) -> list[Match]:
             m.nodes, m.outputs, m.views = [norm, *passed, *views, act], [act], [v.name for v in views]
         module = act_module(act)
         m.params = {"norm": norm.obj, "act": module}
-        functional = (f"`{act.label}` is `F.prelu` with a weight of the forward's own; the op takes an nn.PReLU module"
-                      if module is None and act_kind(act) == "prelu" else "")
-        m.reason = (("" if inner else _consumer_reason(g, norm, (passed or views or [act])[0])) or functional
+        m.reason = (("" if inner else _consumer_reason(g, norm, (passed or views or [act])[0]))
+                    or functional_prelu(act, module)
                     or _op_support(fused, norm.obj, module) or inplace_reason(g, m.outputs[0])
                     or _common_checks(g, m.nodes))
         m.ok = not m.reason

@@ -1,4 +1,9 @@
-"""BatchNorm + pointwise activation (+ max-pool): activation table, torch reference path, and backend dispatch."""
+"""BatchNorm + pointwise activation (+ max-pool): activation table, torch reference path, and backend dispatch.
+
+A PReLU (UVDoc's and face-recognition nets' Conv -> BN -> PReLU) is ``leaky_relu`` with a learned slope: pass its
+weight as ``slope`` ([1] or [C]; no pool, since a learned slope need not keep max-pool commuting); backward then
+returns the slope's gradient as a fourth value, ``sum(g * z)`` where ``z <= 0``, as aten's ``_prelu_kernel_backward``.
+"""
 
 from __future__ import annotations
 
@@ -166,8 +171,20 @@ def _train_stats(y, running_mean, running_var, momentum, eps):
     return mean.to(acc), (var + eps).rsqrt().to(acc)
 
 
+def slope_view(slope: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A PReLU weight shaped to broadcast over ``like``'s dim 1 ([C] -> (1, C, 1, ...); [1] -> (1,)), as F.prelu."""
+    return slope.view((1, -1) + (1,) * (like.dim() - 2)) if slope.numel() > 1 else slope.view(1)
+
+
+def prelu_backward(grad: torch.Tensor, z: torch.Tensor, slope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dL/dz, dL/dslope)`` of ``prelu(z, slope)`` with aten's kernel; the slope's gradient in its own shape."""
+    view = slope_view(slope, z)
+    gz, gs = torch.ops.aten._prelu_kernel_backward(grad, z.to(slope.dtype), view)
+    return gz, gs.sum_to_size(view.shape).view(slope.shape)
+
+
 def bn_act_forward_torch(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act=RELU,
-                         pool=None):
+                         pool=None, slope=None):
     """Reference of :func:`bn_act_forward` (the CPU fast path: batch statistics from row reductions, aten's for
     small tensors; aten's per-channel affine, the eager activation and pool)."""
     stats = _train_stats(y, running_mean, running_var, momentum, eps) if training else None
@@ -189,6 +206,8 @@ def bn_act_forward_torch(y, weight, bias, running_mean, running_var, *, training
         else:
             z = _affine(y, weight, bias, mean, invstd, y.dtype)
     inplace = z is not y
+    if slope is not None:
+        return torch._prelu_kernel(z.to(slope.dtype), slope_view(slope, z)), mean, invstd, None
     if pool is None:
         return act.forward(z, inplace), mean, invstd, None
     if act.monotone:
@@ -215,8 +234,9 @@ def _unpool(grad_out, idx, pool, in_shape, like):
     return torch.ops.aten.max_pool2d_with_indices_backward(grad_out, like, *pool.args(), [1, 1], False, flat)
 
 
-def _act_grad_torch(grad_out, y, weight, bias, mean, invstd, idx, pool, in_shape, act):
-    """dL/d(pre-activation), the pre-activation recomputed from ``y`` and the statistics."""
+def _act_grad_torch(grad_out, y, weight, bias, mean, invstd, idx, pool, in_shape, act, slope=None):
+    """dL/d(pre-activation), the pre-activation recomputed from ``y`` and the statistics (with ``slope``: and the
+    PReLU slope's gradient, as a pair)."""
     if pool is not None:
         g = _unpool(grad_out, idx, pool, in_shape, y)
         if act.has_dead_zone:  # the sentinel already zeroed every window whose derivative is 0
@@ -224,16 +244,27 @@ def _act_grad_torch(grad_out, y, weight, bias, mean, invstd, idx, pool, in_shape
         grad_out = g
     # Rounded as the forward output was, so the derivative is taken where eager's was.
     z = _affine(y, weight, bias, mean, invstd, grad_out.dtype)
+    if slope is not None:
+        gz, gs = prelu_backward(grad_out, z, slope)
+        return gz.to(y.dtype), gs
     if z.stride() != grad_out.stride():
         z = z.contiguous(memory_format=torch.channels_last if channels_last(grad_out) else torch.contiguous_format)
     return act.backward_(grad_out, z)  # one full-size buffer, reused for the result
 
 
 def bn_act_backward_torch(grad_out, y, weight, bias, mean, invstd, idx, *, training, eps, act=RELU, pool=None,
-                          in_shape=None, output_mask=(True, True, True)):
+                          in_shape=None, output_mask=(True, True, True), slope=None):
     """Reference of :func:`bn_act_backward`."""
+    if slope is not None:
+        g, gs = _act_grad_torch(grad_out, y, weight, bias, mean, invstd, idx, pool, None, act, slope)
+        return (*_bn_backward(g, y, weight, mean, invstd, training, eps, output_mask), gs)
     in_shape = tuple(y.shape) if y is not None else tuple(in_shape)
     g = _act_grad_torch(grad_out, y, weight, bias, mean, invstd, idx, pool, in_shape, act)
+    return _bn_backward(g, y, weight, mean, invstd, training, eps, output_mask)
+
+
+def _bn_backward(g, y, weight, mean, invstd, training, eps, output_mask):
+    """``(grad_y, grad_weight, grad_bias)`` of the batch norm from the pre-activation's gradient ``g``."""
     if training:
         return torch.ops.aten.native_batch_norm_backward(g, y, weight, None, None, mean, invstd, True, eps,
                                                          list(output_mask))
@@ -248,35 +279,40 @@ def bn_act_backward_torch(grad_out, y, weight, bias, mean, invstd, idx, *, train
 
 
 # ------------------------------------------------------------------------------------------------ dispatch
-def bn_act_forward(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act=RELU, pool=None):
+def bn_act_forward(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act=RELU, pool=None,
+                   slope=None):
     """``act(batch_norm(y))`` then max-pool when ``pool`` is given.
 
     y: (N, C, H, W) float; weight/bias: [C] or None (identity affine); running_mean/running_var: [C]
     buffers, updated in place with ``momentum`` (the effective factor, as F.batch_norm) when ``training``,
     read when not (None: no normalisation); act: an :class:`Act`. Returns ``(out, mean, invstd, idx)``:
     out (N, C, H, W), or (N, C, OH, OW) with pool, dtype of y; mean/invstd [C] (batch stats in training);
-    idx uint8 (N, C, OH, OW) within-window argmax (``pool.sentinel`` where ``act.dead``) or None.
+    idx uint8 (N, C, OH, OW) within-window argmax (``pool.sentinel`` where ``act.dead``) or None. With ``slope``
+    (a PReLU's weight, no pool) the activation is that PReLU, run in the slope's dtype.
     """
+    if pool is not None and slope is not None:
+        raise ValueError("a PReLU slope takes no pool: a learned slope need not keep max-pool commuting")
     if backend_for(y) == "triton":
         from opsnn_lab.kernels.bn_act_triton import bn_act_forward_triton
 
         return bn_act_forward_triton(y, weight, bias, running_mean, running_var, training=training,
-                                     momentum=momentum, eps=eps, act=act, pool=pool)
+                                     momentum=momentum, eps=eps, act=act, pool=pool, slope=slope)
     return bn_act_forward_torch(y, weight, bias, running_mean, running_var, training=training,
-                                momentum=momentum, eps=eps, act=act, pool=pool)
+                                momentum=momentum, eps=eps, act=act, pool=pool, slope=slope)
 
 
 def bn_act_backward(grad_out, y, weight, bias, mean, invstd, idx, *, training, eps, act=RELU, pool=None,
-                    in_shape=None, output_mask=(True, True, True)):
+                    in_shape=None, output_mask=(True, True, True), slope=None):
     """Gradients of :func:`bn_act_forward` -> ``(grad_y, grad_weight, grad_bias)``.
 
     grad_out: like the forward output; y: the saved (N, C, H, W) conv output (may be None in eval with a
     pool and an activation with a dead zone: then ``in_shape`` gives its shape); mean/invstd as returned by
     the forward; idx: the uint8 window index. ``output_mask`` says which of the three gradients are needed
     (None where not). grad_y has y's dtype; grad_weight/grad_bias weight's dtype in training,
-    ``acc_dtype(y.dtype)`` in eval.
+    ``acc_dtype(y.dtype)`` in eval. With ``slope``: ``(grad_y, grad_weight, grad_bias, grad_slope)``.
     """
-    kw = dict(training=training, eps=eps, act=act, pool=pool, in_shape=in_shape, output_mask=output_mask)
+    kw = dict(training=training, eps=eps, act=act, pool=pool, in_shape=in_shape, output_mask=output_mask,
+              slope=slope)
     if backend_for(grad_out, y) == "triton":
         from opsnn_lab.kernels.bn_act_triton import bn_act_backward_triton
 

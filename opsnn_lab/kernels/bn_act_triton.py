@@ -237,6 +237,7 @@ def _bn_act_fwd_kernel(
     MEAN, INVSTD,  # FINAL: pointers to fp32 [C] batch mean and 1/std, written by each channel's first program
     WT, BS, RMEAN, RVAR,  # FINAL: pointers to the [C] weight, bias and running statistics (per the flags)
     SLOPE,  # leaky_relu negative slope (unread by the other activations)
+    SLOPES, PER_CHANNEL,  # PRELU: pointer to the fp32 slopes ([1] or [C]) and whether one per channel
     H, W, M, NUM_CHUNKS,  # plane height, plane width, elements per channel, statistics chunks per channel
     eps, momentum, keep,  # FINAL: BatchNorm epsilon, running-statistics momentum and 1 - momentum
     s_n, s_c, s_h, s_w,  # strides of Y
@@ -244,6 +245,7 @@ def _bn_act_fwd_kernel(
     ACT: tl.constexpr,  # activation code
     FINAL: tl.constexpr,  # merge the statistics partials here (_stats_finalize_kernel's work, per program)
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, RUNNING: tl.constexpr,
+    PRELU: tl.constexpr,  # the slope is channel c's PReLU weight (ACT is leaky_relu's code)
     BLOCK: tl.constexpr,  # elements per program
     BLOCK_P: tl.constexpr,  # partials merged per step (FINAL)
 ):
@@ -269,7 +271,9 @@ def _bn_act_fwd_kernel(
     w = m % W
     y = tl.load(Y + n * s_n + c * s_c + h * s_h + w * s_w, mask=mask, other=0.0).to(tl.float32)
     # Rounded to the storage dtype first: eager's activation reads the stored BN output.
-    z = (y * scale + shift).to(OUT.dtype.element_ty).to(tl.float32)
+    z = (y * scale + shift).to(Y.dtype.element_ty).to(OUT.dtype.element_ty).to(tl.float32)
+    if PRELU:
+        SLOPE = tl.load(SLOPES + c * PER_CHANNEL)
     a = _act_fwd(z, SLOPE, ACT)
     tl.store(OUT + n * o_n + c * o_c + h * o_h + w * o_w, a.to(OUT.dtype.element_ty), mask=mask)
 
@@ -335,16 +339,18 @@ def _bn_act_bwd_kernel(
     IDX,  # pointer to the uint8 within-window argmax (N, C, OH, OW) when POOL
     GY,  # pointer to the gradient written in PHASE 1, strides as Y's
     PG, PGX,  # pointers to fp32 [C, NUM_CHUNKS] partial sums of g and g * xhat (written in PHASE 0)
+    PGS,  # PRELU: pointer to fp32 [C, NUM_CHUNKS] partial sums of the upstream gradient * z where z <= 0 (PHASE 0)
     WT, BS, MEAN, INVSTD,  # pointers to the [C] weight, bias (per HAS_W / HAS_B), fp32 mean and 1/std
     CA, CB, CD,  # pointers to fp32 [C] (COEF 0): PHASE 1 writes CA * g + CB * xhat + CD
     GB, GW,  # pointers to fp32 [C] bias and weight gradients, written by each channel's first program (COEF 1)
     SLOPE,  # leaky_relu negative slope
+    SLOPES, PER_CHANNEL,  # PRELU: the fp32 slopes and whether one per channel
     H, W, OH, OW, M, NUM_CHUNKS,  # input plane, pooled plane, elements per channel, chunks per channel
     s_n, s_c, s_h, s_w,  # strides of Y and GY
     g_n, g_c, g_h, g_w,  # strides of G
     i_n, i_c, i_h, i_w,  # strides of IDX
     ACT: tl.constexpr, POOL: tl.constexpr, DEAD: tl.constexpr, NEED_Y: tl.constexpr, PHASE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, PRELU: tl.constexpr,
     COEF: tl.constexpr,  # PHASE 1's coefficients: 0 read CA/CB/CD; 1 from PG/PGX here; 2 invstd * w alone
     TRAINING: tl.constexpr,  # COEF 1: the batch statistics' terms CB and CD (else 0)
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,  # pool window, stride
@@ -388,14 +394,20 @@ def _bn_act_bwd_kernel(
                 g += tl.load(G + n * g_n + c * g_c + oh * g_h + ow * g_w, mask=hit, other=0.0).to(tl.float32)
     else:
         g = tl.load(G + n * g_n + c * g_c + h * g_h + w * g_w, mask=mask, other=0.0).to(tl.float32)
+    if PRELU:
+        SLOPE = tl.load(SLOPES + c * PER_CHANNEL)
+    up = g
     if not (POOL and DEAD):
-        # The pre-activation as the forward stored it (rounded to y's dtype), so the derivative is eager's.
-        z = (y * scale + shift).to(GY.dtype.element_ty).to(tl.float32)
+        # The pre-activation as the forward stored it (rounded to y's dtype, then to the activation's), so the
+        # derivative is eager's.
+        z = (y * scale + shift).to(GY.dtype.element_ty).to(G.dtype.element_ty).to(tl.float32)
         g = tl.where(mask, _act_grad(g, z, SLOPE, ACT), 0.0)
     xhat = (y - mean) * invstd
     if PHASE == 0:
         tl.store(PG + c * NUM_CHUNKS + j, tl.sum(g, axis=0))
         tl.store(PGX + c * NUM_CHUNKS + j, tl.sum(tl.where(mask, g * xhat, 0.0), axis=0))
+        if PRELU:
+            tl.store(PGS + c * NUM_CHUNKS + j, tl.sum(tl.where(mask & (z <= 0), up * z, 0.0), axis=0))
     else:
         if COEF == 0:
             ca = tl.load(CA + c)
@@ -459,8 +471,15 @@ def _or(t, fallback):
     return fallback if t is None else t
 
 
+def _slopes(slope, stand_in):
+    """(fp32 slopes, one per channel?) for the kernels' PRELU arguments; a stand-in pointer without a PReLU."""
+    if slope is None:
+        return stand_in, 0
+    return slope.detach().float().contiguous(), int(slope.numel() > 1)
+
+
 def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act: Act = RELU,
-                          pool: PoolSpec | None = None):
+                          pool: PoolSpec | None = None, slope=None):
     """Triton version of :func:`opsnn_lab.kernels.bn_act.bn_act_forward` (same shapes; stats fp32 [C]).
 
     y: (N, C, H, W) fp32/fp16/bf16, any strides; weight/bias/running stats: [C] or None. Training takes two
@@ -485,16 +504,17 @@ def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, trainin
         invstd = None if running_var is None else torch.rsqrt(running_var.float() + eps)
         scale, shift = scale_shift(c, weight, bias, mean, invstd, y.device)
     if pool is None:
-        out = torch.empty_like(y)
+        out = torch.empty_like(y, dtype=slope.dtype if slope is not None else y.dtype)
         block, warps = calculate_settings(min(m, _CHUNK))
         stand_in = out  # a pointer for each argument the kernel does not read
         p = part if final else (stand_in, stand_in, stand_in)
+        slopes, per_channel = _slopes(slope, stand_in)
         k["_bn_act_fwd_kernel"][(c, cdiv(m, block))](
             y, out, _or(scale, stand_in), _or(shift, stand_in), p[0], p[1], p[2], _or(mean, stand_in),
             _or(invstd, stand_in), _or(weight, stand_in), _or(bias, stand_in), _or(running_mean, stand_in),
-            _or(running_var, stand_in), act.negative_slope, h, w, m, chunks, eps, momentum, 1 - momentum,
-            *_strides4(y), *_strides4(out), ACT=act.code, FINAL=final, HAS_W=weight is not None,
-            HAS_B=bias is not None, RUNNING=running_mean is not None, BLOCK=block,
+            _or(running_var, stand_in), act.negative_slope, slopes, per_channel, h, w, m, chunks, eps, momentum,
+            1 - momentum, *_strides4(y), *_strides4(out), ACT=act.code, FINAL=final, HAS_W=weight is not None,
+            HAS_B=bias is not None, RUNNING=running_mean is not None, PRELU=slope is not None, BLOCK=block,
             BLOCK_P=calculate_settings(min(chunks, _CHUNK))[0], num_warps=warps, **_EXACT)
         return out, mean, invstd, None
     oh, ow = pool.out_size(h, w)
@@ -510,7 +530,7 @@ def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, trainin
 
 
 def bn_act_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, training, eps, act: Act = RELU,
-                           pool: PoolSpec | None = None, in_shape=None, output_mask=(True, True, True)):
+                           pool: PoolSpec | None = None, in_shape=None, output_mask=(True, True, True), slope=None):
     """Triton version of :func:`opsnn_lab.kernels.bn_act.bn_act_backward`; BN weight/bias gradients by
     two-stage fixed-order sums. grad_out: output-shaped, y's dtype; idx: uint8 (N, C, OH, OW) with a pool.
     Two launches where the BN gradients are wanted and a channel has at most ``_INLINE_CHUNKS`` chunks (phase 1
@@ -530,25 +550,28 @@ def bn_act_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, trai
     gy = torch.empty_like(y) if y is not None else torch.empty(n, c, h, w, device=dev, dtype=grad_out.dtype)
     block, warps = calculate_settings(min(m, _CHUNK))
     chunks = cdiv(m, block)
-    part = torch.empty(2, c, chunks, device=dev, dtype=torch.float32)
+    prelu = slope is not None
+    part = torch.empty(3 if prelu else 2, c, chunks, device=dev, dtype=torch.float32)
+    slopes, per_channel = _slopes(slope, part)
     idx_t = idx if idx is not None else grad_out
     pc = _pool_consts(pool)
     cover = dict(NH=cdiv(pc["KH"], pc["SH"]), NW=cdiv(pc["KW"], pc["SW"]))
     block_p, warps_p = calculate_settings(min(chunks, _CHUNK))
     common = dict(ACT=act.code, POOL=pool is not None, DEAD=dead, NEED_Y=need_y, HAS_W=weight is not None,
-                  HAS_B=bias is not None, TRAINING=training, BLOCK=block, BLOCK_P=block_p, num_warps=warps, **pc,
+                  HAS_B=bias is not None, PRELU=prelu, TRAINING=training, BLOCK=block, BLOCK_P=block_p, num_warps=warps, **pc,
                   **cover, **_EXACT)
     ph = pool.out_size(h, w) if pool else (h, w)
     coef = torch.empty(5, c, device=dev, dtype=torch.float32)  # gb, gw, then phase 1's CA, CB, CD
 
     def launch(phase, mode):
         k["_bn_act_bwd_kernel"][(c, chunks)](
-            like, grad_out, idx_t, gy, part[0], part[1], _or(weight, inv32), _or(bias, inv32), mean32, inv32,
-            coef[2], coef[3], coef[4], coef[0], coef[1], act.negative_slope, h, w, ph[0], ph[1], m, chunks,
+            like, grad_out, idx_t, gy, part[0], part[1], part[-1], _or(weight, inv32), _or(bias, inv32), mean32,
+            inv32, coef[2], coef[3], coef[4], coef[0], coef[1], act.negative_slope, slopes, per_channel, h, w, ph[0],
+            ph[1], m, chunks,
             *_strides4(gy), *_strides4(grad_out), *_strides4(idx_t), PHASE=phase, COEF=mode, **common)
 
     gw = gb = None
-    if training or (weight is not None and any(output_mask[1:])):
+    if training or prelu or (weight is not None and any(output_mask[1:])):
         launch(0, 0)  # phase 0 reads no coefficient
         gb, gw = coef[0], coef[1]
         if chunks <= _INLINE_CHUNKS:
@@ -563,4 +586,8 @@ def bn_act_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, trai
 
     def cast(t, on):
         return None if t is None or not on or weight is None else t.to(weight.dtype)
-    return gy, cast(gw, output_mask[1]), cast(gb, output_mask[2])
+    if not prelu:
+        return gy, cast(gw, output_mask[1]), cast(gb, output_mask[2])
+    gs = part[2].sum(1)  # fixed-order sums of the chunk partials, then over the channels for one slope
+    gs = (gs if per_channel else gs.sum()).view(slope.shape).to(slope.dtype)
+    return gy, cast(gw, output_mask[1]), cast(gb, output_mask[2]), gs

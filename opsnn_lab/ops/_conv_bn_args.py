@@ -13,7 +13,7 @@ import math
 
 from torch import nn
 
-from opsnn_lab.kernels.bn_act import PoolSpec
+from opsnn_lab.kernels.bn_act import Act, PoolSpec
 from opsnn_lab.ops._activations import activation_of
 from opsnn_lab.ops._bn_act import computes_batch_norm
 
@@ -86,7 +86,17 @@ def wrong_type(conv, bn, act, maxpool, act_name="act", relu_only=False, pad_same
         return f"maxpool must be None after a {conv_kind.__name__} (no pooled 3-d chain), got {type(maxpool).__name__}"
     if maxpool is not None and type(maxpool) is not pool_kind:
         return f"maxpool must be {pool_kind.__name__} or None, got {type(maxpool).__name__}"
-    return activation_of(act, act_name)[1]
+    return "" if is_prelu(act) else activation_of(act, act_name)[1]
+
+
+def is_prelu(act) -> bool:
+    """An ``nn.PReLU`` computing PReLU (its own forward): the op runs it as a leaky ReLU whose slope is its weight."""
+    return isinstance(act, nn.PReLU) and type(act).forward is nn.PReLU.forward
+
+
+def act_spec(act) -> Act:
+    """The op's :class:`Act` for a supported activation module (a PReLU's: leaky_relu, the slope read per call)."""
+    return Act("leaky_relu") if is_prelu(act) else activation_of(act)[0]
 
 
 def why_not(conv, bn, act, maxpool, act_name="act", relu_only=False, pad_same=False) -> str:
@@ -107,6 +117,10 @@ def why_not(conv, bn, act, maxpool, act_name="act", relu_only=False, pad_same=Fa
         return f"bn.track_running_stats=False is not supported ({kind} without running statistics)"
     if bn.num_features != conv.out_channels:
         return f"bn.num_features={bn.num_features} does not match conv.out_channels={conv.out_channels}"
+    if is_prelu(act) and act.num_parameters not in (1, conv.out_channels):
+        return f"{act_name} (PReLU) has {act.num_parameters} parameters for conv.out_channels={conv.out_channels}"
+    if is_prelu(act) and maxpool is not None:
+        return f"maxpool after a PReLU is not supported (only the unpooled kernels read {act_name}'s learned slope)"
     return _pool_why_not(maxpool, conv_dim(conv, pad_same)) if maxpool is not None else ""
 
 

@@ -4,7 +4,8 @@ instead of int64). A stride-1 depthwise conv's output is recomputed in backward 
 one pass over the input, and the bytes fall from 2/3 to 1/3 of eager's. At stride 2 the output is a quarter
 of the input, and recomputing it (a pass over 4x its size) would save 1/6 of the chain's bytes for ~20% of its
 time: it is saved unless ``recompute=True``. Activations: ReLU, ReLU6, LeakyReLU, SiLU, Hardswish, GELU (erf
-and tanh), Mish, ELU (alpha 1). The same chain of 1-d modules (a temporal or speech convolution block, with
+and tanh), Mish, ELU (alpha 1), and PReLU without a pool (its weight trained by the op; under autocast it runs in
+autocast's dtype, as eager's ``prelu``). The same chain of 1-d modules (a temporal or speech convolution block, with
 MaxPool1d) and of 3-d ones (video and volume models, no pool) is taken too: ``_conv_bn_args.py``.
 
 Activation bytes on the ResNet stem (8x3x224x224, 3->64 k7 s2, BN, ReLU, MaxPool 3/2/1): eager saves x, the
@@ -27,11 +28,12 @@ from torch.nn import functional as F
 from opsnn_lab._checks import check_tensor, check_type, first_derivative_only
 from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, acc_dtype, bn_act_backward, bn_act_forward
 from opsnn_lab.ops import _amp
-from opsnn_lab.ops._activations import activation_of
 from opsnn_lab.ops._conv_bn_args import (
+    act_spec,
     as_planes,
     conv_dim,
     conv_padding,
+    is_prelu,
     ntuple,
     pool_spec,
     same_pads,
@@ -123,20 +125,20 @@ class ConvBNActFunction(torch.autograd.Function):
 
     @staticmethod
     @_amp.no_autocast
-    def forward(ctx, x, weight, bias, bn_weight, bn_bias, running_mean, running_var, cfg: _Config):
-        ctx.cfg, ctx.has_bias = cfg, bias is not None
+    def forward(ctx, x, weight, bias, bn_weight, bn_bias, running_mean, running_var, cfg: _Config, slope=None):
+        ctx.cfg, ctx.has_bias = cfg, bias is not None  # every branch saves ``slope`` (a PReLU's weight) last
         if cfg.training:
             y = _conv(x, weight, bias, cfg)
             ctx.empty = y.numel() == 0
             if ctx.empty:  # as nn.BatchNorm2d: empty output, running statistics untouched
-                ctx.save_for_backward(x, weight)
-                return _empty_output(y, cfg.pool)
+                ctx.save_for_backward(x, weight, slope)
+                return _empty_output(y, cfg.pool, slope.dtype if slope is not None else None)
             out, mean, invstd, idx = bn_act_forward(_planes(y), bn_weight, bn_bias, running_mean, running_var,
                                                     training=True, momentum=cfg.momentum, eps=cfg.eps,
-                                                    act=cfg.act, pool=cfg.pool)
+                                                    act=cfg.act, pool=cfg.pool, slope=slope)
             # recompute: backward runs the same conv on the same input (the same bits), so y is not kept
             ctx.save_for_backward(x, weight, bias if cfg.recompute else None, bn_weight, bn_bias,
-                                  None if cfg.recompute else y, mean, invstd, idx)
+                                  None if cfg.recompute else y, mean, invstd, idx, slope)
             return _like_input(_unplanes(out, y), x, cfg)
         # folded in fp32 for fp32/bf16/fp16 inputs, in fp64 for fp64 ones (fp32 would cost fp64 ~1e-8 relative)
         acc = acc_dtype(x.dtype)
@@ -148,13 +150,13 @@ class ConvBNActFunction(torch.autograd.Function):
         a = _conv(x, w_f, (b0 * fold + bn_bias.to(acc)).to(x.dtype), cfg)
         ctx.empty = a.numel() == 0
         if ctx.empty:
-            ctx.save_for_backward(x, weight)
-            return _empty_output(a, cfg.pool)
+            ctx.save_for_backward(x, weight, slope)
+            return _empty_output(a, cfg.pool, slope.dtype if slope is not None else None)
         out, _, _, idx = bn_act_forward(_planes(a), None, None, None, None, training=False, momentum=0.0,
-                                        eps=cfg.eps, act=cfg.act, pool=cfg.pool)
+                                        eps=cfg.eps, act=cfg.act, pool=cfg.pool, slope=slope)
         ctx.in_shape = tuple(_planes(a).shape)
         keep_a = cfg.pool is None or not cfg.act.has_dead_zone
-        ctx.save_for_backward(x, weight, bn_weight, a if keep_a else None, b0, invstd, idx)
+        ctx.save_for_backward(x, weight, bn_weight, a if keep_a else None, b0, invstd, idx, slope)
         return _like_input(_unplanes(out, a), x, cfg)
 
     @staticmethod
@@ -169,19 +171,20 @@ class ConvBNActFunction(torch.autograd.Function):
         return _backward_eval(ctx, grad_out)
 
 
-def _empty_output(y: torch.Tensor, pool: PoolSpec | None) -> torch.Tensor:
+def _empty_output(y: torch.Tensor, pool: PoolSpec | None, dtype=None) -> torch.Tensor:
     if pool is None:
-        return y.new_empty(y.shape)
+        return y.new_empty(y.shape, dtype=dtype or y.dtype)
     return y.new_empty(*y.shape[:2], *pool.out_size(*y.shape[-2:]))
 
 
-def _empty_grads(ctx, x, weight):
+def _empty_grads(ctx, x, weight, slope):
     """Gradients of an empty batch: zeros for every parameter, as eager autograd gives."""
     need = ctx.needs_input_grad
     c = weight.shape[0]
     zeros = lambda ok: weight.new_zeros(c) if ok else None
     return (_zeros_like_or_none(x, need[0]), _zeros_like_or_none(weight, need[1]),
-            zeros(need[2] and ctx.has_bias), zeros(need[3]), zeros(need[4]), None, None, None)
+            zeros(need[2] and ctx.has_bias), zeros(need[3]), zeros(need[4]), None, None, None,
+            *_slope_grad(ctx, [_zeros_like_or_none(slope, slope is not None)]))
 
 
 def _conv_backward(ctx, grad_y, x, weight, need_w):
@@ -193,27 +196,27 @@ def _conv_backward(ctx, grad_y, x, weight, need_w):
 
 
 def _backward_train(ctx, grad_out):
-    x, weight, bias, bn_weight, bn_bias, y, mean, invstd, idx = ctx.saved_tensors
+    x, weight, bias, bn_weight, bn_bias, y, mean, invstd, idx, slope = ctx.saved_tensors
     cfg, need = ctx.cfg, ctx.needs_input_grad
     if y is None:
         y = _conv(x, weight, bias, cfg)
-    grad_y, grad_gamma, grad_beta = bn_act_backward(
+    grad_y, grad_gamma, grad_beta, *gs = bn_act_backward(
         _planes(grad_out), _planes(y), bn_weight, bn_bias, mean, invstd, idx, training=True, eps=cfg.eps, act=cfg.act,
-        pool=cfg.pool, output_mask=(True, need[3], need[4]))
+        pool=cfg.pool, output_mask=(True, need[3], need[4]), slope=slope)
     dx, dw, db = _conv_backward(ctx, _unplanes(grad_y, y), _internal(x, ctx.cfg), weight, need[1])
-    return dx, dw, db, grad_gamma, grad_beta, None, None, None
+    return dx, dw, db, grad_gamma, grad_beta, None, None, None, *_slope_grad(ctx, gs)
 
 
 def _backward_eval(ctx, grad_out):
     """Gradients through the folded conv: w_f = w * s, b_f = (b - mean) * s + beta, s = gamma * invstd."""
-    x, weight, bn_weight, a, b0, invstd, idx = ctx.saved_tensors
+    x, weight, bn_weight, a, b0, invstd, idx, slope = ctx.saved_tensors
     cfg, need = ctx.cfg, ctx.needs_input_grad
     acc = invstd.dtype  # the forward's acc_dtype(x.dtype)
     fold = bn_weight.to(acc) * invstd
     w_f = (weight.to(acc) * _per_channel(fold, weight)).to(weight.dtype)
-    grad_a, _, _ = bn_act_backward(_planes(grad_out), _planes(a), None, None, None, None, idx, training=False,
-                                   eps=cfg.eps, act=cfg.act, pool=cfg.pool, in_shape=ctx.in_shape,
-                                   output_mask=(True, False, False))
+    grad_a, _, _, *gs = bn_act_backward(_planes(grad_out), _planes(a), None, None, None, None, idx, training=False,
+                                        eps=cfg.eps, act=cfg.act, pool=cfg.pool, in_shape=ctx.in_shape,
+                                        output_mask=(True, False, False), slope=slope)
     need_wf = need[1] or need[3]
     bias_sizes = [weight.shape[0]]
     dx, dw_f, db_f = convolution_backward(_unplanes(grad_a, a), _internal(x, cfg), w_f, bias_sizes, *cfg.conv_args(),
@@ -226,7 +229,14 @@ def _backward_eval(ctx, grad_out):
         dfold = (dw_f.to(acc) * weight.to(acc)).sum(tuple(range(1, weight.dim()))) + db_f * b0
         dgamma = (dfold * invstd).to(bn_weight.dtype)
     dbeta = db_f.to(bn_weight.dtype) if need[4] else None
-    return dx, dw, db, dgamma, dbeta, None, None, None
+    return dx, dw, db, dgamma, dbeta, None, None, None, *_slope_grad(ctx, gs)
+
+
+def _slope_grad(ctx, gs: list) -> tuple:
+    """The slope's gradient where the Function was given a ninth input (``gs``: bn_act_backward's fourth value,
+    empty without a PReLU), else nothing."""
+    need = ctx.needs_input_grad
+    return (gs[0] if gs and need[8] else None,) if len(need) > 8 else ()
 
 
 ConvBNReLUFunction = ConvBNActFunction  # the name the ReLU-only op had; same Function
@@ -301,6 +311,7 @@ class FusedConvBNAct(nn.Module):
 
     _act_attr = "act"  # the submodule name of the activation
     _relu_only = False
+    prelu = False  # the activation is a PReLU, its weight passed to the Function at each call
     dim = 2  # the convolution's (set per instance; the class values read a module pickled before these options)
     pad_same = False
 
@@ -317,7 +328,8 @@ class FusedConvBNAct(nn.Module):
         if reason:
             raise ValueError(reason)
         self.register_modules = register_modules
-        self.act_spec = activation_of(act)[0]
+        self.act_spec = act_spec(act)
+        self.prelu = is_prelu(act)
         setter = nn.Module.__setattr__ if register_modules else object.__setattr__
         for name, mod in (("conv", conv), ("bn", bn), (self._act_attr, act), ("maxpool", maxpool)):
             setter(self, name, mod)
@@ -383,19 +395,32 @@ class FusedConvBNAct(nn.Module):
         with _amp.region(x) as cast:  # under autocast: the conv's operands cast, BN's parameters and statistics not
             x, weight, bias = cast(x, conv.weight, conv.bias)
             self._check_input(x, weight)
+            slope = self._slope(cast, x)
             if self.pad_same:  # as the conv's own forward does: what its backward keeps is the padded input
                 x = F.pad(x, same_pads(x.shape[2:], conv.kernel_size, conv.stride, conv.dilation))
             if self.dim == 1:  # as a 2-d chain of height 1; autograd takes the gradients back through the views
                 x, weight = x.unsqueeze(2), weight.unsqueeze(2)
-            out = ConvBNActFunction.apply(x, weight, bias, bn.weight, bn.bias, bn.running_mean, bn.running_var,
-                                          self._config())
+            args = (x, weight, bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, self._config())
+            out = ConvBNActFunction.apply(*args, *([slope] if slope is not None else []))
             return out.squeeze(2) if self.dim == 1 else out
+
+    def _slope(self, cast, x) -> torch.Tensor | None:
+        """The PReLU's weight as the Function takes it (autocast's dtype under autocast, as eager's ``prelu``)."""
+        if not self.prelu:
+            return None
+        act = getattr(self, self._act_attr)
+        (slope,) = cast(act.weight)
+        if slope.dtype != x.dtype:
+            raise TypeError(f"{self._act_attr} (PReLU) weight is {slope.dtype} and the input {x.dtype}: F.prelu "
+                            "takes one dtype outside autocast")
+        return slope
 
     def extra_repr(self) -> str:
         pool = "" if self.pool is None else f", pool={self.pool}"
         recompute = "" if self.recompute is None else f", recompute={self.recompute}"
         same = ", pad_same=True" if self.pad_same else ""
-        return f"act={self.act_spec}, register_modules={self.register_modules}{pool}{recompute}{same}"
+        act = "prelu" if self.prelu else self.act_spec
+        return f"act={act}, register_modules={self.register_modules}{pool}{recompute}{same}"
 
 
 class FusedConvBNReLU(FusedConvBNAct):
