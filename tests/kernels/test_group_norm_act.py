@@ -180,3 +180,11 @@ def test_gpu_kernels_match_the_torch_path(dtype):
     want = K.group_norm_act_backward_torch(grad, x, w, b, rmean, rrstd, 32, Act("silu"))
     for g, r in zip(got[:3], want[:3]):
         torch.testing.assert_close(g.float(), r.float(), atol=5e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
+    slope = (seeded(320, seed=3).abs() * 0.4 + 0.05).to(dtype).cuda()  # a PReLU per channel
+    out, mean, rstd = K.group_norm_act_forward(x, w, b, 32, 1e-5, Act("leaky_relu"), slope)
+    ref, rmean, rrstd = K.group_norm_act_forward_torch(x, w, b, 32, 1e-5, Act("leaky_relu"), slope)
+    assert_close_dtype(out, ref)
+    got = K.group_norm_act_backward(grad, x, w, b, mean, rstd, 32, Act("leaky_relu"), slope=slope)
+    want = K.group_norm_act_backward_torch(grad, x, w, b, rmean, rrstd, 32, Act("leaky_relu"), slope=slope)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.float(), r.float(), atol=5e-2 if dtype == torch.bfloat16 else 1e-3, rtol=1e-2)

@@ -144,3 +144,24 @@ def test_triton_kernels_with_a_slope_match_the_torch_path(training, slopes):
             continue
         assert tri.shape == ref.shape, i
         assert_close_dtype(tri.float(), ref.float(), torch.float32, msg=f"value {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("training", [True, False])
+def test_gpu_kernels_with_a_slope_match_the_torch_path(training):
+    y = seeded(8, 64, 28, 28, seed=5, scale=2.0, device="cuda") + 0.3
+    weight, bias = (seeded(64, seed=6).abs() + 0.5).cuda(), seeded(64, seed=7, scale=0.3).cuda()
+    slope, grad = (seeded(64, seed=8).abs() * 0.4 + 0.05).cuda(), seeded(8, 64, 28, 28, seed=9, device="cuda")
+    args = (weight, bias) if training else (None, None)
+    results = []
+    for fwd, bwd in ((K.bn_act_forward_torch, K.bn_act_backward_torch),
+                     (T.bn_act_forward_triton, T.bn_act_backward_triton)):
+        bufs = (torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")) if training else (None, None)
+        out, mean, invstd, _ = fwd(y, *args, *bufs, training=training, momentum=0.1, eps=1e-5,
+                                   act=K.Act("leaky_relu"), slope=slope)
+        results.append((out, *bwd(grad, y, *args, mean, invstd, None, training=training, eps=1e-5,
+                                  act=K.Act("leaky_relu"), slope=slope)))
+    for i, (tri, ref) in enumerate(zip(results[1], results[0])):
+        if ref is not None:
+            torch.testing.assert_close(tri.float(), ref.float(), atol=1e-3, rtol=1e-3, msg=f"value {i}")
