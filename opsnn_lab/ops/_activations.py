@@ -43,8 +43,9 @@ def _computed(module: nn.Module) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def activation_of(module, name: str = "act") -> tuple[Act | None, str]:
-    """``(Act, '')`` for a supported activation module, else ``(None, reason)``; ``name`` is the argument's name."""
+def activation_of(module, name: str = "act", also: tuple[str, ...] = ()) -> tuple[Act | None, str]:
+    """``(Act, '')`` for a supported activation module, else ``(None, reason)``; ``name`` is the argument's name,
+    ``also`` what the calling op takes besides (listed in the reason: the norm and conv-bn ops' PReLU)."""
     if not isinstance(module, nn.Module):
         return None, f"{name} must be an nn.Module activation, got {type(module).__name__}"
     kind = type(module)
@@ -57,7 +58,7 @@ def activation_of(module, name: str = "act") -> tuple[Act | None, str]:
         return Act("gelu_tanh" if module.approximate == "tanh" else "gelu"), ""
     act_name = _HF.get(kind.__name__) if kind.__module__.startswith("transformers") else _computed(module)
     if act_name is None:
-        return None, (f"{name} must be one of {', '.join(SUPPORTED_ACTIVATIONS)} (torch.nn or Hugging Face "
+        return None, (f"{name} must be one of {', '.join((*SUPPORTED_ACTIVATIONS, *also))} (torch.nn or Hugging Face "
                       f"ACT2FN), or a parameter-free module computing one of them, got {kind.__module__}."
                       f"{kind.__name__}")
     act = Act(act_name)

@@ -86,7 +86,7 @@ def wrong_type(conv, bn, act, maxpool, act_name="act", relu_only=False, pad_same
         return f"maxpool must be None after a {conv_kind.__name__} (no pooled 3-d chain), got {type(maxpool).__name__}"
     if maxpool is not None and type(maxpool) is not pool_kind:
         return f"maxpool must be {pool_kind.__name__} or None, got {type(maxpool).__name__}"
-    return "" if is_prelu(act) else activation_of(act, act_name)[1]
+    return "" if is_prelu(act) else activation_of(act, act_name, also=("PReLU",))[1]
 
 
 def is_prelu(act) -> bool:

@@ -78,7 +78,7 @@ def act_spec(act, channels: int | None) -> tuple[Act | None, nn.PReLU | None, st
         if channels is not None and n not in (1, channels):
             return None, None, f"act (PReLU) has {n} parameters for {channels} channels"
         return Act("leaky_relu"), act, ""
-    spec, why = activation_of(act)
+    spec, why = activation_of(act, also=("PReLU",))
     return spec, None, why
 
 

@@ -18,8 +18,9 @@ in its input's dtype on CPU and CUDA, and so does the op.
 Running statistics (``track_running_stats=True``): in training the op normalises with the plane's own statistics,
 as eager does, and updates ``running_mean`` / ``running_var`` as eager's ``instance_norm`` does (the batch's mean
 of each plane's mean and unbiased variance, by ``momentum``; a ``momentum`` of None leaves them as they are, as
-``nn.InstanceNorm*d`` passes 0 then). In eval mode with running statistics it runs eager's ``instance_norm`` and
-the activation: that normalisation is an affine map per channel, and nothing of it is worth fusing.
+``nn.InstanceNorm*d`` passes 0 then; an empty batch leaves them, where eager's averages over no sample and writes NaN).
+In eval mode with running statistics it runs eager's ``instance_norm`` and the activation: that normalisation is an
+affine map per channel, and nothing of it is worth fusing.
 
 Contract (``supports`` says yes or gives the reason; ``from_modules`` raises ``ValueError`` / ``TypeError`` with
 it): ``norm`` an ``nn.InstanceNorm1d`` / ``2d`` / ``3d`` (affine or not), ``act`` a supported activation module

@@ -133,6 +133,10 @@ def test_empty_batches_autocast_and_channels_without_affine():
     assert_close_dtype(fused(x), want)
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning):
         assert fused(x).dtype == eager(x).dtype == torch.float32  # instance_norm keeps its input's dtype
+    tracked = FusedInstanceNormAct.from_modules(_norm(c=6, track=True), nn.SiLU())
+    before = tracked.norm.running_mean.clone()
+    tracked(torch.empty(0, 6, 3, 3))  # eager's instance_norm turns both buffers to NaN here; the op leaves them
+    assert torch.equal(tracked.norm.running_mean, before) and not tracked.norm.running_var.isnan().any()
 
 
 def test_state_dict_pickling_and_bad_arguments():
