@@ -10,6 +10,8 @@
   fused op itself makes): it runs as a BatchNorm, and ``Probed.bn_act`` names the act it applies;
 * a ``GroupNorm`` subclass of that shape (timm's ``GroupNormAct``: ResNetV2-BiT's, RegNet's) when it computes
   ``act(group_norm(x))`` on a probe: it runs as a GroupNorm, its act named the same way;
+* an ``nn.PReLU`` subclass with its own forward (timm's ``PReLU``, calling ``F.prelu`` itself) that computes PReLU
+  with its weight on a probe (``ops._activations.is_prelu``): it runs as a PReLU, which a norm may apply itself;
 * a ``Conv2d`` subclass without padding of its own whose forward pads TensorFlow's 'same' way for each input size
   (timm's ``Conv2dSame`` in its ``tf_*`` models, EfficientNet-PyTorch's ``Conv2dDynamicSamePadding``), checked on
   three map sizes (every residue of a stride 2 or 3): it runs as a Conv2d, which ``FusedConvBNAct(pad_same=True)``
@@ -30,6 +32,7 @@ from torch import nn
 
 from opsnn_lab.fusion.graph import ACTIVATIONS, Probed, _hf_op, canonical_module, own_forward
 from opsnn_lab.fusion.instance import instance_state, restore_instance_state
+from opsnn_lab.ops._activations import is_prelu
 from opsnn_lab.ops._bn_act import PROBE_RTOL, computes_batch_norm, inner_activation, probe_matches
 from opsnn_lab.ops._conv_bn_args import ntuple, same_pads
 from opsnn_lab.ops._mlp_parts import activation_name, exact_in_float64
@@ -109,6 +112,9 @@ def _probe_modules(model: nn.Module) -> None:
         elif isinstance(m, nn.Conv2d) and own_forward(m) is not nn.Conv2d:
             if m not in Probed.same_conv and _computes_same_conv(m):
                 Probed.same_conv.add(m)
+        elif isinstance(m, nn.PReLU) and own_forward(m) is not nn.PReLU and m not in Probed.activation:
+            if is_prelu(m):
+                Probed.activation[m] = "prelu"
         elif _bare(m) and _unknown(m) and m not in Probed.activation:
             name, _ = activation_name(m)
             if name is not None:
@@ -119,10 +125,15 @@ def _probe_modules(model: nn.Module) -> None:
             norms.append(m)
     for m in norms:  # after the activations: the act child may be one probed above
         ok, act = inner_activation(m)
-        if not ok or (act is not None and canonical_module(act) not in ACTIVATIONS):
+        if not ok or (act is not None and canonical_module(act) not in _INNER_ACTS):
             continue
         if _computes_group_norm(m, act) if isinstance(m, nn.GroupNorm) else computes_batch_norm(m, act):
             Probed.bn_act[m] = act
+
+
+# what a norm module may apply itself: the pointwise activations, and a PReLU (the norm-act and conv-bn ops train its
+# weight; it is no graph ACTIVATION, which the gated rows would read as an activation of a gate)
+_INNER_ACTS = ACTIVATIONS | {"prelu"}
 
 
 def _norm_subclass(m: nn.Module) -> bool:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opsnn_lab.kernels.bn_act import ACTS, Act
 
-__all__ = ["activation_of", "SUPPORTED_ACTIVATIONS"]
+__all__ = ["activation_of", "is_prelu", "SUPPORTED_ACTIVATIONS"]
 
 _TORCH = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu", nn.Hardswish: "hardswish",
           nn.Mish: "mish", nn.ELU: "elu"}
@@ -72,3 +73,21 @@ def activation_of(module, name: str = "act", also: tuple[str, ...] = ()) -> tupl
     if err > _PROBE_TOL:
         return None, f"{name} ({kind.__name__}) does not compute {act_name} (max error {err:.1e} on a probe)"
     return act, ""
+
+
+def is_prelu(module) -> bool:
+    """An ``nn.PReLU`` computing PReLU with its weight: its own forward, or a subclass's (timm's ``PReLU``, which
+    calls ``F.prelu`` itself) found to on a probe. The norm and conv-bn ops run it as a leaky ReLU whose slope is that
+    weight, read at each call."""
+    if not isinstance(module, nn.PReLU):
+        return False
+    if type(module).forward is nn.PReLU.forward:
+        return True
+    w = module.weight.detach()
+    probe = torch.linspace(-6.0, 6.0, 97, dtype=w.dtype, device=w.device).view(1, 1, -1).expand(2, w.numel(), -1)
+    with torch.no_grad():
+        try:
+            got = module(probe)
+        except Exception:  # a subclass that cannot run on a probe is not a PReLU the ops can stand in for
+            return False
+    return got.shape == probe.shape and bool(torch.equal(got, F.prelu(probe, w)))

@@ -14,7 +14,7 @@ import math
 from torch import nn
 
 from opsnn_lab.kernels.bn_act import Act, PoolSpec
-from opsnn_lab.ops._activations import activation_of
+from opsnn_lab.ops._activations import activation_of, is_prelu
 from opsnn_lab.ops._bn_act import computes_batch_norm
 
 __all__ = ["conv_dim", "keeps_forward", "ntuple", "conv_padding", "wrong_type", "why_not", "pool_spec", "as_planes",
@@ -87,11 +87,6 @@ def wrong_type(conv, bn, act, maxpool, act_name="act", relu_only=False, pad_same
     if maxpool is not None and type(maxpool) is not pool_kind:
         return f"maxpool must be {pool_kind.__name__} or None, got {type(maxpool).__name__}"
     return "" if is_prelu(act) else activation_of(act, act_name, also=("PReLU",))[1]
-
-
-def is_prelu(act) -> bool:
-    """An ``nn.PReLU`` computing PReLU (its own forward): the op runs it as a leaky ReLU whose slope is its weight."""
-    return isinstance(act, nn.PReLU) and type(act).forward is nn.PReLU.forward
 
 
 def act_spec(act) -> Act:

@@ -30,7 +30,7 @@ from opsnn_lab._checks import check_tensor, check_type, first_derivative_only
 from opsnn_lab.kernels.bn_act_spec import Act
 from opsnn_lab.kernels.group_norm_act import group_norm_act_backward, group_norm_act_forward
 from opsnn_lab.ops import _amp
-from opsnn_lab.ops._activations import activation_of
+from opsnn_lab.ops._activations import activation_of, is_prelu
 
 __all__ = ["FusedGroupNormAct", "GroupNormActFunction", "NormAct", "act_spec"]
 
@@ -73,7 +73,7 @@ def act_spec(act, channels: int | None) -> tuple[Act | None, nn.PReLU | None, st
     """``(Act, prelu, '')`` for an activation module the norm ops compute, else ``(None, None, reason)``: a
     ``nn.PReLU`` (1 slope, or one per channel: ``channels`` where the norm fixes them) runs as a leaky ReLU whose
     slope is its weight, read at each call; the others as ``ops._activations`` names them."""
-    if isinstance(act, nn.PReLU) and type(act).forward is nn.PReLU.forward:
+    if is_prelu(act):
         n = act.num_parameters
         if channels is not None and n not in (1, channels):
             return None, None, f"act (PReLU) has {n} parameters for {channels} channels"

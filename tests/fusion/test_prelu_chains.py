@@ -86,3 +86,39 @@ def test_a_pool_after_the_prelu_fuses_without_it_and_a_functional_prelu_is_decli
     assert d.pattern == "conv_bn_prelu" and d.fused  # the pool stays a module of its own
     (d,) = [d for d in ol.fusion.analyze(Functional(), (x,)).decisions if d.pattern.startswith("conv_bn")]
     assert d.pattern == "conv_bn_prelu" and not d.fused and "`F.prelu` with a weight" in d.reason
+
+
+class CallingPReLU(nn.PReLU):  # timm's PReLU: a subclass whose forward calls F.prelu itself
+    def forward(self, x):
+        return F.prelu(x, self.weight)
+
+
+class BatchNormAct(nn.BatchNorm2d):  # timm's BatchNormAct2d: a BatchNorm applying its activation child itself
+    def __init__(self, c):
+        super().__init__(c)
+        self.act = CallingPReLU(c)
+
+    def forward(self, x):
+        return self.act(super().forward(x))
+
+
+class GroupNormAct(nn.GroupNorm):
+    def __init__(self, c):
+        super().__init__(2, c)
+        self.act = CallingPReLU()
+
+    def forward(self, x):
+        return self.act(F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps))
+
+
+def test_norm_modules_applying_a_prelu_subclass_fuse_whole():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), BatchNormAct(8), nn.Conv2d(8, 8, 3, padding=1),
+                          GroupNormAct(8), nn.Conv2d(8, 4, 1)).double()
+    x = seeded(2, 3, 9, 9, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    assert {d.pattern for d in plan.decisions if d.fused} == {"conv_bn_prelu", "group_norm_prelu"}, plan.summary()
+    (out_a, grads_a), (out_b, grads_b) = _grads(model, x), _grads(fused, x)
+    torch.testing.assert_close(out_b, out_a, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
