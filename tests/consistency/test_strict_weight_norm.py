@@ -135,6 +135,19 @@ def _group_norm_grads(x, groups):
     return [y.detach(), x.grad, w.grad, b.grad]
 
 
+def _prelu_grads(fused: bool):
+    """A one-slope PReLU's gradient is a sum over the whole tensor (at 2 threads, other bits than at 1 outside
+    strict()): eager's, and the InstanceNorm op's."""
+    from opsnn_lab.ops import FusedInstanceNormAct
+
+    x = seeded(8, 4, 128, 128).requires_grad_()
+    prelu = nn.PReLU()  # one slope: a sum over the whole tensor
+    f = FusedInstanceNormAct.from_modules(nn.InstanceNorm2d(4, affine=True), prelu) if fused else prelu
+    y = f(x)
+    y.backward(seeded(*y.shape, seed=9))
+    return [y.detach(), x.grad, prelu.weight.grad]
+
+
 # Each over more than TensorIterator's 32768-element parallel grain, along rows, columns and whole tensors.
 REDUCTIONS = {
     "weight_norm dim=last": lambda: _weight_norm_grads(seeded(256, 48, 32), seeded(1, 1, 32).abs() + 1, 2),
@@ -145,6 +158,8 @@ REDUCTIONS = {
                                              seeded(300_000).var()],
     "group_norm and its backward": lambda: _group_norm_grads(seeded(2, 32, 96, 96), 4),
     "cumsum rows, columns": lambda: [seeded(4, 70_000).cumsum(1), seeded(70_000, 4).cumsum(0)],
+    "prelu and its slope gradient": lambda: _prelu_grads(fused=False),
+    "instance_norm -> prelu fused": lambda: _prelu_grads(fused=True),
 }
 
 
