@@ -87,7 +87,6 @@ class NormAct(nn.Module):
     ``from_modules`` and the PReLU's slope as the Function takes it. Subclasses name their norm (``_norm_reason``,
     ``_channels``) and compute."""
 
-    op_name = "NormAct"
 
     def __init__(self, norm: nn.Module, act: Act, *, prelu: nn.PReLU | None = None, register: bool = True,
                  name: str = "norm"):
@@ -165,7 +164,6 @@ class NormAct(nn.Module):
 class FusedGroupNormAct(NormAct):
     """``act(group_norm(x))`` saving x and the statistics only (see the module docstring)."""
 
-    op_name = "FusedGroupNormAct"
 
     @classmethod
     def _norm_reason(cls, norm) -> str:

@@ -63,7 +63,6 @@ def _update_running_stats(norm: nn.Module, x: torch.Tensor) -> None:
 class FusedInstanceNormAct(NormAct):
     """``act(instance_norm(x))`` saving x and the statistics only (see the module docstring)."""
 
-    op_name = "FusedInstanceNormAct"
 
     @classmethod
     def _norm_reason(cls, norm) -> str:
@@ -85,7 +84,8 @@ class FusedInstanceNormAct(NormAct):
                              f"{type(norm).__name__}, got shape {tuple(x.shape)}")
         if norm.track_running_stats and not norm.training:  # an affine map per channel from the running stats
             y = F.instance_norm(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0, norm.eps)
-            return self.prelu(y) if self.prelu is not None else self.act.forward(y, inplace=False)
+            # the PReLU's weight, not its module: in a fused model its forward passes the chain's output on
+            return F.prelu(y, self._slope(y)) if self.prelu is not None else self.act.forward(y, inplace=False)
         if x.numel() and x[0, 0].numel() == 1:  # eager's check: one element normalises to 0
             raise ValueError(f"x must have more than 1 spatial element when training, got shape {tuple(x.shape)}")
         if norm.track_running_stats and x.numel():

@@ -151,3 +151,17 @@ def test_a_prelu_after_either_norm_fuses_with_its_weight_trained():
     assert ratio < 0.75  # the PReLU's input (the normalised map) is not kept
     (d,) = [d for d in ol.fusion.analyze(FunctionalPReLU(), (seeded(2, 4, 5, 5),)).decisions]
     assert d.pattern == "instance_norm_prelu" and not d.fused and "`F.prelu` with a weight" in d.reason
+
+
+def test_a_tracked_instance_norm_with_its_prelu_evaluates_from_running_statistics_once_fused():
+    """In eval the op normalises with the running statistics and applies the PReLU from its weight: the PReLU
+    module itself, rewritten to pass the chain's output on, is not called (it raised here before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+                          nn.PReLU(4), nn.Conv2d(4, 4, 1)).double()
+    x = seeded(2, 3, 8, 8, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    assert plan.summary()["instance_norm_prelu"] == {"fused": 1, "rejected": 0}
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)  # training: the buffers move alike
+    model.eval(), fused.eval()
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-12, atol=1e-12)
