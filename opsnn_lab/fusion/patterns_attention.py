@@ -171,14 +171,33 @@ def _sdpa_at(g: Graph, n: Node) -> Match | None:
     return m
 
 
+def _reaches_scores(g: Graph, n: Node, depth: int = 3) -> bool:
+    """``n`` is ``q @ k^T``, or a scaling of it, or an add onto it, within ``depth`` steps."""
+    if n.op == "matmul":
+        return True
+    if depth == 0 or len(n.inputs) not in (1, 2) or n.op not in ("mul", "div", "add"):
+        return False
+    if n.op != "add" and len(n.inputs) != 1:  # a product of two tensors is no scaling
+        return False
+    return any(_reaches_scores(g, g[i], depth - 1) for i in n.inputs)
+
+
+def _scores_side(g: Graph, a: Node, b: Node) -> tuple[Node, Node] | None:
+    """``(scores, term)`` of an add of two computed tensors: the side that is (or adds onto) the scaled scores, the
+    first where both could be (as before this looked past one add)."""
+    return next(((s, t) for s, t in ((a, b), (b, a)) if _reaches_scores(g, s)), None)
+
+
 def _attention_at(g: Graph, sm: Node) -> Match | None:
-    chain, mask, scale = [sm], None, 1.0
+    chain, terms, scale = [sm], [], 1.0
     x = g.producer(sm)
-    if x is not None and x.op == "add" and len(x.inputs) == 2:
-        a, b = (g[i] for i in x.inputs)
-        s, mk = (a, b) if a.op in ("mul", "div", "matmul") else (b, a)
+    while x is not None and x.op == "add" and len(x.inputs) == 2 and len(terms) < 2:
+        sides = _scores_side(g, *(g[i] for i in x.inputs))
+        if sides is None:
+            break
         chain.insert(0, x)
-        mask, x = mk, s
+        terms.insert(0, sides[1])
+        x = sides[0]
     scaled = x is not None and x.op in ("mul", "div") and len(x.inputs) == 1
     if scaled and (x.op == "mul" or isinstance(x.args[0], Ref)):
         c = next((a for a in x.args[:2] if not isinstance(a, Ref)), None)  # 0.125 * s or s * 0.125
@@ -231,7 +250,7 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     chain.append(pv)
     p = _dropout_module(drop).p if drop is not None else 0.0
     name_functional(g, drop, m)
-    m.inputs = [q.name, kt.inputs[0], pv.inputs[1]] + ([mask.name] if mask is not None else [])
+    m.inputs = [q.name, kt.inputs[0], pv.inputs[1]] + [t.name for t in terms]  # mask, then a second term: bias
     m.outputs = [pv]
     m.params = {"scale": scale, "dropout_p": p, **m.params}
     if sm.kwargs.get("dtype") is torch.float32:  # softmax(..., dtype=torch.float32): the op keeps that precision

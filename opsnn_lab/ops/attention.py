@@ -48,27 +48,40 @@ def _broadcast(*shapes) -> torch.Size:
     return torch.Size(out)
 
 
-def _batched(q, k, v, mask):
-    """q, k, v as 3-D (batch, T, d) tensors over their common batch dims, and the mask as an additive float."""
+def _batched(q, k, v, mask, bias=None):
+    """q, k, v as 3-D (batch, T, d) tensors over their common batch dims, and the mask (and ``bias``, a second term
+    added after it) as additive floats, in a list."""
     batch = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     q3, k3, v3 = (t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (q, k, v))
-    if mask is not None and mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    return batch, q3, k3, v3, mask
+    terms = [_additive(t, q) for t in (mask, bias) if t is not None]
+    return batch, q3, k3, v3, terms
 
 
-def _probs(q3, k3, scale, mask, batch, fp32=False):
-    """``softmax(q k^T * scale + mask)`` as (batch, Tq, Tk): the mask is copied in, the GEMM adds onto it. A float
-    mask wider than bf16/fp16 scores (a T5 position bias, kept fp32 under autocast) is added in its own dtype and
-    the softmax taken there, rounded once: eager attention code rounds that sum to the scores' dtype first.
-    ``fp32``: the probabilities in fp32, as ``softmax(..., dtype=torch.float32)`` gives them (Llama-style code)."""
+def _additive(mask, q):
+    if mask.dtype == torch.bool:  # SDPA's keep / discard
+        return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return mask
+
+
+def _probs(q3, k3, scale, terms, batch, fp32=False):
+    """``softmax(q k^T * scale + mask [+ bias])`` as (batch, Tq, Tk): the additive ``terms`` are copied in (a second
+    added onto the first: T5's position bias, then its mask), the GEMM adds onto them. A float term wider than
+    bf16/fp16 scores (a T5 position bias, kept fp32 under autocast) makes the sum and the softmax run in its dtype,
+    rounded once: eager attention code rounds that sum to the scores' dtype first. ``fp32``: the probabilities in
+    fp32, as ``softmax(..., dtype=torch.float32)`` gives them (Llama-style code)."""
     want = torch.float32 if fp32 else q3.dtype
-    if mask is None:
+    if not terms:
         s = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)
         return torch.softmax(s, dim=-1, dtype=want)
-    wide = mask.dtype != q3.dtype and mask.is_floating_point()
-    s = torch.empty(q3.shape[0], q3.shape[1], k3.shape[1], dtype=mask.dtype if wide else q3.dtype, device=q3.device)
-    s.view(*batch, *s.shape[1:]).copy_(mask.expand(*batch, *s.shape[1:]))
+    dtype = q3.dtype
+    for t in terms:
+        dtype = torch.promote_types(dtype, t.dtype)
+    wide = dtype != q3.dtype
+    s = torch.empty(q3.shape[0], q3.shape[1], k3.shape[1], dtype=dtype, device=q3.device)
+    full = s.view(*batch, *s.shape[1:])
+    full.copy_(terms[0].expand(full.shape))
+    for t in terms[1:]:
+        full.add_(t)
     if not wide:
         return torch.softmax(s.baddbmm_(q3, k3.transpose(1, 2), alpha=scale), dim=-1, dtype=want)
     s.add_(torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale))
@@ -109,12 +122,12 @@ class AttentionDropoutFunction(torch.autograd.Function):
 
     @staticmethod
     @_amp.no_autocast
-    def forward(ctx, q, k, v, mask, scale, p, seed, offset, return_probs=False, fp32_softmax=False):
-        batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
-        probs = _probs(q3, k3, scale, add_mask, batch, fp32_softmax)
+    def forward(ctx, q, k, v, mask, scale, p, seed, offset, return_probs=False, fp32_softmax=False, bias=None):
+        batch, q3, k3, v3, terms = _batched(q, k, v, mask, bias)
+        probs = _probs(q3, k3, scale, terms, batch, fp32_softmax)
         _Dropout(probs, batch, p, seed, offset)(probs, out=probs)
         out = torch.bmm(probs.to(v3.dtype), v3).mul_(_keep_scale(p))
-        ctx.save_for_backward(q, k, v, mask)
+        ctx.save_for_backward(q, k, v, mask, bias)
         ctx.cfg = (scale, p, seed, offset, fp32_softmax)
         if not return_probs:
             return out  # (batch, T, d): viewed outside the Function, so the caller may modify it in place
@@ -132,13 +145,13 @@ class AttentionDropoutFunction(torch.autograd.Function):
                 "reading only, and a gradient reached them: a loss that depends on the attention weights needs "
                 "the unfused attention (ol.fusion.revert(model), or fuse without the 'attention' pattern)")
         if grad is None:
-            return (None,) * 10
-        q, k, v, mask = ctx.saved_tensors
+            return (None,) * 11
+        q, k, v, mask, bias = ctx.saved_tensors
         scale, p, seed, offset, fp32_softmax = ctx.cfg
         ks = _keep_scale(p)
-        batch, q3, k3, v3, add_mask = _batched(q, k, v, mask)
+        batch, q3, k3, v3, terms = _batched(q, k, v, mask, bias)
         g3 = grad.reshape(-1, *grad.shape[-2:])
-        probs = _probs(q3, k3, scale, add_mask, batch, fp32_softmax)
+        probs = _probs(q3, k3, scale, terms, batch, fp32_softmax)
         drop = _Dropout(probs, batch, p, seed, offset)
         grad_v = torch.bmm(drop(probs).to(g3.dtype).transpose(1, 2), g3).mul_(ks)
         # dS = softmax_backward(dropout(dO v^T), P), in the probabilities' dtype (fp32 for an fp32 softmax, as
@@ -148,12 +161,13 @@ class AttentionDropoutFunction(torch.autograd.Function):
         del probs, dp, drop
         grad_q = torch.bmm(ds, k3).mul_(scale * ks) if ctx.needs_input_grad[0] else None
         grad_k = torch.bmm(ds.transpose(1, 2), q3).mul_(scale * ks) if ctx.needs_input_grad[1] else None
-        grad_mask = None
-        if ctx.needs_input_grad[3] and mask is not None and mask.dtype != torch.bool:
-            grad_mask = ds.view(*batch, *ds.shape[1:]).sum_to_size(mask.shape).mul(ks)
+        need = ctx.needs_input_grad
+        grad_mask, grad_bias = (ds.view(*batch, *ds.shape[1:]).sum_to_size(t.shape).mul(ks)
+                                if wanted and t is not None and t.dtype != torch.bool else None
+                                for t, wanted in ((mask, need[3]), (bias, len(need) > 10 and need[10])))
         shaped = [None if g is None else g.view(*batch, *g.shape[1:]) for g in (grad_q, grad_k, grad_v)]
         return (*(_unbroadcast(g, t) for g, t in zip(shaped, (q, k, v))), grad_mask, None, None, None, None, None,
-                None)
+                None, grad_bias)
 
 
 def _keep_scale(p: float) -> float:
@@ -164,7 +178,7 @@ def _unbroadcast(grad, like):
     return grad if grad is None or grad.shape == like.shape else grad.sum_to_size(like.shape)
 
 
-def _check_qkv(q, k, v, mask):
+def _check_qkv(q, k, v, mask, bias=None):
     check_tensor("q", q, dtypes=_FLOATS, min_dim=2)
     check_tensor("k", k, dtypes=(q.dtype,), min_dim=2)
     check_tensor("v", v, dtypes=(q.dtype,), min_dim=2)
@@ -178,16 +192,18 @@ def _check_qkv(q, k, v, mask):
     except RuntimeError:
         raise ValueError(f"q, k, v batch dims do not broadcast: {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}") from None
-    if mask is not None:  # bool, or a float mask of q's dtype or a wider one (added in its own dtype)
-        check_tensor("mask", mask, dtypes=(q.dtype, torch.bool) + (
+    for name, t in (("mask", mask), ("bias", bias)):
+        if t is None:  # bool, or a float term of q's dtype or a wider one (added in its own dtype)
+            continue
+        check_tensor(name, t, dtypes=(q.dtype, torch.bool) + (
             (torch.float32, torch.float64) if q.dtype in (torch.float16, torch.bfloat16) else ()))
         target = (*batch, q.shape[-2], k.shape[-2])
         try:
-            ok = _broadcast(mask.shape, target) == torch.Size(target)
+            ok = _broadcast(t.shape, target) == torch.Size(target)
         except RuntimeError:
             ok = False
         if not ok:
-            raise ValueError(f"mask must broadcast to {target}, got shape {tuple(mask.shape)}")
+            raise ValueError(f"{name} must broadcast to {target}, got shape {tuple(t.shape)}")
 
 
 def counter_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -220,7 +236,7 @@ def _fused_kernel_layout(query, key, value):
 
 
 def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, offset,
-                  return_probs=False, fp32_softmax=False):
+                  return_probs=False, fp32_softmax=False, bias=None):
     if is_causal:
         if attn_mask is not None:
             raise ValueError("attn_mask and is_causal=True cannot both be given (as in scaled_dot_product_attention)")
@@ -231,8 +247,11 @@ def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
                              f"{key.shape[-3]}")
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
-    _check_qkv(query, key, value, attn_mask)
+    _check_qkv(query, key, value, attn_mask, bias)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    if bias is not None and dropout_p == 0.0 and not return_probs:  # SDPA takes one mask: the sum, in that order
+        attn_mask = bias if attn_mask is None else _additive(attn_mask, query) + _additive(bias, query)
+        bias = None
     if dropout_p == 0.0 and not return_probs:
         if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
             # as autocast casts it for SDPA: torch < 2.9 (and some GPU kernels) refuse a float mask of another dtype
@@ -243,18 +262,19 @@ def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if math.prod(batch) * query.shape[-2] * key.shape[-2] > rng.MAX_NUMEL:
         raise ValueError("the attention matrix has more than 2**32 elements; split the batch")
     out = AttentionDropoutFunction.apply(query, key, value, attn_mask, scale, float(dropout_p), seed, offset,
-                                         return_probs, fp32_softmax)
+                                         return_probs, fp32_softmax, *([bias] if bias is not None else []))
     out, probs = out if return_probs else (out, None)
     out = out.view(*_broadcast(query.shape[:-2], key.shape[:-2], value.shape[:-2]), *out.shape[1:])
     return out if probs is None else (out, probs.view(*batch, *probs.shape[1:]))
 
 
 class FusedAttention(CounterRNG, nn.Module):
-    """``forward(q, k, v, mask=None)``: ``dropout(softmax(q @ k^T * scale + mask)) @ v``.
+    """``forward(q, k, v, mask=None, bias=None)``: ``dropout(softmax(q @ k^T * scale + mask + bias)) @ v``.
 
     q: (..., Tq, d), k: (..., Tk, d), v: (..., Tk, dv) of one float dtype; ``mask`` broadcastable to
     (..., Tq, Tk): float (added to the scores, e.g. 0 / finfo.min padding) or bool (True = attend), as in
-    ``F.scaled_dot_product_attention``. ``scale`` defaults to ``1 / sqrt(d)``. Dropout on the
+    ``F.scaled_dot_product_attention``; ``bias`` a second such term added after it (T5's position bias and its
+    mask: each saved as it is, each given its gradient). ``scale`` defaults to ``1 / sqrt(d)``. Dropout on the
     probabilities uses the counter-based RNG (``rng_seed``, ``rng_step``, ``set_rng``; see
     ``opsnn_lab.ops.dropout``); see this module's docstring for which path runs when. ``return_probs=True``:
     ``forward`` returns ``(out, probs)``, the probabilities after dropout as eager attention code returns them
@@ -294,20 +314,22 @@ class FusedAttention(CounterRNG, nn.Module):
         module = cls(scale, p, seed=seed, return_probs=return_probs)
         return module.train(True if dropout is None else dropout.training)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         with _amp.region(q) as cast:
             q, k, v, mask = _cast_operands(cast, q, k, v, mask)
-            if mask is not None and mask.dtype == torch.bool and self.__dict__.get("mask_added", False):
-                mask = mask.to(q.dtype)  # scores + mask, as the eager code adds it (in the scores' dtype)
+            added = self.__dict__.get("mask_added", False)
+            mask, bias = (t.to(q.dtype) if t is not None and t.dtype == torch.bool and added else t
+                          for t in (mask, bias))  # scores + mask, as the eager code adds it (in the scores' dtype)
             if not self.enable_gqa:  # before the draw: a refused call does not advance the stream (GQA's heads
-                _check_qkv(q, k, v, mask)  # are checked once repeated)
+                _check_qkv(q, k, v, mask, bias)  # are checked once repeated)
             p, seed, offset = 0.0, 0, 0
             if self.training:
                 seed, offset = self.next_draw(q if self.dropout_p > 0 else None)  # p = 0: nothing to replay
                 p = self.dropout_p
             return _counter_sdpa(q, k, v, mask, p, self.is_causal, self.scale, self.enable_gqa, seed, offset,
-                                 return_probs=self.return_probs, fp32_softmax=self.__dict__.get("fp32_softmax", False))
+                                 return_probs=self.return_probs, fp32_softmax=self.__dict__.get("fp32_softmax", False),
+                                 bias=bias)
 
     def as_sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
