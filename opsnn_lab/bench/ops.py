@@ -172,6 +172,27 @@ def _attention_chain(s, device, dtype):
     return Chain("attention", eager, ops.FusedAttention.from_modules(drop, scale=scale), (q, k, v, mask))
 
 
+def _t5_attention_chain(s, device, dtype):
+    """T5's decoder self-attention core: the scores plus a learned ``(1, H, T, T)`` position bias, then the causal
+    mask (``FusedAttention(q, k, v, mask, bias)``: each term saved as it is)."""
+    from opsnn_lab import ops
+
+    b, t, h = s["batch"], s["tokens"], s["heads"]
+    d = s["hidden"] // h
+    q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    bias = (0.1 * torch.randn(1, h, t, t, device=device, dtype=dtype)).requires_grad_(True)
+    causal = torch.full((t, t), torch.finfo(dtype).min, device=device, dtype=dtype).triu(1)[None, None]
+    drop, scale = nn.Dropout(s["p"]), 1.0 / math.sqrt(d)
+
+    def eager(q, k, v, bias):
+        probs = drop(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale + bias + causal, dim=-1))
+        return torch.matmul(probs, v)
+
+    att = ops.FusedAttention.from_modules(drop, scale=scale)
+    return Chain("attention[t5]", eager, lambda q, k, v, bias: att(q, k, v, bias, causal), (q, k, v, bias),
+                 note="+ position bias, + causal mask")
+
+
 def _encoder_chain(s, device, dtype):
     from opsnn_lab.models import EncoderConfig, EncoderLayer
 
@@ -183,7 +204,8 @@ def _encoder_chain(s, device, dtype):
     return Chain("encoder_layer", layer, fused, (x,), note="QKV+attention+MLP+dropouts fused by hand")
 
 
-CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "encoder_layer", *CONV_CHAINS,
+CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "attention[t5]", "encoder_layer",
+          *CONV_CHAINS,
           *NORM_CHAINS, *chains_mlp.CHAINS)  # the order build_chains() produces them in
 
 
@@ -216,8 +238,8 @@ def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str
     if "conv_bn_relu_maxpool" in wanted:
         stem, why = _stem_chain(shapes, device, dtype)
         chains.append(stem) if stem is not None else skipped.append(why)
-    builders = {"qkv": _qkv_chain, "attention": _attention_chain, "encoder_layer": _encoder_chain, **CONV_BUILDERS,
-                **NORM_BUILDERS}
+    builders = {"qkv": _qkv_chain, "attention": _attention_chain, "attention[t5]": _t5_attention_chain,
+                "encoder_layer": _encoder_chain, **CONV_BUILDERS, **NORM_BUILDERS}
     chains += [build(shapes, device, dtype) for name, build in builders.items() if name in wanted]
     chains += chains_mlp.build_chains(shapes, device, dtype, wanted)
     return chains, skipped
