@@ -12,10 +12,11 @@ import functools
 import torch
 
 from opsnn_lab.kernels._dispatch import backend_for
-from opsnn_lab.kernels.bn_act_spec import ACTS, RELU, Act, PoolSpec, scale_shift
+from opsnn_lab.kernels.bn_act_spec import ACTS, RELU, Act, PoolSpec, scale_shift, slope_view
 
 __all__ = ["Act", "ACTS", "RELU", "PoolSpec", "window_index", "flat_index", "scale_shift", "acc_dtype",
-           "bn_act_forward", "bn_act_backward", "bn_act_forward_torch", "bn_act_backward_torch"]
+           "bn_act_forward", "bn_act_backward", "bn_act_forward_torch", "bn_act_backward_torch", "prelu_forward",
+           "prelu_backward"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -171,9 +172,9 @@ def _train_stats(y, running_mean, running_var, momentum, eps):
     return mean.to(acc), (var + eps).rsqrt().to(acc)
 
 
-def slope_view(slope: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A PReLU weight shaped to broadcast over ``like``'s dim 1 ([C] -> (1, C, 1, ...); [1] -> (1,)), as F.prelu."""
-    return slope.view((1, -1) + (1,) * (like.dim() - 2)) if slope.numel() > 1 else slope.view(1)
+def prelu_forward(z: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
+    """``prelu(z, slope)`` with aten's kernel, in the slope's dtype (autocast's, where the caller cast it)."""
+    return torch._prelu_kernel(z.to(slope.dtype), slope_view(slope, z))
 
 
 def prelu_backward(grad: torch.Tensor, z: torch.Tensor, slope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +208,7 @@ def bn_act_forward_torch(y, weight, bias, running_mean, running_var, *, training
             z = _affine(y, weight, bias, mean, invstd, y.dtype)
     inplace = z is not y
     if slope is not None:
-        return torch._prelu_kernel(z.to(slope.dtype), slope_view(slope, z)), mean, invstd, None
+        return prelu_forward(z, slope), mean, invstd, None
     if pool is None:
         return act.forward(z, inplace), mean, invstd, None
     if act.monotone:

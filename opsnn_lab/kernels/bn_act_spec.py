@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-__all__ = ["Act", "ACTS", "RELU", "PoolSpec", "scale_shift"]
+__all__ = ["Act", "ACTS", "RELU", "PoolSpec", "scale_shift", "slope_view", "slope_args"]
 
 # Names as in torch.nn.functional / Hugging Face ACT2FN; the index is the kernels' ACT constexpr.
 ACTS = ("relu", "relu6", "leaky_relu", "silu", "hardswish", "gelu", "gelu_tanh", "mish", "elu")
@@ -120,3 +120,16 @@ def scale_shift(channels, weight, bias, mean, invstd, device, dtype=torch.float3
     if mean is not None:
         shift = shift - mean.to(dtype) * scale
     return scale, shift
+
+
+def slope_view(slope: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A PReLU weight shaped to broadcast over ``like``'s dim 1 ([C] -> (1, C, 1, ...); [1] -> (1,)), as F.prelu."""
+    return slope.view((1, -1) + (1,) * (like.dim() - 2)) if slope.numel() > 1 else slope.view(1)
+
+
+def slope_args(slope: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(fp32 slopes, one per channel?)`` for a Triton kernel's PReLU arguments; ``stand_in`` as the pointer (never
+    read) where there is no PReLU."""
+    if slope is None:
+        return stand_in, 0
+    return slope.detach().float().contiguous(), int(slope.numel() > 1)

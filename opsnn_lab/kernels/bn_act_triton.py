@@ -7,7 +7,7 @@ import functools
 import torch
 
 from opsnn_lab.kernels._dispatch import _interpreting, calculate_settings, cdiv
-from opsnn_lab.kernels.bn_act_spec import RELU, Act, PoolSpec, scale_shift
+from opsnn_lab.kernels.bn_act_spec import RELU, Act, PoolSpec, scale_shift, slope_args
 
 __all__ = ["bn_act_forward_triton", "bn_act_backward_triton"]
 
@@ -471,13 +471,6 @@ def _or(t, fallback):
     return fallback if t is None else t
 
 
-def _slopes(slope, stand_in):
-    """(fp32 slopes, one per channel?) for the kernels' PRELU arguments; a stand-in pointer without a PReLU."""
-    if slope is None:
-        return stand_in, 0
-    return slope.detach().float().contiguous(), int(slope.numel() > 1)
-
-
 def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, training, momentum, eps, act: Act = RELU,
                           pool: PoolSpec | None = None, slope=None):
     """Triton version of :func:`opsnn_lab.kernels.bn_act.bn_act_forward` (same shapes; stats fp32 [C]).
@@ -508,7 +501,7 @@ def bn_act_forward_triton(y, weight, bias, running_mean, running_var, *, trainin
         block, warps = calculate_settings(min(m, _CHUNK))
         stand_in = out  # a pointer for each argument the kernel does not read
         p = part if final else (stand_in, stand_in, stand_in)
-        slopes, per_channel = _slopes(slope, stand_in)
+        slopes, per_channel = slope_args(slope, stand_in)
         k["_bn_act_fwd_kernel"][(c, cdiv(m, block))](
             y, out, _or(scale, stand_in), _or(shift, stand_in), p[0], p[1], p[2], _or(mean, stand_in),
             _or(invstd, stand_in), _or(weight, stand_in), _or(bias, stand_in), _or(running_mean, stand_in),
@@ -552,7 +545,7 @@ def bn_act_backward_triton(grad_out, y, weight, bias, mean, invstd, idx, *, trai
     chunks = cdiv(m, block)
     prelu = slope is not None
     part = torch.empty(3 if prelu else 2, c, chunks, device=dev, dtype=torch.float32)
-    slopes, per_channel = _slopes(slope, part)
+    slopes, per_channel = slope_args(slope, part)
     idx_t = idx if idx is not None else grad_out
     pc = _pool_consts(pool)
     cover = dict(NH=cdiv(pc["KH"], pc["SH"]), NW=cdiv(pc["KW"], pc["SW"]))

@@ -26,8 +26,8 @@ import math
 import torch
 
 from opsnn_lab.kernels._dispatch import _interpreting, backend_for, calculate_settings, cdiv
-from opsnn_lab.kernels.bn_act import acc_dtype
-from opsnn_lab.kernels.bn_act_spec import Act
+from opsnn_lab.kernels.bn_act import acc_dtype, prelu_backward, prelu_forward
+from opsnn_lab.kernels.bn_act_spec import Act, slope_args
 
 __all__ = ["group_norm_act_forward", "group_norm_act_backward", "group_norm_act_forward_torch",
            "group_norm_act_backward_torch"]
@@ -48,11 +48,6 @@ def _scale_shift(weight, bias, mean, rstd, n, c, groups, acc):
     return scale, shift
 
 
-def _slope_view(slope, x):
-    """The PReLU weight shaped to broadcast over x's channels ((1, C, 1, ...) or a scalar's (1,)), as ``F.prelu``."""
-    return slope.view((1, -1) + (1,) * (x.dim() - 2)) if slope.numel() > 1 else slope.view(1)
-
-
 def _normalised(x, weight, bias, mean, rstd, groups):
     """The forward's ``group_norm(x)`` from its statistics, rounded to x's dtype (what the activation read)."""
     n, c = x.shape[:2]
@@ -68,7 +63,7 @@ def group_norm_act_forward_torch(x, weight, bias, groups: int, eps: float, act: 
     n, c = x.shape[:2]
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, math.prod(x.shape[2:]), groups, eps)
     if slope is not None:
-        return torch._prelu_kernel(y.to(slope.dtype), _slope_view(slope, y)), mean, rstd
+        return prelu_forward(y, slope), mean, rstd
     return act.forward(y, inplace=True), mean, rstd
 
 
@@ -79,10 +74,8 @@ def group_norm_act_backward_torch(grad_out, x, weight, bias, mean, rstd, groups:
     z = _normalised(x, weight, bias, mean, rstd, groups)
     gs = None
     if slope is not None:
-        view = _slope_view(slope, z)
-        gy, gs = torch.ops.aten._prelu_kernel_backward(grad_out, z.to(slope.dtype), view)
-        gy = gy.to(x.dtype)
-        gs = gs.sum_to_size(view.shape).view(slope.shape) if _needs(need, 3) else None
+        gy, gs = prelu_backward(grad_out, z, slope)
+        gy, gs = gy.to(x.dtype), gs if _needs(need, 3) else None
     else:
         gy = act.backward_(grad_out.contiguous(), z)
     mask = [need[0], need[1] and weight is not None, need[2] and bias is not None]
@@ -218,13 +211,6 @@ def _launch_block(hw: int) -> tuple[int, int]:
     return calculate_settings(max(1, min(hw, _CHUNK)))
 
 
-def _prelu_args(slope, x):
-    """(fp32 slopes, per-channel flag) for the kernels; a placeholder pointer where there is no PReLU."""
-    if slope is None:
-        return x, 0
-    return slope.detach().float().contiguous(), int(slope.numel() > 1)
-
-
 def group_norm_act_forward_triton(x, weight, bias, groups: int, eps: float, act: Act, slope=None):
     k = _kernels(_interpreting())
     x = x.contiguous()
@@ -239,7 +225,7 @@ def group_norm_act_forward_triton(x, weight, bias, groups: int, eps: float, act:
         k["_gn_stats_kernel"][(n * groups,)](x, mean, rstd, d, eps, BLOCK=block, num_warps=warps)
         scale, shift = _scale_shift(weight, bias, mean, rstd, n, c, groups, torch.float32)
         block, warps = _launch_block(hw)
-        slopes, per_channel = _prelu_args(slope, x)
+        slopes, per_channel = slope_args(slope, x)
         k["_gn_act_fwd_kernel"][(n * c, cdiv(hw, block))](x, out, scale, shift, act.negative_slope, slopes, hw, c,
                                                           per_channel, ACT=act.code, PRELU=slope is not None,
                                                           BLOCK=block, num_warps=warps)
@@ -262,7 +248,7 @@ def group_norm_act_backward_triton(grad_out, x, weight, bias, mean, rstd, groups
     scale, shift = _scale_shift(weight, bias, mean, rstd, n, c, groups, torch.float32)
     sums = torch.empty(3 if prelu else 2, n, c, device=x.device, dtype=torch.float32)
     block, warps = _launch_block(hw)
-    slopes, per_channel = _prelu_args(slope, x)
+    slopes, per_channel = slope_args(slope, x)
     k["_gn_sums_kernel"][(n * c,)](grad_out, x, scale, shift, mean, rstd, sums[0], sums[1], sums[-1],
                                    act.negative_slope, slopes, hw, cg, c, per_channel, ACT=act.code, PRELU=prelu,
                                    BLOCK=block, num_warps=warps)

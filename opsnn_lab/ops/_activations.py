@@ -8,7 +8,7 @@ from torch import nn
 
 from opsnn_lab.kernels.bn_act import ACTS, Act
 
-__all__ = ["activation_of", "is_prelu", "SUPPORTED_ACTIVATIONS"]
+__all__ = ["activation_of", "is_prelu", "prelu_weight", "SUPPORTED_ACTIVATIONS"]
 
 _TORCH = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu", nn.Hardswish: "hardswish",
           nn.Mish: "mish", nn.ELU: "elu"}
@@ -91,3 +91,16 @@ def is_prelu(module) -> bool:
         except Exception:  # a subclass that cannot run on a probe is not a PReLU the ops can stand in for
             return False
     return got.shape == probe.shape and bool(torch.equal(got, F.prelu(probe, w)))
+
+
+def prelu_weight(weight: torch.Tensor, x: torch.Tensor, autocast: torch.dtype | None,
+                 name: str = "act") -> torch.Tensor:
+    """A PReLU's weight as a fused op applies it to ``x``: cast to ``autocast`` (the dtype autocast was on for
+    ``x``'s device, or None) where autocast would cast it (``prelu`` runs in autocast's dtype on CPU and CUDA; float64
+    stays), else in ``x``'s dtype or a TypeError naming ``name``, as ``F.prelu`` takes one dtype."""
+    if autocast is not None and x.dtype != torch.float64 and weight.dtype != torch.float64:
+        return weight.to(autocast)
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{name} (PReLU) weight is {weight.dtype} and the input {x.dtype}: F.prelu takes one dtype "
+                        "outside autocast")
+    return weight

@@ -28,12 +28,12 @@ from torch.nn import functional as F
 from opsnn_lab._checks import check_tensor, check_type, first_derivative_only
 from opsnn_lab.kernels.bn_act import RELU, Act, PoolSpec, acc_dtype, bn_act_backward, bn_act_forward
 from opsnn_lab.ops import _amp
+from opsnn_lab.ops._activations import is_prelu, prelu_weight
 from opsnn_lab.ops._conv_bn_args import (
     act_spec,
     as_planes,
     conv_dim,
     conv_padding,
-    is_prelu,
     ntuple,
     pool_spec,
     same_pads,
@@ -392,10 +392,12 @@ class FusedConvBNAct(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv, bn = self.conv, self.bn
+        autocast = _amp.autocast_dtype(x)  # before the region, which turns autocast off
         with _amp.region(x) as cast:  # under autocast: the conv's operands cast, BN's parameters and statistics not
             x, weight, bias = cast(x, conv.weight, conv.bias)
             self._check_input(x, weight)
-            slope = self._slope(cast, x)
+            slope = prelu_weight(getattr(self, self._act_attr).weight, x, autocast, self._act_attr) \
+                if self.prelu else None
             if self.pad_same:  # as the conv's own forward does: what its backward keeps is the padded input
                 x = F.pad(x, same_pads(x.shape[2:], conv.kernel_size, conv.stride, conv.dilation))
             if self.dim == 1:  # as a 2-d chain of height 1; autograd takes the gradients back through the views
@@ -403,17 +405,6 @@ class FusedConvBNAct(nn.Module):
             args = (x, weight, bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, self._config())
             out = ConvBNActFunction.apply(*args, *([slope] if slope is not None else []))
             return out.squeeze(2) if self.dim == 1 else out
-
-    def _slope(self, cast, x) -> torch.Tensor | None:
-        """The PReLU's weight as the Function takes it (autocast's dtype under autocast, as eager's ``prelu``)."""
-        if not self.prelu:
-            return None
-        act = getattr(self, self._act_attr)
-        (slope,) = cast(act.weight)
-        if slope.dtype != x.dtype:
-            raise TypeError(f"{self._act_attr} (PReLU) weight is {slope.dtype} and the input {x.dtype}: F.prelu "
-                            "takes one dtype outside autocast")
-        return slope
 
     def extra_repr(self) -> str:
         pool = "" if self.pool is None else f", pool={self.pool}"

@@ -30,7 +30,7 @@ from opsnn_lab._checks import check_tensor, check_type, first_derivative_only
 from opsnn_lab.kernels.bn_act_spec import Act
 from opsnn_lab.kernels.group_norm_act import group_norm_act_backward, group_norm_act_forward
 from opsnn_lab.ops import _amp
-from opsnn_lab.ops._activations import activation_of, is_prelu
+from opsnn_lab.ops._activations import activation_of, is_prelu, prelu_weight
 
 __all__ = ["FusedGroupNormAct", "GroupNormActFunction", "NormAct", "act_spec"]
 
@@ -149,13 +149,7 @@ class NormAct(nn.Module):
         w = prelu.weight
         if w.numel() > 1 and w.numel() != x.shape[1]:
             raise ValueError(f"act (PReLU) has {w.numel()} parameters, x has {x.shape[1]} channels")
-        cast = _amp.autocast_dtype(x)
-        if cast is not None and x.dtype != torch.float64 and w.dtype != torch.float64:
-            return w.to(cast)
-        if w.dtype != x.dtype:
-            raise TypeError(f"act (PReLU) weight is {w.dtype} and the normalised input {x.dtype}: F.prelu takes one "
-                            "dtype outside autocast")
-        return w
+        return prelu_weight(w, x, _amp.autocast_dtype(x))
 
     def _act_repr(self) -> str:
         return "'prelu'" if self.prelu is not None else repr(self.act.name)
