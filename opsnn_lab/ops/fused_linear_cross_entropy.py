@@ -14,10 +14,15 @@ Saved for backward (N tokens, hidden H, vocabulary V): eager saves ``hidden`` an
 weights, whose unscaled gradients would underflow before the loss scale arrives) and ``grad_b``.
 Ratio ``(N H + V H) / (N H + N V)``: 0.26 at N=2048, H=512, V=32000 in fp32, 0.13 with bf16 weights.
 
+Logit maps (keyword arguments): ``logit_scale`` multiplies the logits (Cohere's ``logit_scale``, Granite's ``1 /
+logits_scaling``), ``softcap`` caps them as ``softcap * tanh(logits / softcap)`` after the scale (Gemma 2's
+``final_logit_softcapping``); both are applied to each fp32 (float64) chunk, and the gradients go through them.
+
 Numerics: logits are computed in the input dtype (as ``F.linear``) and upcast to fp32, as Hugging Face's loss
 does; softmax, loss and gradients are fp32; the weight gradient is accumulated in fp32 across chunks and
-rounded once. The loss is fp32. An all-ignored batch gives what ``F.cross_entropy`` gives: ``mean`` -> NaN
-with zero gradients, ``sum`` -> 0.
+rounded once. The loss is fp32. Float64 inputs stay float64 throughout, the loss too (before 2026-12-07 they
+raised a dtype error). An all-ignored batch gives what ``F.cross_entropy`` gives: ``mean`` -> NaN with zero
+gradients, ``sum`` -> 0.
 
 Hugging Face recipe (see ``opsnn_lab.ops.lm_head_loss``, which does exactly this)::
 
@@ -69,9 +74,14 @@ def _chunk_rows(n: int, v: int, h: int, chunk_size: int | None, device: torch.de
     return max(floor, 1 << (rows - 1).bit_length())
 
 
+def _wide(dtype):
+    """The dtype of the logits chunk, the loss and the sums over chunks: fp32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _logits(hc, weight, bias):
     z = torch.addmm(bias, hc, weight.t()) if bias is not None else hc @ weight.t()
-    return z.float() if z.dtype != torch.float32 else z
+    return z.to(_wide(z.dtype))
 
 
 def _chunks(n, rows):
@@ -86,22 +96,22 @@ def _saved_dtype(dtype):
 
 def _grad_pass(h2, weight, bias, target, row_scale, cfg, need):
     """Loss rows and, per chunk, ``grad_h``, ``grad_w`` (fp32 accumulation), ``grad_b`` from the scaled logits grad."""
-    ignore_index, smoothing, rows = cfg
+    ignore_index, smoothing, rows, scale, softcap = cfg
     need_h, need_w, need_b = need
-    n, want, acc = h2.shape[0], any(need), _saved_dtype(h2.dtype)
-    loss = torch.empty(n, dtype=torch.float32, device=h2.device)
+    n, want, acc, wide = h2.shape[0], any(need), _saved_dtype(h2.dtype), _wide(h2.dtype)
+    loss = torch.empty(n, dtype=wide, device=h2.device)
     # strict() (deterministic algorithms on) swaps aten's mm for a fixed-order one, not addmm_: plain mm there
     in_place = not torch.are_deterministic_algorithms_enabled()
     grad_h = torch.empty(h2.shape, dtype=acc, device=h2.device) if need_h else None
     w_acc = weight.to(acc) if need_h else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h2.device) if need_w else None
-    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h2.device) if need_b else None
+    grad_w = torch.zeros(weight.shape, dtype=wide, device=h2.device) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=wide, device=h2.device) if need_b else None
     for a, b in _chunks(n, rows):
         hc = h2[a:b]
         z = _logits(hc, weight, bias)
         # the loss-only pass (recompute's forward) reads the chunk no more: its softmax may take the chunk's place
         loss[a:b] = cross_entropy_chunk(z, target[a:b], ignore_index, smoothing, row_scale[a:b] if want else None,
-                                        scratch=not want)[0]
+                                        scratch=not want, scale=scale, softcap=softcap)[0]
         if not want:
             del z
             continue
@@ -133,8 +143,8 @@ def _scale(grad, go, dtype):
     return grad.to(dtype)
 
 
-def _row_scale(t, ignore_index, reduction, n_valid):
-    valid = (t != ignore_index).float()
+def _row_scale(t, ignore_index, reduction, n_valid, dtype):
+    valid = (t != ignore_index).to(_wide(dtype))
     return valid / n_valid.clamp(min=1) if reduction == "mean" else valid
 
 
@@ -143,12 +153,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     @_amp.no_autocast
-    def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, smoothing, chunk_size, recompute):
+    def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, smoothing, chunk_size, recompute,
+                logit_scale=1.0, softcap=None):
         h2 = hidden.reshape(-1, hidden.shape[-1])
         t = target.reshape(-1)
         n_valid = (t != ignore_index).sum()
         rows = _chunk_rows(h2.shape[0], weight.shape[0], h2.shape[1], chunk_size, h2.device)
-        cfg = (ignore_index, smoothing, rows)
+        cfg = (ignore_index, smoothing, rows, logit_scale, softcap)
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if recompute is None:  # the saved weight gradient (V x H) would outweigh the logits (N x V) when N < H
             recompute = h2.shape[0] < h2.shape[1]
@@ -158,7 +169,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             loss, *_ = _grad_pass(h2, weight, bias, t, None, cfg, (False, False, False))
             ctx.save_for_backward(h2, weight, bias, t, n_valid)
         else:
-            row_scale = _row_scale(t, ignore_index, reduction, n_valid)
+            row_scale = _row_scale(t, ignore_index, reduction, n_valid, h2.dtype)
             loss, grad_h, grad_w, grad_b = _grad_pass(h2, weight, bias, t, row_scale, cfg, need)
             ctx.save_for_backward(grad_h, grad_w, grad_b)
         if reduction == "none":
@@ -173,7 +184,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         go = grad_loss
         if ctx.recompute:
             h2, weight, bias, t, n_valid = ctx.saved_tensors
-            row_scale = _row_scale(t, ctx.cfg[0], ctx.reduction, n_valid) * grad_loss.reshape(-1).float()
+            row_scale = _row_scale(t, ctx.cfg[0], ctx.reduction, n_valid, ctx.dtype)
+            row_scale = row_scale * grad_loss.reshape(-1).to(row_scale.dtype)
             _, grad_h, grad_w, grad_b = _grad_pass(h2, weight, bias, t, row_scale, ctx.cfg, ctx.need)
             go = None
         else:
@@ -183,7 +195,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             go = None if bool((grad_loss == 1).all()) else grad_loss
         grad_h, grad_w, grad_b = (_scale(g, go, ctx.dtype) for g in (grad_h, grad_w, grad_b))
         grad_h = None if grad_h is None else grad_h.view(ctx.shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
+
+
+def _check_map(logit_scale, softcap):
+    check_range("logit_scale", logit_scale, 0.0, math.inf, low_inclusive=False, high_inclusive=False)
+    if softcap is not None:
+        check_range("softcap", softcap, 0.0, math.inf, low_inclusive=False, high_inclusive=False)
 
 
 def _check_args(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, chunk_size, recompute):
@@ -215,25 +233,30 @@ def _check_args(hidden, weight, target, bias, ignore_index, reduction, label_smo
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, chunk_size: int | None = None,
-                         recompute: bool | None = None) -> torch.Tensor:
+                         recompute: bool | None = None, *, logit_scale: float = 1.0,
+                         softcap: float | None = None) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)`` without the logits.
 
     hidden: (..., H) float; weight: (V, H) and bias: (V,) in hidden's dtype; target: hidden.shape[:-1] ints in
-    [0, V) or ``ignore_index``. Returns the fp32 loss: a scalar, or target-shaped for ``reduction="none"``.
+    [0, V) or ``ignore_index``. Returns the fp32 loss (float64 for float64 inputs): a scalar, or target-shaped for
+    ``reduction="none"``.
     ``chunk_size``: rows per chunk (default: the chunk's logits are about the size of ``hidden``, but at least 512
     rows on CPU and 256 elsewhere, where thinner chunks lose time; a smaller one lowers the peak).
     ``recompute``: False computes the gradients in the forward (saves ``grad_hidden`` and ``grad_W``); True saves
     ``hidden`` and recomputes the logits chunk by chunk in backward (one more GEMM, the fewest bytes); None
     (default) recomputes only when there are fewer rows than hidden features, where ``grad_W`` (V x H) would
     outweigh the logits (N x V) eager saves (BERT's masked rows, short sequences). ``reduction="none"`` always
-    recomputes.
+    recomputes. ``logit_scale`` (> 0) and ``softcap`` (None or > 0): the loss is of ``softcap * tanh(logit_scale *
+    logits / softcap)`` (without a cap, of ``logit_scale * logits``), computed in fp32.
     """
     check_tensor("hidden", hidden, dtypes=_FLOATS, min_dim=1)
+    _check_map(logit_scale, softcap)
     with _amp.region(hidden) as cast:  # under autocast: the head's operands cast, the loss in fp32 (as eager's)
         hidden, weight, bias = cast(hidden, weight, bias)
         _check_args(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, chunk_size, recompute)
         loss = LinearCrossEntropyFunction.apply(hidden, weight, bias, target.long(), ignore_index, reduction,
-                                                float(label_smoothing), chunk_size, recompute)
+                                                float(label_smoothing), chunk_size, recompute, float(logit_scale),
+                                                None if softcap is None else float(softcap))
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -247,7 +270,7 @@ class FusedLinearCrossEntropy(nn.Module):
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, chunk_size: int | None = None,
-                 recompute: bool | None = None):
+                 recompute: bool | None = None, *, logit_scale: float = 1.0, softcap: float | None = None):
         super().__init__()
         check_type("weight", weight, nn.Parameter)
         check_type("bias", bias, nn.Parameter, allow_none=True)
@@ -260,6 +283,8 @@ class FusedLinearCrossEntropy(nn.Module):
             check_positive("chunk_size", chunk_size, integer=True)
         self.chunk_size = chunk_size
         self.recompute = check_type("recompute", recompute, bool, allow_none=True)
+        _check_map(logit_scale, softcap)
+        self.logit_scale, self.softcap = float(logit_scale), None if softcap is None else float(softcap)
 
     @classmethod
     def supports(cls, head: nn.Module, loss: nn.Module | None = None) -> tuple[bool, str]:
@@ -276,28 +301,39 @@ class FusedLinearCrossEntropy(nn.Module):
     @classmethod
     def from_modules(cls, head: nn.Linear, loss: nn.CrossEntropyLoss | None = None, *, ignore_index: int = -100,
                      reduction: str = "mean", label_smoothing: float = 0.0,
-                     chunk_size: int | None = None, recompute: bool | None = None) -> FusedLinearCrossEntropy:
+                     chunk_size: int | None = None, recompute: bool | None = None, logit_scale: float = 1.0,
+                     softcap: float | None = None) -> FusedLinearCrossEntropy:
         ok, reason = cls.supports(head, loss)
         if not ok:
             raise ValueError(f"head/loss: {reason}")
         if loss is not None:
             ignore_index, reduction, label_smoothing = loss.ignore_index, loss.reduction, loss.label_smoothing
-        return cls(head.weight, head.bias, ignore_index, reduction, label_smoothing, chunk_size, recompute)
+        return cls(head.weight, head.bias, ignore_index, reduction, label_smoothing, chunk_size, recompute,
+                   logit_scale=logit_scale, softcap=softcap)
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(hidden, self.weight, target, self.bias, self.ignore_index, self.reduction,
-                                    self.label_smoothing, self.chunk_size, self.recompute)
+                                    self.label_smoothing, self.chunk_size, self.recompute,
+                                    logit_scale=self.logit_scale, softcap=self.softcap)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.weight.shape[1]}, vocab={self.weight.shape[0]}, bias={self.bias is not None}, "
                 f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}")
+                f"label_smoothing={self.label_smoothing}"
+                + (f", logit_scale={self.logit_scale}" if self.logit_scale != 1.0 else "")
+                + (f", softcap={self.softcap}" if self.softcap is not None else ""))
 
 
 def eager_linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
-                               label_smoothing=0.0):
-    """The unfused oracle: ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)``."""
-    logits = F.linear(hidden, weight, bias).float()
+                               label_smoothing=0.0, *, logit_scale=1.0, softcap=None):
+    """The unfused oracle: ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)``, the logit map
+    applied in the head's dtype before the upcast, as Hugging Face's models do; float64 stays float64."""
+    logits = F.linear(hidden, weight, bias)
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.to(_wide(logits.dtype))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
                            reduction=reduction, label_smoothing=label_smoothing).view(
         target.shape if reduction == "none" else ())

@@ -83,3 +83,59 @@ def test_reference_loss_where_the_target_probability_underflows():
     torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(work, want_grad, atol=1e-6, rtol=1e-5)
+
+
+# The logit map: z = scale * l, or softcap * tanh(scale * l / softcap); the loss is of z, the gradient w.r.t. l.
+MAPS = [(0.0625, None), (1.0, 4.0), (0.5, 2.0)]
+
+
+def _eager_mapped(logits, target, smoothing, row_scale, scale, softcap):
+    raw = logits.clone().requires_grad_(True)
+    z = raw * scale if softcap is None else softcap * torch.tanh(raw * scale / softcap)
+    loss = F.cross_entropy(z, target, ignore_index=-100, reduction="none", label_smoothing=smoothing)
+    (loss * row_scale).sum().backward()
+    return loss.detach(), torch.logsumexp(z.detach(), -1), raw.grad
+
+
+def _check_mapped(fn, c, v, smoothing, scale, softcap, ignore_rows=(), tol=1e-5, dtype=torch.float32):
+    logits, target = _case(c, v, ignore_rows)
+    logits = logits.to(dtype)
+    row_scale = (seeded(c, seed=9).abs() * (target != -100)).to(dtype)
+    want_loss, want_lse, want_grad = _eager_mapped(logits, target, smoothing, row_scale, scale, softcap)
+    kept = logits.clone()
+    loss, lse = fn(kept, target, -100, smoothing, scale=scale, softcap=softcap)
+    assert torch.equal(kept, logits)  # no row_scale, no scratch: the caller's logits are left alone
+    torch.testing.assert_close(loss, want_loss, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=tol, rtol=tol)
+    work = logits.clone()
+    fn(work, target, -100, smoothing, row_scale, scale=scale, softcap=softcap)
+    torch.testing.assert_close(work, want_grad, atol=tol, rtol=tol)
+    assert not bool(work[list(ignore_rows)].any())  # ignored rows: no gradient through the map either
+
+
+@pytest.mark.parametrize("scale, softcap", MAPS)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_reference_maps_the_logits_and_differentiates_through_the_map(scale, softcap, smoothing):
+    _check_mapped(K.cross_entropy_chunk, 9, 37, smoothing, scale, softcap, ignore_rows=(0, 4))
+
+
+@pytest.mark.parametrize("scale, softcap", MAPS)
+def test_float64_chunk_through_the_map(scale, softcap):
+    _check_mapped(K.cross_entropy_chunk, 5, 23, 0.1, scale, softcap, ignore_rows=(2,), tol=1e-12, dtype=torch.float64)
+
+
+def test_capped_scratch_chunk_holds_the_probabilities_of_the_capped_logits():
+    logits, target = _case(4, 19)
+    work = logits.clone()
+    K.cross_entropy_chunk(work, target, -100, 0.0, scratch=True, softcap=2.0)
+    torch.testing.assert_close(work, torch.softmax(2.0 * torch.tanh(logits / 2.0), -1))
+
+
+# 4099 columns with a cap: the second tile's masked lanes must stay out of the log-sum-exp (a capped -inf is -cap)
+@pytest.mark.parametrize("c, v, smoothing, scale, softcap", [(6, 37, 0.0, 0.0625, None), (6, 37, 0.1, 0.5, 2.0),
+                                                             (3, 4099, 0.1, 1.0, 4.0)])
+def test_triton_interpreter_maps_the_logits_as_the_reference(monkeypatch, c, v, smoothing, scale, softcap):
+    if not triton_interpreter_ready():
+        pytest.skip("needs triton with TRITON_INTERPRET=1")
+    monkeypatch.setenv("OPSNN_BACKEND", "triton")
+    _check_mapped(K.cross_entropy_chunk, c, v, smoothing, scale, softcap, ignore_rows=(1,), tol=2e-5)
