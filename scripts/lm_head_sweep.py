@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 import opsnn_lab as ol
 from opsnn_lab.ops.lm_head import _VERIFIED as VERIFIED  # where lm_head_loss keeps the way it took
+from opsnn_lab.ops.lm_head import describe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_sweep as H  # noqa: E402 - the builders of the fusion sweep
@@ -53,7 +54,8 @@ def check(name: str, dtype: torch.dtype) -> tuple[str, str]:
     err = float((got - want).abs() / want.abs())
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
     verdict = model.__dict__.get(VERIFIED, {}).get((kind, model.get_output_embeddings().weight.dtype))
-    return ("same" if err <= tol else "differs"), f"{type(model).__name__} as {verdict}: relative {err:.1e}"
+    way = describe(verdict) if isinstance(verdict, tuple) else verdict
+    return ("same" if err <= tol else "differs"), f"{type(model).__name__} as {way}: relative {err:.1e}"
 
 
 def main(argv=None) -> None:

@@ -8,17 +8,24 @@ the same gradients for every parameter, while the ``tokens x vocabulary`` logits
 * causal LM: ``hidden = model.base_model(...).last_hidden_state``; labels shifted by one as HF's
   ``ForCausalLMLoss`` does (pad with ``ignore_index``, drop the first); mean over the non-ignored tokens, or
   ``sum / num_items_in_batch`` when that is given (the Trainer's gradient-accumulation form);
-* masked LM: ``hidden = model.cls.predictions.transform(model.base_model(...)[0])``, unshifted labels.
+* masked LM: ``hidden = model.cls.predictions.transform(model.base_model(...)[0])``, unshifted labels;
+* a logit map between the head and the loss, read from the config: ``final_logit_softcapping`` (Gemma 2 and
+  later: ``cap * tanh(logits / cap)``) and a scale, ``logit_scale`` / ``logits_scaling`` / ``lm_head_multiplier``
+  (Cohere multiplies by it, Granite divides, HyperCLOVA X and Falcon-H1 multiply: the check below tells which),
+  computed by ``linear_cross_entropy``'s ``logit_scale`` / ``softcap``.
 
 transformers is never imported here: the model is inspected through the attributes these classes share. Those
 attributes do not say everything a class's forward does between its base model and its loss (RoBERTa's and BERT's
 causal heads put a dense + GELU + LayerNorm transform before the decoder, MiniCPM3 scales the hidden states, a
 permutation LM does not shift its labels), so the first call on a model checks: the model's own loss and this one
-on the first tokens of the batch's first row, in eval mode without gradients (``_verify``); a class that computes
-another loss raises ``ValueError`` naming both, instead of training on a loss the model does not define.
+on the first tokens of the batch's first row, in eval mode without gradients (``_verify``), and the logits the
+model returns against the mapped head's; a class that computes another loss raises ``ValueError`` naming both,
+instead of training on a loss the model does not define.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -35,6 +42,9 @@ _CHECK_TOKENS = 16
 # or the module holding the head with the head left out)
 _KINDS = {"causal": (True, None), "causal_head": (True, "parent"), "unshifted": (False, None),
           "unshifted_head": (False, "parent"), "masked": (False, "transform"), "masked_head": (False, "parent")}
+_CAP_ATTR = "final_logit_softcapping"
+# config attributes naming a scale of the logits; whether the model multiplies or divides by it is the check's to find
+_SCALE_ATTRS = ("logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
 def lm_head_kind(model: nn.Module) -> tuple[str | None, str]:
@@ -44,10 +54,6 @@ def lm_head_kind(model: nn.Module) -> tuple[str | None, str]:
     head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Linear):
         return None, f"{name}: get_output_embeddings() is not an nn.Linear head"
-    config = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale"):
-        if getattr(config, attr, None) not in (None, 1.0):
-            return None, f"{name}: config.{attr} transforms the logits before the loss; not fused"
     if not isinstance(getattr(model, "base_model", None), nn.Module) or model.base_model is model:
         return None, f"{name}: no base_model separate from the head"
     if name.endswith(_CAUSAL_SUFFIXES):
@@ -75,26 +81,46 @@ def lm_head_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
     check_tensor("labels", labels, dtypes=(torch.int64, torch.int32), dim=2)
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-    kind = _verify(model, kind, input_ids, labels, attention_mask, ignore_index, model_kwargs)
+    verdict = _verify(model, kind, input_ids, labels, attention_mask, ignore_index, model_kwargs)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = _fused(model, kind, input_ids, labels, attention_mask, ignore_index, reduction, label_smoothing,
-                  chunk_size, model_kwargs)
+    hidden = _hidden(model, verdict[0], input_ids, attention_mask, model_kwargs)
+    loss = _loss(model, verdict, hidden, labels, ignore_index, reduction, label_smoothing, chunk_size)
     return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
-def _fused(model, kind, input_ids, labels, attention_mask, ignore_index, reduction, label_smoothing, chunk_size,
-           model_kwargs) -> torch.Tensor:
-    head = model.get_output_embeddings()
+def _hidden(model, kind, input_ids, attention_mask, model_kwargs) -> torch.Tensor:
+    """What the head reads: the base model's hidden states, through what ``kind`` puts between them and the head."""
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)[0]
-    shift, through = _KINDS[kind]
+    through = _KINDS[kind][1]
     if through == "transform":
         hidden = model.cls.predictions.transform(hidden)
     elif through == "parent":
-        hidden = _before_head(model, head, hidden)
-    if shift:  # else the labels are the logits' targets as given (MBart's, Marian's ForCausalLM; masked LMs)
+        hidden = _before_head(model, model.get_output_embeddings(), hidden)
+    return hidden
+
+
+def _loss(model, verdict, hidden, labels, ignore_index, reduction, label_smoothing, chunk_size) -> torch.Tensor:
+    kind, scale, softcap = verdict
+    head = model.get_output_embeddings()
+    if _KINDS[kind][0]:  # else the labels are the logits' targets as given (MBart's, Marian's ForCausalLM; masked LMs)
         labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     return linear_cross_entropy(hidden, head.weight, labels.to(hidden.device), head.bias, ignore_index, reduction,
-                                label_smoothing, chunk_size)
+                                label_smoothing, chunk_size, logit_scale=scale, softcap=softcap)
+
+
+def _number(value) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return float(value) if ok else None
+
+
+def _logit_maps(model: nn.Module) -> list[tuple[float, float | None]]:
+    """``(scale, softcap)`` candidates from the model's config: the cap if it names one, with each scale it names
+    taken both as a factor and as a divisor (1.0 when it names none)."""
+    config = getattr(model, "config", None)
+    cap = _number(getattr(config, _CAP_ATTR, None))
+    scales = [_number(getattr(config, a, None)) for a in _SCALE_ATTRS]
+    scales = [x for v in scales if v is not None and v != 1.0 for x in (v, 1.0 / v)] or [1.0]
+    return [(scale, cap) for scale in scales]
 
 
 def _head_parent(model: nn.Module, head: nn.Module):
@@ -117,11 +143,13 @@ def _before_head(model: nn.Module, head: nn.Module, hidden: torch.Tensor) -> tor
         parent._modules[name] = head
 
 
-def _verify(model, kind, input_ids, labels, attention_mask, ignore_index, model_kwargs) -> str:
-    """Once per model and dtype: the model's own loss and ``_fused``'s on the first ``_CHECK_TOKENS`` tokens of
-    the first row (eval mode, no gradients; the model's labels in its own ``-100`` convention); a causal LM whose
-    labels the model does not shift (the ``*ForCausalLM`` of MBart, Marian, Pegasus, PLBart) is taken so. Returns
-    the kind to compute; raises ``ValueError`` where no kind gives the model's loss to the dtype's rounding."""
+def _verify(model, kind, input_ids, labels, attention_mask, ignore_index, model_kwargs) -> tuple:
+    """Once per model and dtype: the model's own loss and this module's on the first ``_CHECK_TOKENS`` tokens of
+    the first row (eval mode, no gradients; the model's labels in its own ``-100`` convention), and the model's
+    logits against the mapped head's; a causal LM whose labels the model does not shift (the ``*ForCausalLM`` of
+    MBart, Marian, Pegasus, PLBart) is taken so. Returns ``(kind, scale, softcap)``; raises ``ValueError`` where no
+    kind and logit map give the model's loss and logits to the dtype's rounding. The config is read once here:
+    a cap or scale changed afterwards is not seen."""
     head = model.get_output_embeddings()
     key = (kind, head.weight.dtype)
     verdicts = model.__dict__.setdefault(_VERIFIED, {})
@@ -130,12 +158,12 @@ def _verify(model, kind, input_ids, labels, attention_mask, ignore_index, model_
     if key not in verdicts:
         verdicts[key] = _compare(model, kind, input_ids, labels, attention_mask, ignore_index, model_kwargs)
     verdict = verdicts[key]
-    if verdict not in _KINDS:
+    if isinstance(verdict, str):
         raise ValueError(verdict)
     return verdict
 
 
-def _compare(model, kind, input_ids, labels, attention_mask, ignore_index, model_kwargs) -> str:
+def _compare(model, kind, input_ids, labels, attention_mask, ignore_index, model_kwargs) -> tuple | str:
     rows, tokens = input_ids.shape
     n = min(tokens, _CHECK_TOKENS)
 
@@ -146,25 +174,33 @@ def _compare(model, kind, input_ids, labels, attention_mask, ignore_index, model
     own = first(labels).masked_fill(first(labels) == ignore_index, -100)
     if not (own != -100).any():  # nothing to compare on: the row's own tokens as labels
         own = ids.clone()
-    tol = 1e-4 if model.get_output_embeddings().weight.dtype in (torch.float32, torch.float64) else 3e-2
+    head = model.get_output_embeddings()
+    tol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 3e-2
+    maps = _logit_maps(model)
+    kinds = ("causal", "causal_head", "unshifted", "unshifted_head") if kind == "causal" else ("masked", "masked_head")
     modes = [(m, m.training) for m in model.modules()]
+    got = {}
     try:
         model.eval()
         with torch.no_grad():
-            want = float(model(input_ids=ids, attention_mask=mask, labels=own, **kwargs).loss)
-            got = {}
-            kinds = ("causal", "causal_head", "unshifted", "unshifted_head") if kind == "causal" else \
-                ("masked", "masked_head")
+            out = model(input_ids=ids, attention_mask=mask, labels=own, **kwargs)
+            want, logits = float(out.loss), getattr(out, "logits", None)
             for k in kinds:
                 if _KINDS[k][1] == "parent" and model.__dict__[_VERIFIED]["parent"] is None:
                     continue  # no module between the model and its head
                 try:
-                    got[k] = float(_fused(model, k, ids, own, mask, -100, "mean", 0.0, None, kwargs))
+                    hidden = _hidden(model, k, ids, mask, kwargs)
                 except Exception as e:  # a head whose module reads it (MobileBERT's): not this kind
                     got[k] = f"{type(e).__name__}"
                     continue
-                if want == want and abs(got[k] - want) <= tol * max(1.0, abs(want)):
-                    return k
+                for scale, cap in maps:
+                    name = describe((k, scale, cap))
+                    got[name] = float(_loss(model, (k, scale, cap), hidden, own, -100, "mean", 0.0, None))
+                    if not (_close(got[name], want, tol) and _same_logits(logits, hidden, head, scale, cap, tol)):
+                        continue
+                    if cap is None or _cap_reached(model, head, (ids, mask, own, kwargs), hidden, (k, scale, cap), tol):
+                        return k, scale, cap
+                    got[name] = "differs once the logits reach the cap"
     finally:
         for m, training in modes:
             m.training = training
@@ -173,3 +209,46 @@ def _compare(model, kind, input_ids, labels, attention_mask, ignore_index, model
             f"({tried}): its forward does more between the base model and the loss than the head (a transform or "
             "a scale before it); compute the logits as the model does, or fuse the model and let the "
             "plan's linear_cross_entropy rows say what they can take")
+
+
+def describe(verdict) -> str:
+    """A verdict ``(kind, scale, softcap)`` as text: ``"causal"``, ``"causal x0.0625"``, ``"causal cap 30"``."""
+    kind, scale, cap = verdict
+    return kind + (f" x{scale:.6g}" if scale != 1.0 else "") + (f" cap {cap:g}" if cap else "")
+
+
+def _close(got: float, want: float, tol: float) -> bool:
+    return want == want and abs(got - want) <= tol * max(1.0, abs(want))
+
+
+def _cap_reached(model, head, batch, hidden, verdict, tol) -> bool:
+    """The model's loss and logits with its head's output scaled (a forward hook) so that the mapped logits reach
+    4x the cap, against this module's: a cap the model does not apply (or applies otherwise) is invisible on the
+    small logits of a fresh model, and shows here."""
+    kind, scale, cap = verdict
+    largest = float(nn.functional.linear(hidden, head.weight, head.bias).abs().max())
+    if not largest > 0:
+        return False
+    factor = 4.0 * cap / (scale * largest)
+    ids, mask, own, kwargs = batch
+    handle = head.register_forward_hook(lambda module, args, out: out * factor)
+    try:
+        out = model(input_ids=ids, attention_mask=mask, labels=own, **kwargs)
+    finally:
+        handle.remove()
+    mapped = (kind, scale * factor, cap)
+    loss = float(_loss(model, mapped, hidden, own, -100, "mean", 0.0, None))
+    return _close(loss, float(out.loss), tol) and _same_logits(getattr(out, "logits", None), hidden, head,
+                                                               scale * factor, cap, tol)
+
+
+def _same_logits(logits, hidden, head, scale, cap, tol) -> bool:
+    """The model's returned logits against the head's on ``hidden`` through the map, elementwise (a scale the loss
+    barely feels, on small logits, shows here); True where the model returns none of that shape."""
+    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (*hidden.shape[:-1], head.weight.shape[0]):
+        return True
+    z = nn.functional.linear(hidden, head.weight, head.bias).double() * scale
+    if cap:
+        z = torch.tanh(z / cap) * cap
+    ref = logits.double()
+    return bool(((z - ref).abs() <= tol * max(1.0, float(ref.abs().max()))).all())

@@ -69,6 +69,38 @@ def test_loss_and_every_parameter_gradient_match_the_hf_model(build, masked):
         assert_close_dtype(g, w, msg=name)
 
 
+def _tiny(config_class, **kw):
+    return config_class(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, **kw)
+
+
+# Logit maps read from the config, with which way each model takes its scale: Gemma 2's cap (0.5: a fresh model's
+# logits reach it), Cohere multiplies by logit_scale, Granite divides by logits_scaling, HyperCLOVA X multiplies.
+_MAPPED = [
+    ("Gemma2", dict(final_logit_softcapping=0.5), "causal cap 0.5"),
+    ("Cohere", dict(logit_scale=0.0625), "causal x0.0625"),
+    ("Granite", dict(logits_scaling=4.0), "causal x0.25"),
+    ("HyperCLOVAX", dict(logits_scaling=4.0), "causal x4"),
+]
+
+
+@pytest.mark.parametrize("family, config, way", _MAPPED, ids=[m[0] for m in _MAPPED])
+def test_a_logit_map_in_the_config_is_found_and_trained_through(family, config, way):
+    from opsnn_lab.ops.lm_head import _VERIFIED, describe
+
+    if not hasattr(transformers, f"{family}ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(_tiny(getattr(transformers, f"{family}Config"), **config))
+    ids, mask, labels = _batch(model.config.vocab_size, False)
+    want_loss, want = _loss_and_grads(model, model(ids, attention_mask=mask, labels=labels).loss)
+    got_loss, got = _loss_and_grads(model, ops.lm_head_loss(model, ids, labels, attention_mask=mask))
+    assert describe(model.__dict__[_VERIFIED][("causal", torch.float32)]) == way
+    assert_close_dtype(got_loss, want_loss)
+    for (name, _), g, w in zip(model.named_parameters(), got, want):
+        assert_close_dtype(g, w, msg=name)
+
+
 def test_num_items_in_batch_is_the_trainer_sum_form():
     model = _llama()
     ids, mask, labels = _batch(model.config.vocab_size, False)
@@ -80,10 +112,11 @@ def test_num_items_in_batch_is_the_trainer_sum_form():
 def test_unsupported_models_are_rejected_with_the_reason():
     kind, reason = ops.lm_head_kind(nn.Linear(3, 3))
     assert kind is None and "get_output_embeddings" in reason
-    model = _llama()
+    model = _llama()  # a cap in the config that the model does not apply: equal losses at init, not at the cap
     model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="model: .*final_logit_softcapping"):
-        ops.lm_head_loss(model, torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
+    ids, mask, labels = _batch(model.config.vocab_size, False)
+    with pytest.raises(ValueError, match=r"model: .*\(causal cap 30 differs once the logits reach the cap"):
+        ops.lm_head_loss(model, ids, labels, attention_mask=mask)
     with pytest.raises(ValueError, match="labels"):
         ops.lm_head_loss(_bert(), torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="model"):
