@@ -161,13 +161,16 @@ def test_the_check_runs_once_in_eval_mode_and_puts_every_module_s_mode_back():
 
 def test_the_lm_head_sweep_script_tells_same_refused_and_failed_apart():
     """scripts/lm_head_sweep.py (the README's figure) on a causal LM, one whose head module transforms, one
-    whose labels are not shifted, and a name the installed transformers does not have."""
+    whose labels are not shifted, one whose head cannot read the base model's output, one scaling its logits, and
+    a name the installed transformers does not have."""
     import runpy
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "lm_head_sweep.py"
     check = runpy.run_path(str(script))["check"]
-    for name, way in (("Llama", "causal"), ("Roberta", "causal_head"), ("MBart", "unshifted")):
+    # RemBert: the plain kind raises on the head (its hidden states are narrower than the head's input)
+    for name, way in (("Llama", "causal"), ("Roberta", "causal_head"), ("MBart", "unshifted"),
+                      ("RemBert", "causal_head"), ("Cohere", "causal x0.0625")):
         status, detail = check(name, torch.float32)
         assert status == "same" and f" as {way}:" in detail, (name, detail)
     assert check("NoSuchModel", torch.float32)[0] == "build fails"
