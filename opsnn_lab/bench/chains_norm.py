@@ -30,6 +30,8 @@ Rows (names follow the fusion pattern names; ``+linear`` rows measure the norm w
   peak bytes alive during forward + backward (``measuring.peak_bytes``), with every ``.grad`` set to None
   first so both sides allocate theirs; eager holds the (N, V) logits, their log-softmax and its gradient, the
   fused op one chunk of logits. The target (0.25) is read on ``peak``.
+* ``linear_cross_entropy[softcap]``: the same head with Gemma 2's final logit cap (``30 * tanh(logits / 30)``)
+  between it and the loss, fp32; eager computes the cap as Gemma 2's forward does, on the full logits.
 """
 
 from __future__ import annotations
@@ -134,12 +136,18 @@ def _lce_chain(s, device, dtype, name):
     target = torch.randint(0, p["vocab"], (p["tokens"],), device=device)
     target[::7] = -100  # some padding, as in a real batch
 
-    def eager(h, t):
-        return F.cross_entropy(head(h).float(), t)
+    cap = 30.0 if name.endswith("[softcap]") else None
 
-    fused = ops.FusedLinearCrossEntropy.from_modules(head)
+    def eager(h, t):
+        logits = head(h)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return F.cross_entropy(logits.float(), t)
+
+    fused = ops.FusedLinearCrossEntropy.from_modules(head, softcap=cap)
     return Chain(name, eager, fused, (hidden, target), params=(head.weight,),
-                 note=f"{p['tokens']} tokens, hidden {p['hidden']}, vocab {p['vocab']}, {str(dtype)[6:]}")
+                 note=f"{p['tokens']} tokens, hidden {p['hidden']}, vocab {p['vocab']}, {str(dtype)[6:]}"
+                 + (f", logits capped at {cap:g}" if cap else ""))
 
 
 def _builder(build, name):
@@ -149,6 +157,6 @@ def _builder(build, name):
 _NORMS = ("layer_norm+linear", "add_layer_norm+linear", "rms_norm+linear", "add_rms_norm+linear",
           "add_rms_norm+linear[bf16]", "layer_norm", "add_layer_norm", "layer_norm[save_output]", "rms_norm",
           "add_rms_norm", "add_rms_norm[bf16]", "rms_norm[nn.RMSNorm]")
-_LCE = ("linear_cross_entropy", "linear_cross_entropy[bf16]")
+_LCE = ("linear_cross_entropy", "linear_cross_entropy[bf16]", "linear_cross_entropy[softcap]")
 NORM_CHAINS = _NORMS + _LCE
 NORM_BUILDERS = {**{n: _builder(_norm_chain, n) for n in _NORMS}, **{n: _builder(_lce_chain, n) for n in _LCE}}
