@@ -318,8 +318,15 @@ def build_dropout_linear(m: Match) -> nn.Module:
 # --------------------------------------------------------------------------- vocabulary head -> cross-entropy
 _RESHAPES = frozenset({"view", "reshape", "float", "to", "contiguous", "getitem", "flatten", "type_as"})
 RECIPE = ("compute the loss from the hidden states with ol.ops.lm_head_loss(model, input_ids, labels) "
-          "(Hugging Face causal / masked LMs) or ol.ops.FusedLinearCrossEntropy.from_modules(head)(hidden, labels), "
+          "(Hugging Face causal / masked LMs, the config's logit cap or scale included) or "
+          "ol.ops.FusedLinearCrossEntropy.from_modules(head, logit_scale=..., softcap=...)(hidden, labels), "
           "which never hold the logits")
+
+
+def _logit_map(n) -> bool:
+    """A scale or a cap between the head and its loss (Cohere's ``* logit_scale``, Gemma 2's ``/ cap``, ``tanh``,
+    ``* cap``): an elementwise op reading one tensor, which ``linear_cross_entropy``'s logit map computes."""
+    return n.op in ("mul", "div", "tanh") and len(n.inputs) == 1
 
 
 def find_linear_cross_entropy(g: Graph) -> list[Match]:
@@ -329,7 +336,7 @@ def find_linear_cross_entropy(g: Graph) -> list[Match]:
         if ce.op != "cross_entropy" or not ce.inputs:
             continue
         path, z = [], g.producer(ce)
-        while z is not None and z.op in _RESHAPES and z.kind == "function":
+        while z is not None and z.kind == "function" and (z.op in _RESHAPES or _logit_map(z)):
             path.append(z)
             z = g.producer(z)
         if z is None or z.op != "linear":

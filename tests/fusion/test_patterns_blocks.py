@@ -391,21 +391,26 @@ def test_norm_whose_inside_escapes_is_refused():
 
 # --------------------------------------------------------------------------- head + cross-entropy
 class LM(nn.Module):
-    def __init__(self, return_logits):
+    def __init__(self, return_logits, mapped=False):
         super().__init__()
         self.body, self.head, self.return_logits = nn.Linear(8, 8), nn.Linear(8, 30), return_logits
+        self.mapped = mapped
 
     def forward(self, x, labels):
         logits = self.head(self.body(x))
+        if self.mapped:  # Cohere's scale, then Gemma 2's cap: what lm_head_loss's logit map computes
+            logits = logits * 0.0625
+            logits = torch.tanh(logits / 30.0) * 30.0
         loss = F.cross_entropy(logits.view(-1, 30).float(), labels.view(-1))
         return (loss, logits) if self.return_logits else loss
 
 
+@pytest.mark.parametrize("mapped", [False, True])
 @pytest.mark.parametrize("return_logits, words", [(True, "returned by the model's forward"),
                                                   (False, "read only by the loss")])
-def test_head_and_loss_are_reported_with_the_recipe(return_logits, words):
+def test_head_and_loss_are_reported_with_the_recipe(return_logits, words, mapped):
     torch.manual_seed(0)
     labels = torch.randint(0, 30, (2, 5), generator=torch.Generator().manual_seed(0))
-    plan = ol.fusion.analyze(LM(return_logits), (seeded(2, 5, 8), labels))
+    plan = ol.fusion.analyze(LM(return_logits, mapped), (seeded(2, 5, 8), labels))
     (d,) = [d for d in plan.decisions if d.pattern == "linear_cross_entropy"]
     assert not d.fused and d.modules == ["head"] and words in d.reason and "ol.ops.lm_head_loss" in d.reason
