@@ -40,7 +40,8 @@ def _mapped(logits, scale, softcap, in_place, want_slope):
     if softcap is None:
         return z.mul_(scale), None
     t = z.mul_(scale / softcap).tanh_()
-    slope = torch.mul(t, t).neg_().add_(1.0).mul_(scale) if want_slope else None
+    # scale - scale t^2 in one pass (a 0-d tensor broadcast by addcmul)
+    slope = torch.addcmul(t.new_tensor(scale), t, t, value=-scale) if want_slope else None
     return t.mul_(softcap), slope
 
 
