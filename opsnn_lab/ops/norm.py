@@ -160,7 +160,7 @@ class _FusedNorm(nn.Module):
 
     def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None = None, eps: float = 1e-5,
                  normalized_shape: tuple[int, ...] | None = None, weight_offset: float = 0.0, save_output: bool = True,
-                 cast_params: bool = False):
+                 cast_params: bool = False, channel_dim: int | None = None):
         super().__init__()
         check_type("weight", weight, nn.Parameter, allow_none=True)
         check_type("save_output", save_output, bool)
@@ -187,6 +187,14 @@ class _FusedNorm(nn.Module):
         # False: always save the input: where nothing else keeps the output (saving it gains no bytes there, and
         # LayerNorm's recovery costs time) or where the output is modified in place
         self.save_output = save_output
+        # 1: the norm is over dim 1 of an (N, C, *) input (timm's LayerNorm2d / RmsNorm2d): the op runs on the
+        # channels-last view and returns its result viewed back, an (N, C, *) tensor with channels-last strides as
+        # the permute -> layer_norm -> permute the module computes gives
+        if channel_dim is not None and (channel_dim != 1 or len(self.normalized_shape) != 1):
+            raise ValueError(f"channel_dim must be None or 1 (with a 1-D normalized_shape), got {channel_dim!r}")
+        if channel_dim is not None and self._add:
+            raise ValueError("channel_dim: the add-and-norm ops normalise over the last dim only")
+        self.channel_dim = channel_dim
         self._recoverable_key, self._recoverable = None, False
 
     def _saves_output(self, dtype) -> bool:
@@ -215,10 +223,16 @@ class _FusedNorm(nn.Module):
         return p if p is None or p.dim() == 1 else p.view(-1)
 
     def _check(self, x, name="x"):
-        check_tensor(name, x, dtypes=_FLOATS, min_dim=1)
-        k = len(self.normalized_shape)
-        if tuple(x.shape[x.dim() - k:]) != self.normalized_shape:
-            raise ValueError(f"{name} must end with {self.normalized_shape}, got shape {tuple(x.shape)}")
+        if self.__dict__.get("channel_dim"):
+            check_tensor(name, x, dtypes=_FLOATS, min_dim=2)
+            if x.shape[1] != self.normalized_shape[0]:
+                raise ValueError(f"{name} must have {self.normalized_shape[0]} channels in dim 1, got shape "
+                                 f"{tuple(x.shape)}")
+        else:
+            check_tensor(name, x, dtypes=_FLOATS, min_dim=1)
+            k = len(self.normalized_shape)
+            if tuple(x.shape[x.dim() - k:]) != self.normalized_shape:
+                raise ValueError(f"{name} must end with {self.normalized_shape}, got shape {tuple(x.shape)}")
         same_device(weight=self.weight, **{name: x})
 
     def _params(self, dtype: torch.dtype):
@@ -256,6 +270,7 @@ class _FusedNorm(nn.Module):
     def extra_repr(self) -> str:
         extra = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
         extra += ", cast_params=True" if self.__dict__.get("cast_params", False) else ""
+        extra += f", channel_dim={self.channel_dim}" if self.__dict__.get("channel_dim") else ""
         return f"{self.normalized_shape}, eps={self.eps}, bias={self.bias is not None}{extra}"
 
 
@@ -263,7 +278,10 @@ class _NormForward(_FusedNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
         autocast = _amp.autocast_dtype(x)
+        channels_first = self.__dict__.get("channel_dim")  # a module pickled before this option: None
         with _amp.region(x):  # under autocast: nothing cast (norms run in their input's dtype), autocast off inside
+            if channels_first:
+                return self._apply_norm(x.movedim(1, -1), None, autocast).movedim(-1, 1)
             return self._apply_norm(x, None, autocast)
 
 
