@@ -99,7 +99,7 @@ class Analysis:
         # module routes patching a module called more than once: every call is this chain (routes.RoutePlanner)
         self.shared: dict[tuple, tuple[str, int]] = {k: v for k, v in planner.shared.items() if k in self.routes}
         verdicts = {k: v for k, v in trace.graph.memo.items()
-                    if isinstance(k, tuple) and k[0] in ("norm", "norm_shape", "norm_cast")}
+                    if isinstance(k, tuple) and k[0] in ("norm", "norm_shape", "norm_cast", "norm_dim")}
 
         def wanted(graph) -> list:  # the chains a region's graph holds that only fx can rewrite (found once)
             if "wanted" not in graph.memo:

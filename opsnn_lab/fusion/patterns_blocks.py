@@ -37,7 +37,12 @@ __all__ = ["find_norms", "find_add_norms", "norm_verdicts", "find_dropout_linear
 # What a norm written in Python may record: casts, pointwise arithmetic, reductions over the last dim.
 _NORM_OPS = frozenset({"to", "float", "type_as", "pow", "mul", "mean", "add", "rsqrt", "sqrt", "div", "reciprocal",
                        "sub", "var", "square", "layer_norm", "rms_norm", "var_mean", "neg", "half", "bfloat16",
-                       "double", "type"})
+                       "double", "type", "permute", "movedim", "contiguous",
+                       # a channels-first norm shapes its weight to (C, 1, 1): HF ConvNeXt's weight[:, None, None]
+                       "getitem", "view", "reshape", "unsqueeze"})
+# the kind suffix of a norm over dim 1 of an (N, C, *) input (timm's LayerNorm2d / RmsNorm2d, a channels-first
+# ConvNeXt LayerNorm): its verdict's kind is "layer" / "rms", with ("norm_dim", scope) = 1 beside it
+_CHANNELS_FIRST = "@1"
 # how close a norm's output must be to the formula in its input's dtype (fp64: far below fp32's rounding, so an
 # fp64 module that computes in fp32 inside, as Hugging Face's RMSNorms do, is told apart)
 _TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -58,9 +63,12 @@ def _recorded_eps(nodes: list[Node]) -> float | None:
     return None
 
 
-def _norm_form(module: nn.Module, x: torch.Tensor, eps_candidates, inner=()) -> tuple[str, float, float] | str:
+def _norm_form(module: nn.Module, x: torch.Tensor, eps_candidates, inner=(), centred_first=False
+               ) -> tuple[str, float, float] | str:
     """``(kind, eps, weight_offset)`` when ``module(x)`` is ``norm(x) * (w + offset) [+ b]`` (a module without
-    parameters: ``norm(x)``), else why not. ``inner``: the dtypes the module's recorded steps ran in."""
+    parameters: ``norm(x)``), else why not. ``inner``: the dtypes the module's recorded steps ran in.
+    ``centred_first``: try LayerNorm before RMSNorm (the recorded steps centre the input): on an input whose mean
+    is already ~0 (another norm's output at init) both forms match, and the recorded one is the one to keep."""
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
     gen = torch.Generator().manual_seed(0)
     swap = {}
@@ -84,25 +92,40 @@ def _norm_form(module: nn.Module, x: torch.Tensor, eps_candidates, inner=()) -> 
     offsets = (0.0, 1.0) if "weight" in swap else (0.0,)
     tols = [(_TOL.get(x.dtype, 1e-4), None)]  # then the dtype a cast inside computes in, where it is coarser
     tols += [(_TOL[d], d) for d in inner if _TOL.get(d, 0.0) > tols[0][0]]
+    # over the last dim, and over dim 1 of an (N, C, *) input whose C is the weight's size (its weight broadcast so)
+    fits_last = "weight" not in swap or tuple(w.shape) == tuple(x.shape[x.dim() - w.dim():])
+    fits_channels = x.dim() >= 3 and ("weight" not in swap or (w.dim() == 1 and x.shape[1] == w.shape[0]))
+    dims = [-1] * fits_last + [1] * fits_channels
     for tol, lower in sorted(tols, key=lambda t: t[0]):
         for eps in dict.fromkeys(e for e in eps_candidates if e is not None):
-            centred = xf - xf.mean(-1, keepdim=True)
-            forms = {"rms": xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps),
-                     "layer": centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)}
-            for kind, xhat in forms.items():
+            forms = {}
+            for dim in dims:
+                suffix = "" if dim == -1 else _CHANNELS_FIRST
+                centred = xf - xf.mean(dim, keepdim=True)
+                forms["rms" + suffix] = xf * torch.rsqrt(xf.pow(2).mean(dim, keepdim=True) + eps)
+                forms["layer" + suffix] = centred * torch.rsqrt(centred.pow(2).mean(dim, keepdim=True) + eps)
+            order = sorted(forms, key=lambda k: (k.endswith(_CHANNELS_FIRST), k.startswith("rms") == centred_first))
+            for kind in order:
+                xhat = forms[kind]
+                cf = kind.endswith(_CHANNELS_FIRST)  # a 1-D weight then broadcasts over dim 1: (C, 1, ..., 1)
+                view = (-1,) + (1,) * (x.dim() - 2)
                 for offset in offsets:
-                    ref = xhat * (wd + offset) + bd
+                    scale, shift = wd + offset, bd
+                    if cf:
+                        scale = scale.reshape(view) if "weight" in swap else scale
+                        shift = shift.reshape(view) if "bias" in swap else shift
+                    ref = xhat * scale + shift
                     if not torch.allclose(yd, ref, rtol=tol, atol=tol * max(1.0, float(ref.abs().max()))):
                         continue
                     if lower is None:
                         return kind, float(eps), offset
-                    name = "RMSNorm" if kind == "rms" else "LayerNorm"
+                    name = "RMSNorm" if kind.startswith("rms") else "LayerNorm"
                     return (f"it casts to {str(lower).replace('torch.', '')} inside and computes {name} there, which "
                             f"differs from {name} of its {str(x.dtype).replace('torch.', '')} input by more than "
                             f"{str(x.dtype).replace('torch.', '')} rounding; Fused{name} computes in "
                             f"{'float64' if x.dtype == torch.float64 else 'float32'} and rounds once to the input "
                             "dtype")
-    return "its output is neither RMSNorm nor LayerNorm of its input with its weight"
+    return "its output is neither RMSNorm nor LayerNorm of its input (last dim or channels) with its weight"
 
 
 def _python_norm(g: Graph, scope: str, nodes: list[Node]):
@@ -124,7 +147,8 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
     x, y = g[ext[0]], nodes[-1]
     key = ("norm", scope)
     fx_seen = x.shape is None and key in g.memo  # an fx graph (no shapes) of a norm the run-time record judged
-    if not fx_seen and (x.shape is None or not x.shape or (not weightless and x.shape[-1] != weight.shape[0])):
+    if not fx_seen and (x.shape is None or not x.shape or (not weightless and weight.shape[0] not in (
+            x.shape[-1], x.shape[1] if len(x.shape) >= 3 else None))):
         return None
     escapes = [n for n in nodes[:-1] if any(u.name not in names for u in g.users.get(n.name, []))]
     if key not in g.memo:
@@ -133,7 +157,11 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
             return None  # an fx graph, or a run-time graph whose tensors are gone: nothing to check against
         inner = {n.dtype for n in nodes if n.dtype is not None and n.dtype != t.dtype}
         g.memo[key] = _norm_form(module, t, [_recorded_eps(nodes), getattr(module, "variance_epsilon", None),
-                                             getattr(module, "eps", None)], inner)
+                                             getattr(module, "eps", None)], inner,
+                                 centred_first=bool(ops & {"layer_norm", "sub", "var", "var_mean"}))
+        if isinstance(g.memo[key], tuple) and g.memo[key][0].endswith(_CHANNELS_FIRST):
+            g.memo[key] = (g.memo[key][0][:-len(_CHANNELS_FIRST)], *g.memo[key][1:])
+            g.memo[("norm_dim", scope)] = 1
         if isinstance(g.memo[key], tuple) and any(isinstance(p, torch.Tensor) and p.dtype != t.dtype
                                                   for p in (getattr(module, "weight", None),
                                                             getattr(module, "bias", None))):
@@ -147,7 +175,7 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
         return Match(named or ("rms_norm" if "rsqrt" in ops else "layer_norm"), nodes, False, f"`{scope}`: {form}",
                      inputs=[x.name], outputs=[y])
     if weightless and x.shape:  # the size its weight would have given: the record's, kept for fx graphs
-        g.memo[("norm_shape", scope)] = (x.shape[-1],)
+        g.memo[("norm_shape", scope)] = (x.shape[1 if g.memo.get(("norm_dim", scope)) else -1],)
     m = _judged_norm(g, scope, module, nodes, x.name, y)
     if escapes:
         m.reason = f"`{escapes[0].label}` inside `{scope}` is also read outside it"
@@ -170,6 +198,8 @@ def norm_verdicts(planned: dict) -> dict:
                 out[("norm_shape", modules[-1])] = tuple(p["shape"])
             if p.get("cast_params"):
                 out[("norm_cast", modules[-1])] = True
+            if p.get("channel_dim"):
+                out[("norm_dim", modules[-1])] = p["channel_dim"]
     return out
 
 
@@ -210,6 +240,8 @@ def _judged_norm(g: Graph, scope: str, module: nn.Module, nodes: list[Node], x: 
         m.params["shape"] = g.memo.get(("norm_shape", scope))
     if g.memo.get(("norm_cast", scope)):
         m.params["cast_params"] = True
+    if g.memo.get(("norm_dim", scope)):
+        m.params["channel_dim"] = 1
     return m
 
 
@@ -243,6 +275,9 @@ def find_add_norms(g: Graph) -> list[Match]:
                   outputs=[norm.outputs[0], s], params=dict(norm.params))
         if s.inputs[0] == s.inputs[1] or len(s.args) > 2 or "alpha" in s.kwargs:
             m.reason = f"`{s.label}` is not a plain sum of two tensors"
+        elif norm.params.get("channel_dim"):
+            m.reason = ("the norm is over the channels of an (N, C, *) input: its op runs channels-last, and the "
+                        "sum it would return, the residual stream, would change layout; the norm fuses alone")
         elif a.shape != s.shape or b.shape != s.shape or a.dtype != b.dtype:
             m.reason = f"`{s.label}` broadcasts or mixes dtypes ({a.shape} + {b.shape})"
         else:
@@ -286,7 +321,7 @@ def _build_norm(m: Match) -> nn.Module:
     bias = norm.bias if p["kind"] == "layer" and isinstance(getattr(norm, "bias", None), nn.Parameter) else None
     weight = getattr(norm, "weight", None) if "shape" not in p else None  # a norm without parameters: its size
     return cls(weight, bias, p["eps"], p.get("shape"), weight_offset=p["offset"], save_output=keep_y,
-               cast_params=p.get("cast_params", False)).train(norm.training)
+               cast_params=p.get("cast_params", False), channel_dim=p.get("channel_dim")).train(norm.training)
 
 
 # --------------------------------------------------------------------------- Linear(Dropout(x))
