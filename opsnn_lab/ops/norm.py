@@ -145,6 +145,11 @@ def rms_norm_form(module: nn.Module) -> tuple[float | None, str]:
 def _layer_norm_support(module) -> tuple[bool, str]:
     if not isinstance(module, nn.LayerNorm):
         return False, f"expected nn.LayerNorm, got {type(module).__name__}"
+    if type(module).forward is not nn.LayerNorm.forward:
+        # timm's LayerNorm2d subclasses nn.LayerNorm and normalises the channels: its class says nothing of that
+        return False, (f"{type(module).__name__} overrides nn.LayerNorm.forward, so what it computes is not known "
+                       "here; ol.fusion.fuse checks it on its input (a norm over the channels becomes "
+                       "FusedLayerNorm(..., channel_dim=1))")
     return True, "nn.LayerNorm over the last dims"
 
 
