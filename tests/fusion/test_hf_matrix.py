@@ -48,7 +48,9 @@ CANDIDATES = {
     # its squeeze-excitations (conv -> SiLU -> conv on pooled 1 x 1 maps) are candidates, declined as not worth it
     "efficientnet": {"conv_bn_silu": 15, "conv_bn_relu": 7, "conv_silu_conv": 7},
     "mobilenet_v2": {"conv_bn_relu6": 35, "conv_bn_relu": 17},
-    "convnext": {"linear_gelu_linear": 2, "layer_norm": 3},
+    # + the stem's and the downsampling layer's channels-first LayerNorms (since 2026-12-07), and the residual add
+    # before the latter, declined (the op would return the residual stream in another layout)
+    "convnext": {"linear_gelu_linear": 2, "layer_norm": 5, "add_layer_norm": 1},
     "encoder": {"linear_gelu_dropout_linear": 2, "attention": 2, "qkv": 2, "add_layer_norm": 5, "layer_norm": 5},
     "cnn": {"conv_bn_relu_maxpool": 1, "conv_bn_relu": 5},
 }
@@ -57,7 +59,7 @@ CANDIDATES = {
 # add that broadcasts, q/k/v of different tensors), a larger fused chain holding it, a residual add inline
 # in a forward no rewrite can reach, or logits the model returns (the documented recipe is named).
 ALLOWED = re.compile(r"^Fused\w+: |not a ReLU or another activation|goes to `|overlaps the fused (gated_mlp|add_)|"
-                     r"broadcasts|read different tensors|lm_head_loss|"
+                     r"broadcasts|read different tensors|lm_head_loss|over the channels of an \(N, C, \*\) input|"
                      r"^cannot be rewritten: `[\w.]+add(#\d+)?` runs inline|"
                      r"^not fused: saves \d[\d,]* of its [\d,]+ activation bytes here \(under (10%\); FusedLayerNorm|"
                      r"25%\); the fused op drops the activation's output)")
