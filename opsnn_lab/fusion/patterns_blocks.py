@@ -40,9 +40,6 @@ _NORM_OPS = frozenset({"to", "float", "type_as", "pow", "mul", "mean", "add", "r
                        "double", "type", "permute", "movedim", "contiguous",
                        # a channels-first norm shapes its weight to (C, 1, 1): HF ConvNeXt's weight[:, None, None]
                        "getitem", "view", "reshape", "unsqueeze"})
-# the kind suffix of a norm over dim 1 of an (N, C, *) input (timm's LayerNorm2d / RmsNorm2d, a channels-first
-# ConvNeXt LayerNorm): its verdict's kind is "layer" / "rms", with ("norm_dim", scope) = 1 beside it
-_CHANNELS_FIRST = "@1"
 # how close a norm's output must be to the formula in its input's dtype (fp64: far below fp32's rounding, so an
 # fp64 module that computes in fp32 inside, as Hugging Face's RMSNorms do, is told apart)
 _TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -64,9 +61,10 @@ def _recorded_eps(nodes: list[Node]) -> float | None:
 
 
 def _norm_form(module: nn.Module, x: torch.Tensor, eps_candidates, inner=(), centred_first=False
-               ) -> tuple[str, float, float] | str:
-    """``(kind, eps, weight_offset)`` when ``module(x)`` is ``norm(x) * (w + offset) [+ b]`` (a module without
-    parameters: ``norm(x)``), else why not. ``inner``: the dtypes the module's recorded steps ran in.
+               ) -> tuple[str, float, float, int] | str:
+    """``(kind, eps, weight_offset, dim)`` when ``module(x)`` is ``norm(x) * (w + offset) [+ b]`` over ``dim`` (-1,
+    or 1 for a norm over the channels of an (N, C, *) input: timm's LayerNorm2d) (a module without parameters:
+    ``norm(x)``), else why not. ``inner``: the dtypes the module's recorded steps ran in.
     ``centred_first``: try LayerNorm before RMSNorm (the recorded steps centre the input): on an input whose mean
     is already ~0 (another norm's output at init) both forms match, and the recorded one is the one to keep."""
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
@@ -95,36 +93,32 @@ def _norm_form(module: nn.Module, x: torch.Tensor, eps_candidates, inner=(), cen
     # over the last dim, and over dim 1 of an (N, C, *) input whose C is the weight's size (its weight broadcast so)
     fits_last = "weight" not in swap or tuple(w.shape) == tuple(x.shape[x.dim() - w.dim():])
     fits_channels = x.dim() >= 3 and ("weight" not in swap or (w.dim() == 1 and x.shape[1] == w.shape[0]))
+    # the weight and bias as each dim's norm applies them: over dim 1 a 1-D weight broadcasts as (C, 1, ..., 1)
+    view = (-1,) + (1,) * (x.dim() - 2)
+    affine = {-1: (wd, bd),
+              1: (wd.reshape(view) if "weight" in swap else wd, bd.reshape(view) if "bias" in swap else bd)}
     dims = [-1] * fits_last + [1] * fits_channels
+    kinds = ("layer", "rms") if centred_first else ("rms", "layer")
     for tol, lower in sorted(tols, key=lambda t: t[0]):
         for eps in dict.fromkeys(e for e in eps_candidates if e is not None):
-            forms = {}
             for dim in dims:
-                suffix = "" if dim == -1 else _CHANNELS_FIRST
                 centred = xf - xf.mean(dim, keepdim=True)
-                forms["rms" + suffix] = xf * torch.rsqrt(xf.pow(2).mean(dim, keepdim=True) + eps)
-                forms["layer" + suffix] = centred * torch.rsqrt(centred.pow(2).mean(dim, keepdim=True) + eps)
-            order = sorted(forms, key=lambda k: (k.endswith(_CHANNELS_FIRST), k.startswith("rms") == centred_first))
-            for kind in order:
-                xhat = forms[kind]
-                cf = kind.endswith(_CHANNELS_FIRST)  # a 1-D weight then broadcasts over dim 1: (C, 1, ..., 1)
-                view = (-1,) + (1,) * (x.dim() - 2)
-                for offset in offsets:
-                    scale, shift = wd + offset, bd
-                    if cf:
-                        scale = scale.reshape(view) if "weight" in swap else scale
-                        shift = shift.reshape(view) if "bias" in swap else shift
-                    ref = xhat * scale + shift
-                    if not torch.allclose(yd, ref, rtol=tol, atol=tol * max(1.0, float(ref.abs().max()))):
-                        continue
-                    if lower is None:
-                        return kind, float(eps), offset
-                    name = "RMSNorm" if kind.startswith("rms") else "LayerNorm"
-                    return (f"it casts to {str(lower).replace('torch.', '')} inside and computes {name} there, which "
-                            f"differs from {name} of its {str(x.dtype).replace('torch.', '')} input by more than "
-                            f"{str(x.dtype).replace('torch.', '')} rounding; Fused{name} computes in "
-                            f"{'float64' if x.dtype == torch.float64 else 'float32'} and rounds once to the input "
-                            "dtype")
+                forms = {"rms": xf * torch.rsqrt(xf.pow(2).mean(dim, keepdim=True) + eps),
+                         "layer": centred * torch.rsqrt(centred.pow(2).mean(dim, keepdim=True) + eps)}
+                w_, b_ = affine[dim]
+                for kind in kinds:
+                    for offset in offsets:
+                        ref = forms[kind] * (w_ + offset) + b_
+                        if not torch.allclose(yd, ref, rtol=tol, atol=tol * max(1.0, float(ref.abs().max()))):
+                            continue
+                        if lower is None:
+                            return kind, float(eps), offset, dim
+                        name = "RMSNorm" if kind == "rms" else "LayerNorm"
+                        return (f"it casts to {str(lower).replace('torch.', '')} inside and computes {name} there, "
+                                f"which differs from {name} of its {str(x.dtype).replace('torch.', '')} input by more "
+                                f"than {str(x.dtype).replace('torch.', '')} rounding; Fused{name} computes in "
+                                f"{'float64' if x.dtype == torch.float64 else 'float32'} and rounds once to the input "
+                                "dtype")
     return "its output is neither RMSNorm nor LayerNorm of its input (last dim or channels) with its weight"
 
 
@@ -159,9 +153,11 @@ def _python_norm(g: Graph, scope: str, nodes: list[Node]):
         g.memo[key] = _norm_form(module, t, [_recorded_eps(nodes), getattr(module, "variance_epsilon", None),
                                              getattr(module, "eps", None)], inner,
                                  centred_first=bool(ops & {"layer_norm", "sub", "var", "var_mean"}))
-        if isinstance(g.memo[key], tuple) and g.memo[key][0].endswith(_CHANNELS_FIRST):
-            g.memo[key] = (g.memo[key][0][:-len(_CHANNELS_FIRST)], *g.memo[key][1:])
-            g.memo[("norm_dim", scope)] = 1
+        if isinstance(g.memo[key], tuple):  # the verdict (kind, eps, offset); a norm over dim 1 says so beside it
+            kind, eps, offset, dim = g.memo[key]
+            g.memo[key] = (kind, eps, offset)
+            if dim == 1:
+                g.memo[("norm_dim", scope)] = 1
         if isinstance(g.memo[key], tuple) and any(isinstance(p, torch.Tensor) and p.dtype != t.dtype
                                                   for p in (getattr(module, "weight", None),
                                                             getattr(module, "bias", None))):
