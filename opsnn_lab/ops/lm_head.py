@@ -190,19 +190,17 @@ def _compare(model, kind, input_ids, labels, attention_mask, ignore_index, model
                     continue  # no module between the model and its head
                 try:
                     hidden = _hidden(model, k, ids, mask, kwargs)
-                except Exception as e:  # a head whose module reads it (MobileBERT's): not this kind
-                    got[k] = f"{type(e).__name__}"
+                    raw = nn.functional.linear(hidden, head.weight, head.bias).double()  # the head's, unmapped
+                except Exception as e:  # a head whose module reads it (MobileBERT's), hidden states it cannot read
+                    got[k] = f"{type(e).__name__}"  # (RemBert's, before its transform): not this kind
                     continue
                 for scale, cap in maps:
                     name = describe((k, scale, cap))
-                    try:
-                        got[name] = float(_loss(model, (k, scale, cap), hidden, own, -100, "mean", 0.0, None))
-                    except Exception as e:  # hidden states the head cannot read (RemBert's, before its transform)
-                        got[name] = f"{type(e).__name__}"
+                    got[name] = float(_loss(model, (k, scale, cap), hidden, own, -100, "mean", 0.0, None))
+                    if not (_close(got[name], want, tol) and _same_logits(logits, raw, scale, cap, tol)):
                         continue
-                    if not (_close(got[name], want, tol) and _same_logits(logits, hidden, head, scale, cap, tol)):
-                        continue
-                    if cap is None or _cap_reached(model, head, (ids, mask, own, kwargs), hidden, (k, scale, cap), tol):
+                    if cap is None or _cap_reached(model, head, (ids, mask, own, kwargs), hidden, raw, (k, scale, cap),
+                                                   tol):
                         return k, scale, cap
                     got[name] = "differs once the logits reach the cap"
     finally:
@@ -225,12 +223,12 @@ def _close(got: float, want: float, tol: float) -> bool:
     return want == want and abs(got - want) <= tol * max(1.0, abs(want))
 
 
-def _cap_reached(model, head, batch, hidden, verdict, tol) -> bool:
+def _cap_reached(model, head, batch, hidden, raw, verdict, tol) -> bool:
     """The model's loss and logits with its head's output scaled (a forward hook) so that the mapped logits reach
     4x the cap, against this module's: a cap the model does not apply (or applies otherwise) is invisible on the
-    small logits of a fresh model, and shows here."""
+    small logits of a fresh model, and shows here. ``raw``: the head's logits on ``hidden``, unmapped."""
     kind, scale, cap = verdict
-    largest = float(nn.functional.linear(hidden, head.weight, head.bias).abs().max())
+    largest = float(raw.abs().max())
     if not largest > 0:
         return False
     factor = 4.0 * cap / (scale * largest)
@@ -242,16 +240,16 @@ def _cap_reached(model, head, batch, hidden, verdict, tol) -> bool:
         handle.remove()
     mapped = (kind, scale * factor, cap)
     loss = float(_loss(model, mapped, hidden, own, -100, "mean", 0.0, None))
-    return _close(loss, float(out.loss), tol) and _same_logits(getattr(out, "logits", None), hidden, head,
-                                                               scale * factor, cap, tol)
+    return _close(loss, float(out.loss), tol) and _same_logits(getattr(out, "logits", None), raw, scale * factor,
+                                                               cap, tol)
 
 
-def _same_logits(logits, hidden, head, scale, cap, tol) -> bool:
-    """The model's returned logits against the head's on ``hidden`` through the map, elementwise (a scale the loss
-    barely feels, on small logits, shows here); True where the model returns none of that shape."""
-    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (*hidden.shape[:-1], head.weight.shape[0]):
+def _same_logits(logits, raw, scale, cap, tol) -> bool:
+    """The model's returned logits against the head's (``raw``, float64) through the map, elementwise (a scale the
+    loss barely feels, on small logits, shows here); True where the model returns none of that shape."""
+    if not isinstance(logits, torch.Tensor) or logits.shape != raw.shape:
         return True
-    z = nn.functional.linear(hidden, head.weight, head.bias).double() * scale
+    z = raw * scale
     if cap:
         z = torch.tanh(z / cap) * cap
     ref = logits.double()
