@@ -13,6 +13,9 @@ Two paths, one semantics (the hand-written core in ``opsnn_lab.models.SelfAttent
   backward do materialize T x T temporaries (freed at once), so peak memory is not flash-attention's.
 * ``return_probs=True`` (the core of eager attention code that also returns its weights, as Hugging Face's
   ``eager_attention_forward`` does): always the second path, which has the probabilities at hand.
+* ``softcap=c`` (Gemma 2's scores ``c * tanh(s / c)`` before the mask): always the second path too (SDPA has no
+  cap); its backward recomputes ``tanh`` with the scores, so the cap saves nothing T x T either, where eager keeps
+  the ``tanh`` output beside the probabilities.
 """
 
 from __future__ import annotations
@@ -63,13 +66,16 @@ def _additive(mask, q):
     return mask
 
 
-def _probs(q3, k3, scale, terms, batch, fp32=False):
+def _probs(q3, k3, scale, terms, batch, fp32=False, cap=None):
     """``softmax(q k^T * scale + mask [+ bias])`` as (batch, Tq, Tk): the additive ``terms`` are copied in (a second
     added onto the first: T5's position bias, then its mask), the GEMM adds onto them. A float term wider than
     bf16/fp16 scores (a T5 position bias, kept fp32 under autocast) makes the sum and the softmax run in its dtype,
     rounded once: eager attention code rounds that sum to the scores' dtype first. ``fp32``: the probabilities in
-    fp32, as ``softmax(..., dtype=torch.float32)`` gives them (Llama-style code)."""
+    fp32, as ``softmax(..., dtype=torch.float32)`` gives them (Llama-style code). ``cap``: see ``_capped``; the
+    result is then ``(probs, tanh)``."""
     want = torch.float32 if fp32 else q3.dtype
+    if cap is not None:
+        return _capped(q3, k3, scale, terms, batch, want, cap)
     if not terms:
         s = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)
         return torch.softmax(s, dim=-1, dtype=want)
@@ -86,6 +92,26 @@ def _probs(q3, k3, scale, terms, batch, fp32=False):
         return torch.softmax(s.baddbmm_(q3, k3.transpose(1, 2), alpha=scale), dim=-1, dtype=want)
     s.add_(torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale))
     return torch.softmax(s, dim=-1).to(want)
+
+
+def _capped(q3, k3, scale, terms, batch, want, cap):
+    """``(softmax(cap * tanh(q k^T * scale / cap) + terms), tanh)``, the scores capped before the terms are added
+    (Gemma 2's order). The cap runs in fp32 for half-precision scores and is rounded once to the scores' dtype (eager
+    rounds the quotient, the tanh and the product each); ``tanh`` is what backward's ``1 - tanh^2`` reads."""
+    s = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)
+    wide = torch.float32 if s.dtype in (torch.float16, torch.bfloat16) else s.dtype
+    t = torch.tanh(s.to(wide).div_(cap))
+    dtype = q3.dtype
+    for term in terms:
+        dtype = torch.promote_types(dtype, term.dtype)
+    s = torch.mul(t, cap, out=s) if wide == s.dtype else (t * cap).to(dtype)
+    s = s.to(dtype)
+    full = s.view(*batch, *s.shape[1:])
+    for term in terms:  # eager's order: the capped scores, then each term
+        full.add_(term)
+    if torch.promote_types(s.dtype, want) == want:
+        return torch.softmax(s, dim=-1, dtype=want), t
+    return torch.softmax(s, dim=-1).to(want), t  # a wide term's sum: its softmax rounded once
 
 
 class _Dropout:
@@ -122,13 +148,16 @@ class AttentionDropoutFunction(torch.autograd.Function):
 
     @staticmethod
     @_amp.no_autocast
-    def forward(ctx, q, k, v, mask, scale, p, seed, offset, return_probs=False, fp32_softmax=False, bias=None):
+    def forward(ctx, q, k, v, mask, scale, p, seed, offset, return_probs=False, fp32_softmax=False, bias=None,
+                softcap=None):
         batch, q3, k3, v3, terms = _batched(q, k, v, mask, bias)
-        probs = _probs(q3, k3, scale, terms, batch, fp32_softmax)
+        probs = _probs(q3, k3, scale, terms, batch, fp32_softmax, softcap)
+        if softcap is not None:
+            probs = probs[0]  # its tanh is recomputed in backward
         _Dropout(probs, batch, p, seed, offset)(probs, out=probs)
         out = torch.bmm(probs.to(v3.dtype), v3).mul_(_keep_scale(p))
         ctx.save_for_backward(q, k, v, mask, bias)
-        ctx.cfg = (scale, p, seed, offset, fp32_softmax)
+        ctx.cfg = (scale, p, seed, offset, fp32_softmax, softcap)
         if not return_probs:
             return out  # (batch, T, d): viewed outside the Function, so the caller may modify it in place
         ctx.set_materialize_grads(False)
@@ -145,29 +174,36 @@ class AttentionDropoutFunction(torch.autograd.Function):
                 "reading only, and a gradient reached them: a loss that depends on the attention weights needs "
                 "the unfused attention (ol.fusion.revert(model), or fuse without the 'attention' pattern)")
         if grad is None:
-            return (None,) * 11
+            return (None,) * 12
         q, k, v, mask, bias = ctx.saved_tensors
-        scale, p, seed, offset, fp32_softmax = ctx.cfg
+        scale, p, seed, offset, fp32_softmax, softcap = ctx.cfg
         ks = _keep_scale(p)
         batch, q3, k3, v3, terms = _batched(q, k, v, mask, bias)
         g3 = grad.reshape(-1, *grad.shape[-2:])
-        probs = _probs(q3, k3, scale, terms, batch, fp32_softmax)
+        probs, tanh = _probs(q3, k3, scale, terms, batch, fp32_softmax, softcap), None
+        if softcap is not None:
+            probs, tanh = probs
         drop = _Dropout(probs, batch, p, seed, offset)
         grad_v = torch.bmm(drop(probs).to(g3.dtype).transpose(1, 2), g3).mul_(ks)
         # dS = softmax_backward(dropout(dO v^T), P), in the probabilities' dtype (fp32 for an fp32 softmax, as
         # autograd takes eager's); the 1 / (1 - p) of dropout moves onto dq, dk and dmask.
         dp = torch.bmm(g3, v3.transpose(1, 2)).to(probs.dtype)
-        ds = torch._softmax_backward_data(drop(dp, out=dp), probs, -1, probs.dtype).to(q3.dtype)
+        ds = torch._softmax_backward_data(drop(dp, out=dp), probs, -1, probs.dtype)
         del probs, dp, drop
-        grad_q = torch.bmm(ds, k3).mul_(scale * ks) if ctx.needs_input_grad[0] else None
-        grad_k = torch.bmm(ds.transpose(1, 2), q3).mul_(scale * ks) if ctx.needs_input_grad[1] else None
         need = ctx.needs_input_grad
-        grad_mask, grad_bias = (ds.view(*batch, *ds.shape[1:]).sum_to_size(t.shape).mul(ks)
+        # the terms' gradient is the sum's; the scores' goes through the cap: d(c tanh(s / c)) = (1 - tanh^2) ds
+        dterms = ds.to(q3.dtype) if need[3] or need[10] else None
+        if tanh is not None:
+            ds = tanh.square_().neg_().add_(1).mul_(ds)
+        ds = ds.to(q3.dtype)
+        grad_q = torch.bmm(ds, k3).mul_(scale * ks) if need[0] else None
+        grad_k = torch.bmm(ds.transpose(1, 2), q3).mul_(scale * ks) if need[1] else None
+        grad_mask, grad_bias = (dterms.view(*batch, *ds.shape[1:]).sum_to_size(t.shape).mul(ks)
                                 if wanted and t is not None and t.dtype != torch.bool else None
-                                for t, wanted in ((mask, need[3]), (bias, len(need) > 10 and need[10])))
+                                for t, wanted in ((mask, need[3]), (bias, need[10])))
         shaped = [None if g is None else g.view(*batch, *g.shape[1:]) for g in (grad_q, grad_k, grad_v)]
         return (*(_unbroadcast(g, t) for g, t in zip(shaped, (q, k, v))), grad_mask, None, None, None, None, None,
-                None, grad_bias)
+                None, grad_bias, None)
 
 
 def _keep_scale(p: float) -> float:
@@ -236,7 +272,7 @@ def _fused_kernel_layout(query, key, value):
 
 
 def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, offset,
-                  return_probs=False, fp32_softmax=False, bias=None):
+                  return_probs=False, fp32_softmax=False, bias=None, softcap=None):
     if is_causal:
         if attn_mask is not None:
             raise ValueError("attn_mask and is_causal=True cannot both be given (as in scaled_dot_product_attention)")
@@ -249,20 +285,21 @@ def _counter_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
     _check_qkv(query, key, value, attn_mask, bias)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    if bias is not None and dropout_p == 0.0 and not return_probs:  # SDPA takes one mask: the sum, in that order
+    own = dropout_p > 0.0 or return_probs or softcap is not None  # else SDPA's kernels, which have no cap
+    if bias is not None and not own:  # SDPA takes one mask: the sum, in that order
         attn_mask = bias if attn_mask is None else _additive(attn_mask, query) + _additive(bias, query)
         bias = None
-    if dropout_p == 0.0 and not return_probs:
+    if not own:
         if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
             # as autocast casts it for SDPA: torch < 2.9 (and some GPU kernels) refuse a float mask of another dtype
             attn_mask = attn_mask.to(query.dtype)
         query, key, value = _fused_kernel_layout(query, key, value)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
     batch = _broadcast(query.shape[:-2], key.shape[:-2])
-    if math.prod(batch) * query.shape[-2] * key.shape[-2] > rng.MAX_NUMEL:
+    if dropout_p > 0.0 and math.prod(batch) * query.shape[-2] * key.shape[-2] > rng.MAX_NUMEL:
         raise ValueError("the attention matrix has more than 2**32 elements; split the batch")
     out = AttentionDropoutFunction.apply(query, key, value, attn_mask, scale, float(dropout_p), seed, offset,
-                                         return_probs, fp32_softmax, *([bias] if bias is not None else []))
+                                         return_probs, fp32_softmax, bias, softcap)
     out, probs = out if return_probs else (out, None)
     out = out.view(*_broadcast(query.shape[:-2], key.shape[:-2], value.shape[:-2]), *out.shape[1:])
     return out if probs is None else (out, probs.view(*batch, *probs.shape[1:]))
@@ -285,11 +322,14 @@ class FusedAttention(CounterRNG, nn.Module):
     backward takes the softmax's gradient in fp32, as for Llama-style ``softmax(..., dtype=torch.float32)
     .to(q.dtype)`` code under autograd. ``mask_added=True``: the op stands for eager code computing ``scores + mask``,
     where a bool mask is a number (True adds 1, False 0; a BERT given a 4-d bool mask), not SDPA's keep / discard.
+    ``softcap=c``: the scaled scores are capped to ``c * tanh(s / c)`` before the mask and bias are added (Gemma 2's
+    ``attn_logit_softcapping``); always the explicit path (SDPA has no cap), which recomputes the ``tanh`` in
+    backward and so keeps nothing T x T for it.
     """
 
     def __init__(self, scale: float | None = None, dropout_p: float = 0.0, *, seed: int | None = None,
                  return_probs: bool = False, is_causal: bool = False, enable_gqa: bool = False,
-                 fp32_softmax: bool = False, mask_added: bool = False):
+                 fp32_softmax: bool = False, mask_added: bool = False, softcap: float | None = None):
         super().__init__()
         self.scale = None if scale is None else float(check_positive("scale", scale))
         self.dropout_p = float(check_range("dropout_p", dropout_p, 0.0, 1.0))
@@ -298,11 +338,13 @@ class FusedAttention(CounterRNG, nn.Module):
         self.enable_gqa = check_type("enable_gqa", enable_gqa, bool)  # as SDPA's: k/v heads repeated per group
         self.fp32_softmax = check_type("fp32_softmax", fp32_softmax, bool)
         self.mask_added = check_type("mask_added", mask_added, bool)
+        self.softcap = None if softcap is None else float(check_positive("softcap", softcap))
         self._init_rng(seed)
 
     @classmethod
     def from_modules(cls, dropout: nn.Module | None = None, *, scale: float | None = None,
-                     seed: int | None = None, return_probs: bool = False) -> FusedAttention:
+                     seed: int | None = None, return_probs: bool = False,
+                     softcap: float | None = None) -> FusedAttention:
         """The core of a hand-written attention whose probabilities go through ``dropout`` (or none)."""
         from opsnn_lab.ops.dropout import Dropout
 
@@ -311,7 +353,7 @@ class FusedAttention(CounterRNG, nn.Module):
         p = 0.0 if dropout is None else float(dropout.p)
         if seed is None and isinstance(dropout, Dropout):
             seed = dropout.rng_seed
-        module = cls(scale, p, seed=seed, return_probs=return_probs)
+        module = cls(scale, p, seed=seed, return_probs=return_probs, softcap=softcap)
         return module.train(True if dropout is None else dropout.training)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -329,7 +371,7 @@ class FusedAttention(CounterRNG, nn.Module):
                 p = self.dropout_p
             return _counter_sdpa(q, k, v, mask, p, self.is_causal, self.scale, self.enable_gqa, seed, offset,
                                  return_probs=self.return_probs, fp32_softmax=self.__dict__.get("fp32_softmax", False),
-                                 bias=bias)
+                                 bias=bias, softcap=self.__dict__.get("softcap"))
 
     def as_sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
@@ -347,4 +389,5 @@ class FusedAttention(CounterRNG, nn.Module):
     def extra_repr(self) -> str:
         flags = "".join(f", {k}=True" for k in ("return_probs", "is_causal", "enable_gqa", "fp32_softmax", "mask_added")
                         if getattr(self, k, False))
-        return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}{flags}"
+        cap = f", softcap={self.softcap}" if getattr(self, "softcap", None) is not None else ""
+        return f"scale={self.scale}, dropout_p={self.dropout_p}, seed={self.rng_seed}{flags}{cap}"
