@@ -4,6 +4,7 @@ patterns.py."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -171,11 +172,12 @@ def _sdpa_at(g: Graph, n: Node) -> Match | None:
     return m
 
 
-def _reaches_scores(g: Graph, n: Node, depth: int = 3) -> bool:
-    """``n`` is ``q @ k^T``, or a scaling of it, or an add onto it, within ``depth`` steps."""
+def _reaches_scores(g: Graph, n: Node, depth: int = 6) -> bool:
+    """``n`` is ``q @ k^T``, or a scaling of it, a cap (``c * tanh(s / c)``) or an add onto it, within ``depth``
+    steps."""
     if n.op == "matmul":
         return True
-    if depth == 0 or len(n.inputs) not in (1, 2) or n.op not in ("mul", "div", "add"):
+    if depth == 0 or len(n.inputs) not in (1, 2) or n.op not in ("mul", "div", "add", "tanh"):
         return False
     if n.op != "add" and len(n.inputs) != 1:  # a product of two tensors is no scaling
         return False
@@ -188,8 +190,36 @@ def _scores_side(g: Graph, a: Node, b: Node) -> tuple[Node, Node] | None:
     return next(((s, t) for s, t in ((a, b), (b, a)) if _reaches_scores(g, s)), None)
 
 
+def _constant(n: Node) -> float | None:
+    """The number a one-tensor ``mul`` / ``div`` scales by (``s * c``, ``c * s``, ``s / c``: ``1 / c``); None
+    where it is no plain number."""
+    c = next((a for a in n.args[:2] if not isinstance(a, Ref)), None)
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or (n.op == "div" and not isinstance(n.args[0], Ref)):
+        return None
+    return float(c) if n.op == "mul" else 1.0 / float(c) if c else None
+
+
+def _cap_at(g: Graph, x: Node | None) -> tuple[list[Node], float | str] | None:
+    """``([div, tanh, mul], c)`` where ``x`` is ``c * tanh(s / c)`` (Gemma 2's soft cap of the scores; the
+    division may be a product by ``1 / c``), ``(nodes, why)`` where it is a tanh between the scores and the
+    softmax in another form, None where ``x`` is no ``tanh`` product."""
+    if x is None or x.op != "mul" or len(x.inputs) != 1:
+        return None
+    t = g.producer(x)
+    if t is None or t.op != "tanh" or len(t.inputs) != 1:
+        return None
+    d = g.producer(t)
+    outer = _constant(x)
+    inner = _constant(d) if d is not None and d.op in ("mul", "div") and len(d.inputs) == 1 else None
+    nodes = [n for n in (d, t, x) if n is not None]
+    if outer is None or inner is None or outer <= 0 or not math.isclose(outer * inner, 1.0, rel_tol=1e-6):
+        return nodes, (f"the scores go through `{t.label}` but not as c * tanh(s / c) with one constant c (the fused "
+                       "core's soft cap)")
+    return nodes, outer
+
+
 def _attention_at(g: Graph, sm: Node) -> Match | None:
-    chain, terms, scale = [sm], [], 1.0
+    chain, terms, scale, cap = [sm], [], 1.0, None
     x = g.producer(sm)
     while x is not None and x.op == "add" and len(x.inputs) == 2 and len(terms) < 2:
         sides = _scores_side(g, *(g[i] for i in x.inputs))
@@ -198,6 +228,10 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
         chain.insert(0, x)
         terms.insert(0, sides[1])
         x = sides[0]
+    if (capped := _cap_at(g, x)) is not None:
+        nodes, cap = capped
+        chain[:0] = nodes
+        x = g.producer(nodes[0])
     scaled = x is not None and x.op in ("mul", "div") and len(x.inputs) == 1
     if scaled and (x.op == "mul" or isinstance(x.args[0], Ref)):
         c = next((a for a in x.args[:2] if not isinstance(a, Ref)), None)  # 0.125 * s or s * 0.125
@@ -212,6 +246,9 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     chain.insert(0, x)
     q, kt = g[x.inputs[0]], g[x.inputs[1]]
     m = Match("attention", chain, False, "", outputs=[])
+    if isinstance(cap, str):
+        m.reason = cap
+        return m
     dim = sm.obj.dim if sm.obj is not None else arg(sm, 1, "dim", None)
     if dim not in (-1, None if sm.shape is None else len(sm.shape) - 1):
         m.reason = f"softmax over dim {dim}, not the last one"
@@ -253,6 +290,8 @@ def _attention_at(g: Graph, sm: Node) -> Match | None:
     m.inputs = [q.name, kt.inputs[0], pv.inputs[1]] + [t.name for t in terms]  # mask, then a second term: bias
     m.outputs = [pv]
     m.params = {"scale": scale, "dropout_p": p, **m.params}
+    if cap is not None:
+        m.params["softcap"] = cap
     if sm.kwargs.get("dtype") is torch.float32:  # softmax(..., dtype=torch.float32): the op keeps that precision
         m.params["fp32_softmax"] = True
     if returned:
@@ -314,4 +353,5 @@ def build_attention(m: Match) -> nn.Module:
                                       is_causal=m.params.get("is_causal", False),
                                       enable_gqa=m.params.get("enable_gqa", False),
                                       fp32_softmax=m.params.get("fp32_softmax", False),
-                                      mask_added=m.params.get("mask_added", False))
+                                      mask_added=m.params.get("mask_added", False),
+                                      softcap=m.params.get("softcap"))

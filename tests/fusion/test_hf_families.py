@@ -76,7 +76,8 @@ FAMILIES = {
 }
 
 
-DTYPE = {"mixtral": torch.float32}  # its experts' grouped GEMM has no float64 kernel
+DTYPE = {"mixtral": torch.float32,  # its experts' grouped GEMM has no float64 kernel
+         "gemma2": torch.float32}  # its attention's fp32 softmax (a float64 model's is not fused)
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.float32: dict(rtol=1e-4, atol=1e-5)}
 
 
