@@ -193,6 +193,27 @@ def _t5_attention_chain(s, device, dtype):
                  note="+ position bias, + causal mask")
 
 
+def _softcap_attention_chain(s, device, dtype):
+    """Gemma 2's eager attention core: the scaled scores capped to ``50 * tanh(s / 50)`` before the causal mask, the
+    softmax in fp32 and cast back, dropout (``FusedAttention(softcap=50)``: the tanh recomputed in backward)."""
+    from opsnn_lab import ops
+
+    b, t, h = s["batch"], s["tokens"], s["heads"]
+    d = s["hidden"] // h
+    q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    causal = torch.full((t, t), torch.finfo(dtype).min, device=device, dtype=dtype).triu(1)[None, None]
+    drop, scale, cap = nn.Dropout(s["p"]), 1.0 / math.sqrt(d), 50.0
+
+    def eager(q, k, v):
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap + causal
+        probs = drop(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype))
+        return torch.matmul(probs, v)
+
+    att = ops.FusedAttention(scale, s["p"], softcap=cap, fp32_softmax=True)
+    return Chain("attention[softcap]", eager, lambda q, k, v: att(q, k, v, causal), (q, k, v),
+                 note="Gemma 2: 50 tanh(s / 50), + causal mask")
+
+
 def _encoder_chain(s, device, dtype):
     from opsnn_lab.models import EncoderConfig, EncoderLayer
 
@@ -204,7 +225,8 @@ def _encoder_chain(s, device, dtype):
     return Chain("encoder_layer", layer, fused, (x,), note="QKV+attention+MLP+dropouts fused by hand")
 
 
-CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "attention[t5]", "encoder_layer",
+CHAINS = ("mlp", "linear_gelu_dropout", "conv_bn_relu_maxpool", "qkv", "attention", "attention[t5]",
+          "attention[softcap]", "encoder_layer",
           *CONV_CHAINS,
           *NORM_CHAINS, *chains_mlp.CHAINS)  # the order build_chains() produces them in
 
@@ -239,6 +261,7 @@ def build_chains(shapes: dict, device="cpu", dtype=torch.float32, only: list[str
         stem, why = _stem_chain(shapes, device, dtype)
         chains.append(stem) if stem is not None else skipped.append(why)
     builders = {"qkv": _qkv_chain, "attention": _attention_chain, "attention[t5]": _t5_attention_chain,
+                "attention[softcap]": _softcap_attention_chain,
                 "encoder_layer": _encoder_chain, **CONV_BUILDERS, **NORM_BUILDERS}
     chains += [build(shapes, device, dtype) for name, build in builders.items() if name in wanted]
     chains += chains_mlp.build_chains(shapes, device, dtype, wanted)
