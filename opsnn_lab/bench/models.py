@@ -9,6 +9,9 @@ Hugging Face configs, sized per device:
 * ``llama``: ``LlamaForCausalLM``, vocabulary 32000, GQA; the fused side is the fused model with the fused
   head + loss (``ol.ops.lm_head_loss``). GPU: hidden 1024, intermediate 2816, 4 layers, 16/8 heads, 8 x 512
   tokens; CPU: hidden 512, intermediate 1376, 4 layers, 8/4 heads, 2 x 256 tokens;
+* ``gemma2``: ``Gemma2ForCausalLM`` at the Llama row's sizes (head width 64), its attention scores capped by
+  ``50 tanh(s / 50)`` and its logits by ``30 tanh(l / 30)`` (eager attention: Gemma 2 has no SDPA path); the fused
+  side takes the fused head + loss with the cap (``ol.ops.lm_head_loss`` reads it from the config);
 * ``bert``: ``BertForMaskedLM`` at BERT-base shapes (12 layers, 768 hidden): GPU 16 x 128 tokens, CPU 4 x 128;
 * ``mobilenet_v2`` and ``efficientnet`` (B0 widths): GPU 32 x 224 x 224 images, CPU 8 x 160 x 160.
 
@@ -39,7 +42,7 @@ from opsnn_lab.measuring import activation_bytes
 __all__ = ["main", "model_rows", "model_arguments", "parse_model_arguments", "training_steps", "each_model", "MODELS",
            "SIZES"]
 
-MODELS = ("llama", "bert", "mobilenet_v2", "efficientnet")
+MODELS = ("llama", "gemma2", "bert", "mobilenet_v2", "efficientnet")
 # per device kind: Llama (hidden, intermediate, heads, kv heads, batch, tokens), BERT-base batch, image batch and side
 SIZES = {"cuda": {"llama": (1024, 2816, 16, 8, 8, 512), "bert": 16, "images": (32, 224)},
          "cpu": {"llama": (512, 1376, 8, 4, 2, 256), "bert": 4, "images": (8, 160)}}
@@ -58,6 +61,14 @@ def _model(name: str, device_type: str):
                             max_position_embeddings=seq, bos_token_id=0, eos_token_id=0, pad_token_id=0)
         ids = torch.randint(1, cfg.vocab_size, (batch, seq), generator=gen)
         return T.LlamaForCausalLM(cfg), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    if name == "gemma2":
+        hidden, inter, heads, kv, batch, seq = size["llama"]
+        cfg = T.Gemma2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=4,
+                             num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
+                             query_pre_attn_scalar=hidden // heads, vocab_size=32000, max_position_embeddings=seq,
+                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        ids = torch.randint(1, cfg.vocab_size, (batch, seq), generator=gen)
+        return T.Gemma2ForCausalLM(cfg), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     if name == "bert":
         from opsnn_lab.demos import zoo
 

@@ -72,6 +72,12 @@ def _hf(name, size, dropout, batch, seq):
                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
         cfg = _dropouts(cfg, ("attention_dropout",), dropout)
         return T.LlamaForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
+    if name == "gemma2":  # scores capped by 50 tanh(s / 50) before the mask (eager attention), logits by 30 tanh
+        cfg = T.Gemma2Config(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, intermediate_size=64, query_pre_attn_scalar=8,
+                             max_position_embeddings=40, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cfg = _dropouts(cfg, ("attention_dropout",), dropout)
+        return T.Gemma2ForCausalLM(cfg), _text_inputs(cfg.vocab_size, batch, seq, labels=True)
     if name == "mixtral":  # a mixture of experts (4, top 2), run by transformers' grouped-GEMM experts forward
         cfg = T.MixtralConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, intermediate_size=64, max_position_embeddings=40,
@@ -128,8 +134,8 @@ def _embedded(name, size, dropout, batch, seq):
     return ResNet(ResNetConfig()), (_images(batch)["pixel_values"],)
 
 
-MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "mixtral": _hf, "phi3": _hf, "falcon": _hf,
-          "bloom": _hf, "t5": _hf, "resnet": _hf,
+MODELS = {"bert": _hf, "roberta": _hf, "gpt2": _hf, "llama": _hf, "gemma2": _hf, "mixtral": _hf, "phi3": _hf,
+          "falcon": _hf, "bloom": _hf, "t5": _hf, "resnet": _hf,
           "efficientnet": _hf, "mobilenet_v2": _hf, "convnext": _hf, "encoder": _embedded, "cnn": _embedded}
 
 # What each architecture has, per pattern: {pattern: (fused, rejected)} with the ops as they are today

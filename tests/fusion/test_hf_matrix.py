@@ -32,6 +32,10 @@ CANDIDATES = {
     "llama": {"gated_mlp_silu": 2, "linear_silu": 2, "gated_product_silu": 2,
               "qkv": 2,  # GQA: k/v narrower than q
               "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
+    # eager attention whose scores are capped by 50 tanh(s / 50) (since 2026-12-07: FusedAttention(softcap=50)); four
+    # RMSNorms a layer, two of them after a residual add
+    "gemma2": {"gated_mlp_gelu_tanh": 2, "linear_gelu_tanh": 2, "gated_product_gelu_tanh": 2, "attention": 2,
+               "qkv": 2, "add_rms_norm": 4, "rms_norm": 9, "linear_cross_entropy": 1},
     # the experts run transformers' grouped-GEMM forward (traced: wrappers.handed_to); a gated product each layer
     "mixtral": {"gated_product_silu": 2, "qkv": 2, "add_rms_norm": 4, "rms_norm": 5, "linear_cross_entropy": 1},
     "phi3": {"gated_mlp_silu": 2,  # gate_up_proj: one Linear split by chunk; qkv_proj is one GEMM already
