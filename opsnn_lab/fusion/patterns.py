@@ -320,8 +320,8 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("dropout_linear", blocks.find_dropout_linears, blocks.build_dropout_linear, "FusedDropoutLinear",
             "Dropout -> Linear (LoRA's lora_A(lora_dropout(x)), a head after its dropout)"),
     Pattern("attention", find_attention, build_attention, "FusedAttention",
-            "softmax(q @ k^T * scale + mask) -> dropout -> @ v", needs=_ATTENTION_NEEDS, never_worse=True,
-            keeps_rank=False),
+            "softmax(q @ k^T * scale [capped: c tanh(s / c)] + mask [+ bias]) -> dropout -> @ v",
+            needs=_ATTENTION_NEEDS, never_worse=True, keeps_rank=False),
     Pattern("qkv", find_qkv, build_qkv, "FusedQKV", "three sibling Linear layers reading one tensor"),
     # the residual add before a norm first: when it cannot be rewritten, the norm alone still fuses
     Pattern("add_layer_norm", _only(blocks.find_add_norms, "add_layer_norm"), blocks.build_norm, "FusedAddLayerNorm",
