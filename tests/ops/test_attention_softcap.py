@@ -40,7 +40,7 @@ def _inputs(b=2, h=3, tq=7, tk=7, d=5, dtype=torch.float64, scale=4.0):
 
 def _fwd_bwd(fn, tensors):
     out = fn(*tensors)
-    g = seeded(*out.shape, seed=99, dtype=out.dtype)
+    g = seeded(*out.shape, seed=99, dtype=out.dtype, device=out.device)
     leaves = [t for t in tensors if t is not None and t.requires_grad]
     return out.detach(), torch.autograd.grad(out, leaves, g)
 
@@ -135,3 +135,20 @@ def test_bad_softcap_is_refused_by_name_and_shown():
     assert "softcap" not in repr(FusedAttention())
     drop = torch.nn.Dropout(0.1)
     assert FusedAttention.from_modules(drop, softcap=30.0).softcap == 30.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_capped_core_within_twice_eager_error(dtype):
+    # the GPU's own path (its counter dropout pass, cuBLAS): against float64 on the CPU, no worse than twice
+    # eager's error in the same dtype on the GPU
+    q64, k64, v64, m64 = _inputs(b=4, h=8, tq=128, tk=128, d=64)
+    m64 = m64.clamp(min=-1e4)
+    ref = _fwd_bwd(lambda *a: _eager(*a, cap=2.0), (q64, k64, v64, m64))
+    q, k, v = (t.detach().cuda().to(dtype).requires_grad_(True) for t in (q64, k64, v64))
+    mask = m64.cuda().to(dtype)
+    eager = _fwd_bwd(lambda *a: _eager(*a, cap=2.0, fp32_softmax=True), (q, k, v, mask))
+    fused = _fwd_bwd(FusedAttention(softcap=2.0, fp32_softmax=True), (q, k, v, mask))
+    for i, (f, e, r) in enumerate(zip((fused[0], *fused[1]), (eager[0], *eager[1]), (ref[0], *ref[1]))):
+        assert_within_eager_error(f.cpu(), e.cpu(), r, name=f"tensor {i}")
