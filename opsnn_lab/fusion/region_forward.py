@@ -9,6 +9,7 @@ original forward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 import warnings
@@ -75,7 +76,7 @@ class FxForward(Patch):
         self.recorded = {k: [host, *self._modules_now(k, self.inlined[k])] for k in variants}
         self.settings = {k: settings(self.recorded[k], slot_ops(gm)) for k, gm in variants.items()}
         # traced without the forward's wrapper (fusion.wrappers): with gradient checkpointing on, the wrapper
-        # checkpoints (Hugging Face's layers), so the original runs
+        # checkpoints (Hugging Face's layers), and so does this forward (``_checkpoint``)
         self.unwrapped = any(gm.meta.get("unwrapped") for gm in variants.values())
         # a guard comes after a draw (specialise.check_guards): the generators' state is kept at each call and put
         # back before the original forward runs on a miss, so it draws what eager draws
@@ -133,22 +134,25 @@ class FxForward(Patch):
         if not route or keys is None:
             return None
         concrete = concrete_args(self.host, (args, kwargs))
+        facts = {**tensor_facts(self.host, (args, kwargs)), **object_facts(self.host, (args, kwargs))}
         key = tuple(sorted(concrete.items()))
+        if not facts_hold(self.facts.get(self.host.training, {}), bind_call(self.host, (args, kwargs)).arguments):
+            key = (*key, ("facts", repr(sorted(facts.items()))))  # the same values, objects of other classes
         alternates = self.__dict__.setdefault("alternates", {})
         if key not in alternates:
             if len(alternates) >= self.MAX_ALTERNATES:
                 return None
-            alternates[key] = self._trace_alternate(concrete, args, kwargs, len(alternates))
+            alternates[key] = self._trace_alternate(concrete, facts, args, kwargs, len(alternates))
         return alternates[key]
 
-    def _trace_alternate(self, concrete: dict, args, kwargs, n: int) -> FxForward | None:
+    def _trace_alternate(self, concrete: dict, facts: dict, args, kwargs, n: int) -> FxForward | None:
+        """``facts``: the call's tensor ranks, and the classes of its objects (a cache where the example had None),
+        as the analysis gives its first trace (regions._first_trace)."""
         given = bind_call(self.host, (args, kwargs)).arguments
         differs = ", ".join(f"`{k}` {v!r} -> {concrete[k]!r}" if k in concrete else
                             f"`{k}` {v!r} -> a {type(given.get(k)).__name__}"
-                            for k, v in self.concrete.items() if concrete.get(k, _MISSING) != v)
-        # the call's tensor ranks, and the classes of its objects (a cache where the example had None), as the
-        # analysis gives its first trace (regions._first_trace)
-        facts = {**tensor_facts(self.host, (args, kwargs)), **object_facts(self.host, (args, kwargs))}
+                            for k, v in self.concrete.items() if concrete.get(k, _MISSING) != v) or \
+            "objects of other classes or tensors of other ranks"
         route = {**self.route, "concrete": concrete, "tensors": facts, "answers": None}
         example = dict(given)
         try:
@@ -205,7 +209,8 @@ class FxForward(Patch):
             routes[key] = [(source, name, p.kind) for source, (name, p) in zip(by_name, traced)]
         return routes[key]
 
-    def __call__(self, *args, **kwargs):
+    def _prepared(self):
+        """``(traced code, the modules it runs inline)`` for a call now, the code None where the original must run."""
         gm = self.variants.get(self.host.training)
         key = self.host.training
         # a hook on a module the code runs inline, a module replaced, a setting the code holds as a constant changed
@@ -217,17 +222,40 @@ class FxForward(Patch):
         if not self.host.training and not torch.is_grad_enabled() or own_code():
             gm = None  # inference: nothing is saved for a backward, and the original may take a fast path (export, a
             # torch.func transform: the model's own code, patch.own_code)
-        if self.unwrapped and getattr(self.host, "gradient_checkpointing", False):
-            gm = None
+        return gm, modules
+
+    def __call__(self, *args, **kwargs):
+        gm, modules = self._prepared()
+        if gm is not None and self.unwrapped and getattr(self.host, "gradient_checkpointing", False) \
+                and self.host.training and torch.is_grad_enabled():
+            # the layer's wrapper would checkpoint it (Hugging Face's gradient_checkpointing_enable): the traced
+            # code runs under that checkpoint, so the layer keeps nothing past its forward, fused or not, and its
+            # recompute in backward runs the fused ops (and replays their dropout draws: CounterRNG.next_draw)
+            checkpoint = _checkpoint(self.host, kwargs)
+            if checkpoint is not None:
+                return checkpoint(functools.partial(self._run, gm, modules, True, **kwargs), *args)
+            gm = None  # the original: its wrapper checkpoints it
+        return self._run(gm, modules, False, *args, **kwargs)
+
+    def _run(self, gm, modules, inner: bool, /, *args, **kwargs):
+        """The traced code ``gm`` on a call (None: the original forward). ``inner``: inside the checkpoint this
+        forward runs under, where the original runs without its wrapper (which would checkpoint it again)."""
+        key = self.host.training
+        original = functools.partial(inspect.unwrap(type(self.host).forward) if inner else type(self.host).forward,
+                                     self.host)
         bound = None if gm is None else bind_call(self.host, (args, kwargs))
-        if bound is not None and not self._traced_for(bound):  # other plain arguments: the code traced for them
+        if bound is None:
+            return original(*args, **kwargs)
+        # other plain arguments, or an object of another class (None where the example had a cache: use_cache=False,
+        # as training and gradient checkpointing set it) or a tensor of another rank: the code traced for them
+        if not self._traced_for(bound) or not facts_hold(self.facts.get(key, {}), bound.arguments):
             alt = self._alternate(args, kwargs)
-            return alt(*args, **kwargs) if alt is not None else type(self.host).forward(self.host, *args, **kwargs)
-        if bound is None or not facts_hold(self.facts.get(key, {}), bound.arguments):
-            return type(self.host).forward(self.host, *args, **kwargs)  # no fit, or a tensor of another rank
+            if alt is None:
+                return original(*args, **kwargs)
+            return alt._run(*alt._prepared(), True, *args, **kwargs) if inner else alt(*args, **kwargs)
         pos, kw = _arguments(self._routes(gm), bound.arguments)
         if pos is None:
-            return type(self.host).forward(self.host, *args, **kwargs)
+            return original(*args, **kwargs)
         for slot, own in self.modal_slots.get(key, ((), ()))[1]:
             slot.training = modules[own[0]].training  # its op runs in its modules' mode (FusedSlot.forward)
         put_back = draw_state(self._streams(), flatten_tensors((args, kwargs))) \
@@ -237,11 +265,25 @@ class FxForward(Patch):
         except SpecialisationMiss:  # sizes the traced code branched on differ here; what ran before can run again
             if put_back is not None:  # and draw again what it drew
                 put_back()
-            return type(self.host).forward(self.host, *args, **kwargs)
+            return original(*args, **kwargs)
         kind = self.output_types.get(self.host.training)
         if kind is not None and type(out) is dict:
             out = kind(**out) if dataclasses.is_dataclass(kind) else kind(out)
         return out
+
+
+def _checkpoint(host: nn.Module, kwargs: dict):
+    """The checkpoint function a layer's forward wrapper would run the layer under (Hugging Face's
+    ``_gradient_checkpointing_func``, set by ``gradient_checkpointing_enable``), for the rewritten forward to run
+    under the same; None where the wrapper would change the call first (a cache it drops under checkpointing):
+    then the original runs, wrapper included."""
+    func = host.__dict__.get("_gradient_checkpointing_func")
+    if not callable(func):
+        return None
+    if kwargs.get("use_cache") or (not getattr(host, "_can_checkpoint_with_cache", False) and any(
+            kwargs.get(k) is not None for k in ("cache", "layer_past"))):
+        return None
+    return func
 
 
 def _arguments(routes, given: dict) -> tuple[list | None, dict]:

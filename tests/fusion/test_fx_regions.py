@@ -446,7 +446,7 @@ class HoldsTakesKwargs(nn.Module):
         return self.block(x, **kwargs)["out"]
 
 
-def test_an_empty_kwargs_is_traced_as_empty_and_a_call_with_keywords_runs_the_original():
+def test_an_empty_kwargs_is_traced_as_empty_and_a_call_with_keywords_runs_code_traced_for_them():
     model, x, fused, region = _fused_block(HoldsTakesKwargs)
     assert region["tensors"]["kwargs"] == {"empty": True}
     forward = fused.block.__dict__["forward"]
@@ -455,8 +455,9 @@ def test_an_empty_kwargs_is_traced_as_empty_and_a_call_with_keywords_runs_the_or
     out = fused.block(x)
     assert type(out) is Out and out["rank"] == 3 and calls == [1]  # the traced code, its output class kept
     torch.testing.assert_close(out["out"], model.block(x)["out"], rtol=1e-12, atol=1e-12)
-    got, want = fused(x, scale=3.0), model(x, scale=3.0)  # keywords: the original forward
-    assert calls == [1] and forward.facts[True]["kwargs"] == {"empty": True}
+    got, want = fused(x, scale=3.0), model(x, scale=3.0)  # keywords: an alternate traced for them, fused too
+    assert calls == [1, 1] and forward.facts[True]["kwargs"] == {"empty": True}
+    assert len(forward.alternates) == 1
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     (g_want,) = torch.autograd.grad(want.square().sum(), x)
     (g_got,) = torch.autograd.grad(got.square().sum(), x)
@@ -477,17 +478,18 @@ class HoldsScaledKwargs(HoldsTakesKwargs):
         return self.block(x, scale=self.scale)["out"]
 
 
-def test_a_kwargs_of_plain_values_is_traced_as_constants_and_another_value_runs_the_original():
+def test_a_kwargs_of_plain_values_is_traced_as_constants_and_another_value_runs_code_traced_for_it():
     model, x, fused, region = _fused_block(HoldsScaledKwargs)
     assert region["tensors"]["kwargs"] == {"constant": {"scale": 2.0}}
     calls = []
     fused.block.fused_linear_gelu_dropout_linear_0.register_forward_hook(lambda *_: calls.append(1))
-    for scale, traced in ((2.0, True), (3.0, False), (2, False)):  # 2 (an int) is not the traced float
+    for scale in (2.0, 3.0, 2):  # 2 (an int) is not the traced float: each value its own code, fused
         model.scale = fused.scale = scale
         calls.clear()
         got, want = fused(x), model(x)
-        assert calls == ([1] if traced else []), scale
+        assert calls == [1], scale
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert len(fused.block.__dict__["forward"].alternates) == 2
     again = ol.fusion.apply(model, ol.fusion.analyze(model.train(), (x,)))  # from the plan's facts, JSON-safe
     torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
 
@@ -517,16 +519,16 @@ class HoldsTensorKwargs(nn.Module):
         return self.block(x, scale=2.0, shift=self.shift * 1.0, **self.extra)["out"]
 
 
-def test_a_kwargs_holding_tensors_is_read_from_the_call_and_other_keys_run_the_original():
+def test_a_kwargs_holding_tensors_is_read_from_the_call_and_other_keys_run_code_traced_for_them():
     model, x, fused, region = _fused_block(HoldsTensorKwargs)
     assert region["tensors"]["kwargs"] == {"constant": {"scale": 2.0}, "tensors": ["shift"]}
     calls = []
     hook = fused.block.fused_linear_gelu_dropout_linear_0.register_forward_hook(lambda *_: calls.append(1))
-    for extra, traced in (({}, True), ({"flag": True}, False)):
+    for extra in ({}, {"flag": True}):  # another key: an alternate traced for it, fused too
         model.extra = fused.extra = extra
         calls.clear()
         got, want = fused(x), model(x)
-        assert calls == ([1] if traced else []), extra
+        assert calls == [1], extra
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         g_want = torch.autograd.grad(want.sin().sum(), (x, model.shift))
         g_got = torch.autograd.grad(got.sin().sum(), (x, fused.shift))
