@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._checks import check_type
+from opsnn_lab.fusion import checkpointing
 from opsnn_lab.fusion.cost import CostModel
 from opsnn_lab.fusion.instance import instance_state, restore_instance_state
 from opsnn_lab.fusion.match import NORM_ACTS
@@ -79,6 +80,7 @@ class Analysis:
 
     def __init__(self, model: nn.Module, trace: RuntimeTrace, name: str, forwards: int = 1):
         self.model, self.trace, self.name = model, trace, name
+        self.checkpointed: tuple[str, ...] = ()  # modules with gradient checkpointing on (checkpointing.py)
         where = "the analysis forward" if forwards == 1 else f"any of the {forwards} analysis forwards"
         # modules holding parameters of which nothing ran: no candidate of theirs was seen; they run as they are
         self.not_analysed = {p or "<model>": f"not called in {where} (skipped by layerdrop or a branch): not analysed, "
@@ -260,8 +262,11 @@ class Analysis:
                 break
             worse.update(declined)
             decisions = self._settle(patterns, rewritable, why_not, worse)
-        total = sum(dict((k, b) for _, k, b in self.trace.saved).values())
-        together = total - self.cost.fused_total([(d.key, tuple(d.nodes)) for d in decisions if d.fused])
+        dropped = checkpointing.inside(self.trace.graph, self.checkpointed)
+        sites = [(d.key, tuple(d.nodes)) for d in decisions if d.fused and not dropped.keys() & set(d.nodes)]
+        total = self.cost.fused_total([], frozenset(dropped))  # what a step keeps: a checkpointed layer nothing
+        together = total - self.cost.fused_total(sites, frozenset(dropped))
+        checkpointing.settle(decisions, dropped)
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
                           graph=graph_data(self.trace), saved_together=together,
                           not_analysed=dict(self.not_analysed), _analysis=self)
@@ -490,23 +495,26 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
 
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
 
-    try:
-        with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs), \
-                library_hooks(model):
-            model.train()
-            trace, forwards = _record(model, args, kwargs, devices, restore)
-            analysis = Analysis(model, trace, type(model).__name__, forwards)
-    finally:
-        for m, flag in flags.items():
-            m.training = flag
-        put_back()
-    # ops are built (and some validated) as the chains' own dtypes run them; a region's size questions run its
-    # code on the example, which moves buffers too (a spectral norm's power iteration): restored again
-    try:
-        with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs):
-            plan = analysis.plan(patterns)
-    finally:
-        put_back()
+    # with gradient checkpointing on, the layers' activations as their forward (and recompute) computes them
+    with checkpointing.suspended(model) as checkpointed:
+        try:
+            with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs), \
+                    library_hooks(model):
+                model.train()
+                trace, forwards = _record(model, args, kwargs, devices, restore)
+                analysis = Analysis(model, trace, type(model).__name__, forwards)
+                analysis.checkpointed = checkpointed
+        finally:
+            for m, flag in flags.items():
+                m.training = flag
+            put_back()
+        # ops are built (and some validated) as the chains' own dtypes run them; a region's size questions run its
+        # code on the example, which moves buffers too (a spectral norm's power iteration): restored again
+        try:
+            with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs):
+                plan = analysis.plan(patterns)
+        finally:
+            put_back()
     plan.analysis_seconds = time.perf_counter() - t0
     return plan
 

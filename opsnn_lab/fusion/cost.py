@@ -181,10 +181,11 @@ class CostModel:
             frozenset(n.name for n in m.nodes), ins, self._moved(m, out_storages, layouts), saved, dict(out_storages))
         return costs
 
-    def fused_total(self, sites) -> int:
+    def fused_total(self, sites, dropped=frozenset()) -> int:
         """Activation bytes of the model with the chains at ``sites`` (keys of ``self.sites``) rewritten together:
         the nodes outside them save what they saved, a view of a chain output now viewing the op's output storage;
-        each op saves what it saved when measured, its inputs being the model's (or another op's output)."""
+        each op saves what it saved when measured, its inputs being the model's (or another op's output).
+        ``dropped``: nodes whose saves nothing keeps (inside a checkpointed layer: ``checkpointing``)."""
         recs = [self.sites[s] for s in sites]
         inside = frozenset().union(*(r.nodes for r in recs))
         moved = {}  # eager output storage -> (the op's output storage, its bytes)
@@ -193,7 +194,7 @@ class CostModel:
                 moved[key] = (("op", k, "out", group), r.out_storages[group])
         held: dict = {}
         for node, key, nbytes in self.trace.saved:
-            if node not in inside:
+            if node not in inside and node not in dropped:
                 held.setdefault(*moved.get(key, (key, nbytes)))
         for k, r in enumerate(recs):
             for role, nbytes in r.saved:

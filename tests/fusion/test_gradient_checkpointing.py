@@ -1,0 +1,118 @@
+"""Fusion with Hugging Face's gradient checkpointing on, enabled before ``fuse`` or after it (a Trainer with
+``gradient_checkpointing=True`` enables it when training starts): the fused layers run under the same checkpoint,
+their ops again in backward with the same dropout masks, every gradient is eager's, and the plan's figure is what a
+checkpointed step keeps (a chain inside a checkpointed layer saves nothing across the step, and says so)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import opsnn_lab as ol
+from opsnn_lab.demos import zoo
+from opsnn_lab.measuring import activation_bytes
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' "use_cache=True is incompatible with checkpointing"
+        yield
+
+
+def _ops_called(model, monkeypatch) -> dict:
+    """``{module the op is installed on: calls}`` of the model's fused ops from here on, counted at their classes (a
+    hook on a module a traced region runs would make the region run unfused, as it should for a user's hook)."""
+    from opsnn_lab.fusion.patch import patches
+
+    names = {id(op): name for name, patch in patches(model).items() for op in patch.ops()}
+    calls = {}
+    for cls in {type(op) for patch in patches(model).values() for op in patch.ops()}:
+        def counted(self, *args, _forward=cls.forward, **kwargs):
+            name = names.get(id(self), "?")
+            calls[name] = calls.get(name, 0) + 1
+            return _forward(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "forward", counted)
+    return calls
+
+
+def _steps(models, inputs):
+    out = []
+    for m in models:
+        ol.consistency.make_reproducible(m, seed=5)
+        loss = m(**inputs).loss
+        out.append((loss.detach(), torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)))
+    return out
+
+
+def _same_training(eager, fused, inputs):
+    (loss_a, grads_a), (loss_b, grads_b) = _steps((eager, fused), inputs)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-6)
+    largest = max(float(g.abs().max()) for g in grads_a if g is not None)
+    for (name, _), a, b in zip(eager.named_parameters(), grads_a, grads_b):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * largest, msg=name)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_checkpointing_on_before_fuse_plans_what_a_step_keeps(name, monkeypatch):
+    model, inputs = zoo.build(name, batch=2, seq=16, dropout=0.1)
+    model.train().gradient_checkpointing_enable()
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), inputs)
+    # weighed on what the layers compute (their recompute), not on the nothing a checkpointed trace sees
+    names = {d.pattern for d in plan.fused}
+    assert {"qkv", "add_rms_norm"} <= names and any(n.startswith("gated_mlp") for n in names), plan.summary()
+    inside = [d for d in plan.fused if d.modules[0].startswith("model.layers.")]
+    assert inside and all(d.saved_bytes == 0 and "runs under gradient checkpointing" in d.reason for d in inside)
+    outside = [d for d in plan.fused if not d.modules[0].startswith("model.layers.")]
+    assert outside and all(d.saved_bytes > 0 for d in outside)  # the final norm
+    measured = activation_bytes(lambda: model(**inputs).loss, exclude=tuple(model.parameters())) - \
+        activation_bytes(lambda: fused(**inputs).loss, exclude=tuple(fused.parameters()))
+    assert plan.saved_bytes == measured > 0
+    assert all(m.gradient_checkpointing for m in model.model.layers)  # the flags as they were
+    calls = _ops_called(fused, monkeypatch)
+    loss = fused(**inputs).loss
+    forward = dict(calls)
+    loss.backward()
+    in_layers = [n for n in forward if n.startswith("model.layers.")]
+    assert "model.layers.0" in in_layers  # the layer's own region (its residual add + RMSNorm), checkpointed too
+    assert all(calls[n] == 2 * forward[n] for n in in_layers), (forward, calls)  # again in backward
+    _same_training(model, fused, inputs)
+
+
+def test_checkpointing_enabled_after_fuse_runs_the_fused_layers_under_the_checkpoint(monkeypatch):
+    model, inputs = zoo.build("gemma2", batch=2, seq=16, dropout=0.1)
+    model.train()
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), inputs)
+    assert any(d.pattern == "attention" for d in plan.fused)
+    for m in (model, fused):
+        m.gradient_checkpointing_enable()
+    calls = _ops_called(fused, monkeypatch)
+    loss = fused(**inputs).loss
+    forward = dict(calls)
+    loss.backward()
+    # the decoder layers' own regions (their residual add + RMSNorm) and the attention regions inside them
+    for region in ("model.layers.0", "model.layers.1", "model.layers.0.self_attn", "model.layers.1.self_attn"):
+        assert forward.get(region) and calls[region] == 2 * forward[region], (region, forward, calls)
+    eager_bytes = activation_bytes(lambda: model(**inputs).loss, exclude=tuple(model.parameters()))
+    fused_bytes = activation_bytes(lambda: fused(**inputs).loss, exclude=tuple(fused.parameters()))
+    assert fused_bytes < eager_bytes  # the layers still checkpointed: nothing of theirs kept, fused or not
+    _same_training(model, fused, inputs)
+
+
+def test_a_call_without_the_examples_cache_runs_code_traced_for_it(monkeypatch):
+    # the example call hands each layer a cache object (use_cache defaults on); a training call with
+    # use_cache=False hands it None: that call's code is traced for it, fused, not the original
+    model, inputs = zoo.build("gemma2", batch=2, seq=16, dropout=0.0)
+    model.train()
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), inputs)
+    calls = _ops_called(fused, monkeypatch)
+    out = fused(**inputs, use_cache=False)
+    assert calls.get("model.layers.0") and calls.get("model.layers.0.self_attn"), calls
+    torch.testing.assert_close(out.loss, model(**inputs, use_cache=False).loss, rtol=1e-6, atol=1e-6)
