@@ -161,7 +161,7 @@ class FxForward(Patch):
             warnings.warn(f"opsnn_lab.fusion: the region `{self.path or '<model>'}` was fused for other arguments than "
                           f"this call's ({differs}), and its code cannot be traced for these "
                           f"({type(exc).__name__}: {error_line(exc)[:200]}); such calls run it unfused",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=5)
             return None
         # no alternates of its own (route None)
         return FxForward(self.host, variants, concrete, self.path) if done else None
