@@ -12,6 +12,7 @@ fusion failure (``stage`` says where a failure happened).
     python scripts/hf_sweep.py --dtype float32 --models all   # + every other causal / masked LM installed
     python scripts/hf_sweep.py --dtype float32 --autocast     # + a bf16 autocast step, fused and eager vs fp32
     python scripts/hf_sweep.py --dtype float32 --no-cache     # use_cache=False before fusion, as training sets it
+    python scripts/hf_sweep.py --dtype float32 --call-no-cache  # fused on a default call, trained with use_cache=False
 """
 
 from __future__ import annotations
@@ -268,15 +269,20 @@ def unfused_at_run(r: dict):
 
 
 def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, running=build_running,
-          no_cache: bool = False) -> None:
+          no_cache: bool = False, call_no_cache: bool = False) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself).
     ``running(name, dtype, r)``: the model and its keyword inputs, run once (diffusers_sweep.py hands its own).
-    ``no_cache``: ``use_cache = False`` in the model's configs before fusion (training scripts set it)."""
+    ``no_cache``: ``use_cache = False`` in the model's configs before fusion (training scripts set it).
+    ``call_no_cache``: fused on the example as it is, checked on calls passing ``use_cache=False`` (what a training
+    script passes to a model fused on a default call: the regions' code traced for it at its first call)."""
     with unfused_at_run(r):
         model, inputs = running(name, dtype, r)
         if no_cache:
             without_cache(model)
         fused = fuse_recorded(model, inputs, r)
+        if call_no_cache and "use_cache" in inspect.signature(model.forward).parameters:
+            inputs = {**inputs, "use_cache": False}
+            r["called_with"] = "use_cache=False"
         r["stage"] = "train"
         (outs_a, g_a), (outs_b, g_b) = (_train_step(m, inputs) for m in (model, fused))
         largest = largest_finite(g_a)  # a gradient 0 by symmetry is noise
@@ -378,12 +384,14 @@ def main(argv=None) -> None:
     ap.add_argument("--autocast", action="store_true", help="also a training step under bf16 autocast, eager and "
                     "fused, each against the float32 eager step")
     ap.add_argument("--no-cache", action="store_true", help="use_cache=False in the configs before fusion")
+    ap.add_argument("--call-no-cache", action="store_true", help="fused on the default call, checked on calls "
+                    "passing use_cache=False")
     args = ap.parse_args(argv)
     if args.autocast and args.dtype != "float32":
         ap.error("--autocast compares with the float32 step: use it with --dtype float32")
     dtype = getattr(torch, args.dtype)
-    run_sweep(model_names(args.models), lambda name, r: check(name, dtype, r, args.autocast, no_cache=args.no_cache),
-              _line, args.out)
+    run_sweep(model_names(args.models), lambda name, r: check(name, dtype, r, args.autocast, no_cache=args.no_cache,
+                                                              call_no_cache=args.call_no_cache), _line, args.out)
 
 
 if __name__ == "__main__":
