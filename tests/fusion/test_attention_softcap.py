@@ -15,6 +15,7 @@ from torch import nn
 import opsnn_lab as ol
 from opsnn_lab.measuring import activation_bytes
 from opsnn_lab.testing import seeded
+from tests.fusion._reproducible import assert_trains_as_eager
 
 FORMS = {  # the cap as code writes it; "other" is no cap (two constants)
     "gemma": lambda s, c: torch.tanh(s / c) * c,
@@ -66,16 +67,7 @@ def test_a_capped_core_fuses_and_trains_as_eager(form):
     ours = activation_bytes(lambda: fused(x).sum(), exclude=tuple(fused.parameters()))
     # eager keeps the tanh, the fp32 probabilities, the dropout's mask and the dropped probabilities per layer
     assert plan.saved_bytes == eager - ours > 2 * 2 * 3 * 4 * 12 * 12 * 8
-    for m in (model, fused):
-        ol.consistency.make_reproducible(m, seed=7)
-    runs = []
-    for m in (model, fused):
-        out = m(x)
-        runs.append((out, torch.autograd.grad(out.sin().sum(), list(m.parameters()))))
-    (out_a, grads_a), (out_b, grads_b) = runs
-    torch.testing.assert_close(out_b, out_a, rtol=1e-12, atol=1e-12)
-    for a, b in zip(grads_a, grads_b):
-        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    assert_trains_as_eager(model, fused, x)
 
 
 def test_a_tanh_in_another_form_is_declined_with_why():
