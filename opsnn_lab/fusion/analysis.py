@@ -190,6 +190,8 @@ class Analysis:
         unfused there (``worse``: site -> why, from ``_worse_together``)."""
         if worse and _site(m) in worse:
             return worse[_site(m)]
+        if why := checkpointing.crossing(m, self.units):
+            return why
         if not _memory_pattern(m.pattern) or _site(m) not in self.costs:
             return ""
         pat = pattern_of(m.pattern)
@@ -252,6 +254,15 @@ class Analysis:
                     for m in find_all(self.trace.graph, patterns,
                                       claims=lambda m: m.key in rewritable and not self.not_worth(m, worse))]
 
+    @property
+    def units(self) -> dict:
+        """Node name -> what checkpoints it, for the nodes that run checkpointed (``checkpointing.inside``)."""
+        key = (self.checkpointed, len(self.trace.checkpointed))
+        if self.__dict__.get("_units_key") != key:
+            self._units = checkpointing.inside(self.trace.graph, self.checkpointed, self.trace.checkpointed)
+            self._units_key = key
+        return self._units
+
     def plan(self, patterns=None) -> FusionPlan:
         patterns = check_patterns(patterns)
         rewritable, why_not, worse = dict(self.rewritable), dict(self.why_not), {}
@@ -262,7 +273,7 @@ class Analysis:
                 break
             worse.update(declined)
             decisions = self._settle(patterns, rewritable, why_not, worse)
-        dropped = checkpointing.inside(self.trace.graph, self.checkpointed)
+        dropped = self.units
         sites = [(d.key, tuple(d.nodes)) for d in decisions if d.fused and not dropped.keys() & set(d.nodes)]
         total = self.cost.fused_total([], frozenset(dropped))  # what a step keeps: a checkpointed layer nothing
         together = total - self.cost.fused_total(sites, frozenset(dropped))
@@ -499,9 +510,10 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     with checkpointing.suspended(model) as checkpointed:
         try:
             with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs), \
-                    library_hooks(model):
+                    library_hooks(model), checkpointing.transparent():  # a model's own checkpoint calls run plain
                 model.train()
                 trace, forwards = _record(model, args, kwargs, devices, restore)
+                checkpointing.keep_inputs(trace, checkpointed)
                 analysis = Analysis(model, trace, type(model).__name__, forwards)
                 analysis.checkpointed = checkpointed
         finally:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from opsnn_lab._hooks import passive
+from opsnn_lab.fusion import checkpointing
 from opsnn_lab.fusion.graph import (
     Graph,
     Node,
@@ -73,6 +74,14 @@ class RuntimeTrace:
     # modules holding parameters that the forward neither called nor read a parameter of (uppermost paths):
     # layers a layerdrop or a branch skipped; nothing of them is in the record
     not_called: list[str] = field(default_factory=list)
+    # node name -> the torch.utils.checkpoint call it ran inside (run as a plain call while recording:
+    # checkpointing.py), for the nodes that did
+    checkpointed: dict[str, int] = field(default_factory=dict)
+
+    def keep(self, saver: str, t: torch.Tensor) -> None:
+        """Count ``t`` as saved by ``saver``, a name of no node (what a checkpoint keeps of its inputs)."""
+        if not isinstance(t, nn.Parameter):
+            self.saved.append((saver, _storage_key(t), t.untyped_storage().nbytes()))
 
     def calls_of(self, path: str) -> list[ModuleCall]:
         return [c for c in self.module_calls if c.path == path]
@@ -210,6 +219,7 @@ class _Recorder(TorchFunctionMode):
         self.open_calls: list[tuple[int, int] | None] = []  # (index in module_calls, first node index)
         self.called: set[int] = set()  # id of every module called, inside built-in modules too
         self.read: set[int] = set()  # id of every Parameter a recorded function call read
+        self.checkpointed: dict[str, int] = {}  # nodes made inside a torch.utils.checkpoint call -> the call
 
     # -- tensors ----------------------------------------------------------------------------------------
     def _refs(self, value):
@@ -234,6 +244,8 @@ class _Recorder(TorchFunctionMode):
         return base if n == 0 else f"{base}#{n + 1}"
 
     def _add(self, node: Node, output, written=None) -> None:
+        if (call := checkpointing.current()) is not None:
+            self.checkpointed[node.name] = call
         outs = flatten_tensors(output)
         if outs:
             t = outs[0]
@@ -349,12 +361,16 @@ class _Recorder(TorchFunctionMode):
                 record.bare = call.bare
             call.outputs = [self.producer.get(id(t), "") for t in flatten_tensors(output)]
 
-    def pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor, saver: str | None = None):
         if not isinstance(t, nn.Parameter):
             key = _storage_key(t)
             if key not in self.param_storages:
-                self.saved.append((self.current[-1], key, t.untyped_storage().nbytes()))
+                self.saved.append((saver or self.current[-1], key, t.untyped_storage().nbytes()))
         return t
+
+    def checkpoint_input(self, t: torch.Tensor) -> None:
+        """What a reentrant checkpoint keeps of its inputs, which it runs plain while recording (checkpointing.py)."""
+        self.pack(t, "<checkpoint>")
 
 
 def _weak_pack(rec: _Recorder):
@@ -385,7 +401,8 @@ def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     pre = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
     post = [m.register_forward_hook(post_hook, with_kwargs=True, always_call=True) for m in model.modules()]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(_weak_pack(rec), lambda t: t), rec:
+        with torch.autograd.graph.saved_tensors_hooks(_weak_pack(rec), lambda t: t), rec, \
+                checkpointing.saving_inputs(rec.checkpoint_input):
             output = model(*args, **kwargs)
     finally:
         for h in pre + post:
@@ -396,7 +413,7 @@ def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     graph.tensors = rec.tensors  # the same dict: cleared with trace.tensors once the analysis is done
     graph.modules = {path: m for path, m in model.named_modules()}
     return RuntimeTrace(graph, rec.saved, rec.calls, output, rec.tensors, rec.module_calls,
-                        _not_called(model, rec.called, rec.read))
+                        _not_called(model, rec.called, rec.read), rec.checkpointed)
 
 
 def _not_called(model: nn.Module, called: set[int], read: set[int]) -> list[str]:

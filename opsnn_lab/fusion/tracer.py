@@ -43,6 +43,7 @@ from torch import nn
 
 from opsnn_lab._hooks import _HOOK_DICTS, has_hooks
 from opsnn_lab._randomness import enter_module, exit_module
+from opsnn_lab.fusion import checkpointing
 from opsnn_lab.fusion.graph import is_leaf_module
 from opsnn_lab.fusion.instance import instance_state, restore_instance_state
 from opsnn_lab.fusion.specialise import (
@@ -464,7 +465,7 @@ def trace_region(module: nn.Module, concrete: dict, training: bool, wrapped=(),
         for _ in range(_RETRIES):
             tracer = _Tracer(tuple(wrapped), facts, leaves, example, answers, held)
             try:
-                with unwrapped_forward(module) if unwrap else contextlib.nullcontext():
+                with unwrapped_forward(module) if unwrap else contextlib.nullcontext(), checkpointing.refused():
                     graph = tracer.trace(module, concrete_args=plain or None)
                 try:
                     draws_before_guard = check_guards(graph, module, tracer.tensor_facts, tracer.facts_read)

@@ -14,6 +14,7 @@ import torch
 import opsnn_lab as ol
 from opsnn_lab.demos import zoo
 from opsnn_lab.measuring import activation_bytes
+from tests.fusion._reproducible import assert_trains_as_eager
 
 pytest.importorskip("transformers")
 
@@ -72,9 +73,10 @@ def test_checkpointing_on_before_fuse_plans_what_a_step_keeps(name, monkeypatch)
     assert inside and all(d.saved_bytes == 0 and "runs under gradient checkpointing" in d.reason for d in inside)
     outside = [d for d in plan.fused if not d.modules[0].startswith("model.layers.")]
     assert outside and all(d.saved_bytes > 0 for d in outside)  # the final norm
-    measured = activation_bytes(lambda: model(**inputs).loss, exclude=tuple(model.parameters())) - \
-        activation_bytes(lambda: fused(**inputs).loss, exclude=tuple(fused.parameters()))
+    eager = activation_bytes(lambda: model(**inputs).loss, exclude=tuple(model.parameters()))
+    measured = eager - activation_bytes(lambda: fused(**inputs).loss, exclude=tuple(fused.parameters()))
     assert plan.saved_bytes == measured > 0
+    assert plan.activation_bytes == eager  # what the step keeps, the layers' inputs their checkpoints keep included
     assert all(m.gradient_checkpointing for m in model.model.layers)  # the flags as they were
     calls = _ops_called(fused, monkeypatch)
     loss = fused(**inputs).loss
@@ -116,3 +118,68 @@ def test_a_call_without_the_examples_cache_runs_code_traced_for_it(monkeypatch):
     out = fused(**inputs, use_cache=False)
     assert calls.get("model.layers.0") and calls.get("model.layers.0.self_attn"), calls
     torch.testing.assert_close(out.loss, model(**inputs, use_cache=False).loss, rtol=1e-6, atol=1e-6)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc1, self.act, self.drop, self.fc2 = (torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                                   torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return x + self.fc2(self.drop(self.act(self.fc1(self.norm(x)))))
+
+
+class _Checkpointed(torch.nn.Module):
+    """Blocks called through ``torch.utils.checkpoint`` in the model's own forward (as timm's
+    ``set_grad_checkpointing()`` does), the last one not."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks[:-1]:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.blocks[-1](x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_models_own_checkpoint_calls_are_analysed_as_they_compute(reentrant):
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant).double().train()
+    x = torch.randn(2, 12, 16, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    mlps = [d for d in plan.decisions if d.pattern.startswith("linear_gelu")]
+    assert len(mlps) == 3 and all(d.fused for d in mlps), [d.reason for d in mlps]  # weighed on what they compute
+    inside = [d for d in mlps if not d.modules[0].startswith("blocks.2")]
+    assert all(d.saved_bytes == 0 and "inside a torch.utils.checkpoint call" in d.reason for d in inside)
+    assert [d for d in mlps if d.modules[0].startswith("blocks.2")][0].saved_bytes > 0
+    # a residual add in one checkpointed block and the next block's norm: one op cannot run in both; and the model's
+    # forward, which calls the checkpoint, is not traced whole (fx would record the blocks' ops inline, uncheckpointed)
+    across = [d for d in plan.decisions if d.pattern == "add_layer_norm"]
+    assert len(across) == 2 and not any(d.fused for d in across)
+    assert all("calls torch.utils.checkpoint" in d.reason for d in across), [d.reason for d in across]
+    eager = activation_bytes(lambda: model(x).sum(), exclude=tuple(model.parameters()))
+    measured = eager - activation_bytes(lambda: fused(x).sum(), exclude=tuple(fused.parameters()))
+    assert plan.saved_bytes == measured > 0 and plan.activation_bytes == eager
+    import torch.utils.checkpoint as cp
+
+    assert cp.CheckpointFunction.__name__ == "CheckpointFunction"  # put back
+    assert_trains_as_eager(model, fused, x)
+
+
+def test_a_chain_across_two_checkpointed_units_is_declined_with_both_named():
+    from types import SimpleNamespace
+
+    from opsnn_lab.fusion.checkpointing import crossing
+
+    chain = SimpleNamespace(nodes=[SimpleNamespace(name="add"), SimpleNamespace(name="norm")])
+    assert crossing(chain, {}) == "" and crossing(chain, {"add": 3, "norm": 3}) == ""
+    why = crossing(chain, {"add": "model.layers.0"})
+    assert why.startswith("not fused:") and "`model.layers.0`" in why and "outside any checkpoint" in why
+    assert "torch.utils.checkpoint call 1" in crossing(chain, {"add": 1, "norm": 2})
