@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import re
 import time
@@ -14,7 +13,7 @@ from torch import nn
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion import checkpointing
 from opsnn_lab.fusion.cost import CostModel
-from opsnn_lab.fusion.instance import instance_state, restore_instance_state
+from opsnn_lab.fusion.instance import dropout_streams, host_rngs, instance_state, restore_instance_state
 from opsnn_lab.fusion.match import NORM_ACTS
 from opsnn_lab.fusion.patterns import (
     FAMILIES,
@@ -406,24 +405,6 @@ def _stream_steps(model: nn.Module) -> list[int]:
     return steps + ([get_step(model)] if getattr(model, "_opsnn_reproducible", None) is not None else [])
 
 
-def _dropout_streams(model: nn.Module):
-    """A function restoring where the model's dropout streams are: each counter-RNG module's seed and step,
-    and the step of ``ol.consistency.make_reproducible`` (the traced forward must not advance them)."""
-    from opsnn_lab.consistency.seed_pool import get_step, set_step
-    from opsnn_lab.consistency.streams import counter_streams
-
-    kept = [(m, m.rng_seed, m.rng_step) for _, m in counter_streams(model)]
-    step = get_step(model) if getattr(model, "_opsnn_reproducible", None) is not None else None
-
-    def restore() -> None:
-        for m, seed, at in kept:
-            m.set_rng(seed, at)
-        if step is not None:
-            set_step(model, step)
-
-    return restore
-
-
 FORWARDS = 8  # recorded forwards at most, while a module holding parameters did not run and the RNG moved
 
 
@@ -459,18 +440,6 @@ def _drew(before, after) -> bool:
     return not all(torch.equal(a, b) for a, b in zip(before[0], after[0])) or bool(moved_foreign(before[1], after[1]))
 
 
-@contextlib.contextmanager
-def _host_rngs():
-    """Python's and numpy's global RNG as they were, afterwards (``torch.random.fork_rng`` does torch's)."""
-    from opsnn_lab.consistency.functional import foreign_states, restore_foreign_states
-
-    states = foreign_states()
-    try:
-        yield
-    finally:
-        restore_foreign_states(states)
-
-
 def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     """Trace ``model`` on ``example_inputs`` (a forward in train mode) and decide every candidate.
 
@@ -494,7 +463,7 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     # buffer (BatchNorm running stats) and the global RNG are restored afterwards.
     flags = {m: m.training for m in model.modules()}
     restore = buffers_kept(model)
-    streams = _dropout_streams(model)
+    streams = dropout_streams(model)
     # what the forwards write in the modules and the plain objects they hold (a cache of text embeddings filled
     # with tensors holding the recorded graph) is put back too
     state = instance_state(model)
@@ -509,7 +478,7 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     # with gradient checkpointing on, the layers' activations as their forward (and recompute) computes them
     with checkpointing.suspended(model) as checkpointed:
         try:
-            with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs), \
+            with torch.random.fork_rng(devices=devices), host_rngs(), own_dtypes(model, args, kwargs), \
                     library_hooks(model), checkpointing.transparent():  # a model's own checkpoint calls run plain
                 model.train()
                 trace, forwards = _record(model, args, kwargs, devices, restore)
@@ -523,7 +492,7 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
         # ops are built (and some validated) as the chains' own dtypes run them; a region's size questions run its
         # code on the example, which moves buffers too (a spectral norm's power iteration): restored again
         try:
-            with torch.random.fork_rng(devices=devices), _host_rngs(), own_dtypes(model, args, kwargs):
+            with torch.random.fork_rng(devices=devices), host_rngs(), own_dtypes(model, args, kwargs):
                 plan = analysis.plan(patterns)
         finally:
             put_back()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import types
@@ -11,7 +12,7 @@ import types
 import torch
 from torch import nn
 
-__all__ = ["instance_state", "restore_instance_state", "plain_object"]
+__all__ = ["instance_state", "restore_instance_state", "plain_object", "host_rngs", "dropout_streams"]
 
 
 # nn.Module's own bookkeeping, restored by other means (flags) or never touched by a forward
@@ -66,3 +67,33 @@ def restore_instance_state(state: list) -> None:
                 value.extend(contents)
             else:
                 value.update(contents)
+
+
+@contextlib.contextmanager
+def host_rngs():
+    """Python's and numpy's global RNG as they were, afterwards (``torch.random.fork_rng`` does torch's)."""
+    from opsnn_lab.consistency.functional import foreign_states, restore_foreign_states
+
+    states = foreign_states()
+    try:
+        yield
+    finally:
+        restore_foreign_states(states)
+
+
+def dropout_streams(model: nn.Module):
+    """A function restoring where the model's dropout streams are: each counter-RNG module's seed and step,
+    and the step of ``ol.consistency.make_reproducible`` (the traced forward must not advance them)."""
+    from opsnn_lab.consistency.seed_pool import get_step, set_step
+    from opsnn_lab.consistency.streams import counter_streams
+
+    kept = [(m, m.rng_seed, m.rng_step) for _, m in counter_streams(model)]
+    step = get_step(model) if getattr(model, "_opsnn_reproducible", None) is not None else None
+
+    def restore() -> None:
+        for m, seed, at in kept:
+            m.set_rng(seed, at)
+        if step is not None:
+            set_step(model, step)
+
+    return restore

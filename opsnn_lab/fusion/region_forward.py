@@ -8,6 +8,7 @@ original forward.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from opsnn_lab._randomness import draw_state, draw_streams, streams_made
+from opsnn_lab.fusion.instance import dropout_streams, host_rngs, instance_state, restore_instance_state
 from opsnn_lab.fusion.patch_base import Patch, own_code
 from opsnn_lab.fusion.region_rewrite import FusedSlot, inlined_paths, region_slots, slot_ops, trace_variants
 from opsnn_lab.fusion.regions import (
@@ -156,7 +158,9 @@ class FxForward(Patch):
         route = {**self.route, "concrete": concrete, "tensors": facts, "answers": None}
         example = dict(given)
         try:
-            variants, done = trace_variants(self.host, route, self.keys, region_slots(self.host), f"alt{n}_", example)
+            with _untouched(self.host, example, self.ops()):
+                variants, done = trace_variants(self.host, route, self.keys, region_slots(self.host), f"alt{n}_",
+                                                example)
         except Exception as exc:  # noqa: BLE001 - tracer errors have many types: this call's values stay unfused
             warnings.warn(f"opsnn_lab.fusion: the region `{self.path or '<model>'}` was fused for other arguments than "
                           f"this call's ({differs}), and its code cannot be traced for these "
@@ -270,6 +274,29 @@ class FxForward(Patch):
         if kind is not None and type(out) is dict:
             out = kind(**out) if dataclasses.is_dataclass(kind) else kind(out)
         return out
+
+
+@contextlib.contextmanager
+def _untouched(host: nn.Module, example: dict, ops=()):
+    """Tracing a region for a call (its size questions run its code on the call's values) leaves what the call
+    runs next as it found it: torch's generators (on the devices the call's tensors are on) and Python's and
+    numpy's, the counter-RNG streams of the region and of its fused ``ops``, its buffers and plain attributes.
+    Before, a router's noise drawn by the trace moved the draws of the call that followed (Phi-MoE's fused layers
+    routed other tokens than eager's: 5e-2 apart)."""
+    from opsnn_lab.fusion.runtime import buffers_kept
+
+    devices = sorted({t.device.index or 0 for t in flatten_tensors(example) if t.is_cuda})
+    streams, buffers, state = dropout_streams(host), buffers_kept(host), instance_state(host)
+    drawn = [(op, op.rng_seed, op.rng_step) for op in ops if hasattr(op, "set_rng")]
+    try:
+        with torch.random.fork_rng(devices=devices), host_rngs():
+            yield
+    finally:
+        streams()
+        buffers()
+        restore_instance_state(state)
+        for op, seed, step in drawn:
+            op.set_rng(seed, step)
 
 
 def _checkpoint(host: nn.Module, kwargs: dict):

@@ -185,3 +185,31 @@ def test_an_object_argument_is_traced_with_its_class():
     _same(model, fused, x, Halving())
     (alt,) = _regions(fused)[0].alternates.values()
     assert alt is not None
+
+
+def test_tracing_a_call_leaves_the_random_state_the_call_draws_from():
+    # a region traced for a call (here: use_cache=False, where the example passed a cache) runs its code on the
+    # call's values to answer size questions; a router that draws noise (Phi-MoE's sparse mixer in training) drew
+    # there, and the call's own draws moved: its layers routed other tokens than eager's (5e-2 apart)
+    T = pytest.importorskip("transformers")
+    if not hasattr(T, "PhimoeForCausalLM"):
+        pytest.skip(f"no Phi-MoE in transformers {T.__version__}")
+    cfg = T.PhimoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg._attn_implementation = "eager"  # its attention regions trace then (the sweep's setting)
+    torch.manual_seed(0)
+    model = T.PhimoeForCausalLM(cfg).train()
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused, plan = ol.fusion.fuse(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    assert any(d.route.startswith("fx:model.layers") for d in plan.fused), plan.summary()
+    losses = []
+    for m in (model, fused):
+        torch.manual_seed(3)
+        out = m(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False)
+        losses.append((out.loss, torch.rand(())))
+    (want, after_want), (got, after_got) = losses
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert after_got == after_want  # the generator where eager leaves it
