@@ -25,7 +25,7 @@ __all__ = ["suspended", "transparent", "refused", "current", "saving_inputs", "k
 
 _CALLS: list[int] = []  # the torch.utils.checkpoint calls running, inside ``transparent`` (innermost last)
 _COUNT = [0]
-_INPUT_SAVERS: list = []  # who records the inputs a reentrant checkpoint saves (``saving_inputs``)
+_INPUT_SAVERS: list = []  # who records the inputs a checkpoint keeps (``saving_inputs``)
 
 
 @contextlib.contextmanager
