@@ -15,6 +15,7 @@ from torch import nn
 import opsnn_lab as ol
 from opsnn_lab.measuring import activation_bytes
 from opsnn_lab.testing import seeded
+from tests.fusion._hf import transformers_with
 from tests.fusion._reproducible import assert_trains_as_eager
 
 FORMS = {  # the cap as code writes it; "other" is no cap (two constants)
@@ -79,9 +80,7 @@ def test_a_tanh_in_another_form_is_declined_with_why():
 
 
 def test_gemma2_attention_with_dropout_fuses_and_trains_as_eager():
-    T = pytest.importorskip("transformers")
-    if not hasattr(T, "Gemma2ForCausalLM"):
-        pytest.skip(f"no Gemma 2 in transformers {T.__version__}")
+    T = transformers_with("Gemma2Config", "Gemma2ForCausalLM")
     cfg = T.Gemma2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, intermediate_size=48, query_pre_attn_scalar=8,
                          attn_logit_softcapping=1.0, final_logit_softcapping=None, attention_dropout=0.25,

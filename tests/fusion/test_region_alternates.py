@@ -17,6 +17,7 @@ import opsnn_lab as ol
 from opsnn_lab.bench import activation_bytes
 from opsnn_lab.fusion.rewrite import FxForward
 from opsnn_lab.testing import seeded
+from tests.fusion._hf import transformers_with
 
 
 class Layer(nn.Module):
@@ -191,9 +192,7 @@ def test_tracing_a_call_leaves_the_random_state_the_call_draws_from():
     # a region traced for a call (here: use_cache=False, where the example passed a cache) runs its code on the
     # call's values to answer size questions; a router that draws noise (Phi-MoE's sparse mixer in training) drew
     # there, and the call's own draws moved: its layers routed other tokens than eager's (5e-2 apart)
-    T = pytest.importorskip("transformers")
-    if not hasattr(T, "PhimoeForCausalLM"):
-        pytest.skip(f"no Phi-MoE in transformers {T.__version__}")
+    T = transformers_with("PhimoeConfig", "PhimoeForCausalLM")
     cfg = T.PhimoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                          max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
