@@ -68,50 +68,53 @@ def _additive(mask, q):
 
 
 def _probs(q3, k3, scale, terms, batch, fp32=False, cap=None):
-    """``softmax(q k^T * scale + mask [+ bias])`` as (batch, Tq, Tk): the additive ``terms`` are copied in (a second
-    added onto the first: T5's position bias, then its mask), the GEMM adds onto them. A float term wider than
-    bf16/fp16 scores (a T5 position bias, kept fp32 under autocast) makes the sum and the softmax run in its dtype,
-    rounded once: eager attention code rounds that sum to the scores' dtype first. ``fp32``: the probabilities in
-    fp32, as ``softmax(..., dtype=torch.float32)`` gives them (Llama-style code). ``cap``: see ``_capped``; the
-    result is then ``(probs, tanh)``."""
+    """``(softmax(q k^T * scale + mask [+ bias]), tanh)`` as (batch, Tq, Tk): the additive ``terms`` are copied in
+    (a second added onto the first: T5's position bias, then its mask), the GEMM adds onto them. A float term wider
+    than bf16/fp16 scores (a T5 position bias, kept fp32 under autocast) makes the sum and the softmax run in its
+    dtype, rounded once: eager attention code rounds that sum to the scores' dtype first. ``fp32``: the probabilities
+    in fp32, as ``softmax(..., dtype=torch.float32)`` gives them (Llama-style code). ``cap``: the scores capped first
+    (``_capped``), whose ``tanh`` backward reads; ``tanh`` is None without a cap."""
     want = torch.float32 if fp32 else q3.dtype
-    if cap is not None:
-        return _capped(q3, k3, scale, terms, batch, want, cap)
-    if not terms:
-        s = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)
-        return torch.softmax(s, dim=-1, dtype=want)
     dtype = q3.dtype
     for t in terms:
         dtype = torch.promote_types(dtype, t.dtype)
-    wide = dtype != q3.dtype
+    if cap is not None:
+        return _capped(q3, k3, scale, terms, batch, want, cap, dtype)
+    if not terms:
+        s = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)
+        return _softmax(s, want), None
     s = torch.empty(q3.shape[0], q3.shape[1], k3.shape[1], dtype=dtype, device=q3.device)
     full = s.view(*batch, *s.shape[1:])
     full.copy_(terms[0].expand(full.shape))
     for t in terms[1:]:
         full.add_(t)
-    if not wide:
-        return torch.softmax(s.baddbmm_(q3, k3.transpose(1, 2), alpha=scale), dim=-1, dtype=want)
-    s.add_(torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale))
-    return torch.softmax(s, dim=-1).to(want)
+    if dtype == q3.dtype:
+        s.baddbmm_(q3, k3.transpose(1, 2), alpha=scale)
+    else:
+        s.add_(torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale))
+    return _softmax(s, want), None
 
 
-def _capped(q3, k3, scale, terms, batch, want, cap):
+def _capped(q3, k3, scale, terms, batch, want, cap, dtype):
     """``(softmax(cap * tanh(q k^T * scale / cap) + terms), tanh)``: the scores capped before the terms are added, in
     the scores' dtype and order, as Gemma 2's eager code computes them (a bf16 tanh takes ~0.6x an fp32 one on CPU,
-    and this runs in forward and again in backward); ``tanh`` is what backward's ``1 - tanh^2`` reads."""
+    and this runs in forward and again in backward); ``tanh`` is what backward's ``1 - tanh^2`` reads. ``dtype``:
+    the scores' and the terms' (a wide term, an fp32 bias beside half scores: the sum in its dtype)."""
     s = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)
     t = torch.tanh(s.div_(cap))
-    s = torch.mul(t, cap, out=s)
-    dtype = q3.dtype
-    for term in terms:
-        dtype = torch.promote_types(dtype, term.dtype)
-    s = s.to(dtype)  # a wide term (an fp32 bias beside half scores): the sum in its dtype
+    s = torch.mul(t, cap, out=s).to(dtype)
     full = s.view(*batch, *s.shape[1:])
     for term in terms:  # eager's order: the capped scores, then each term
         full.add_(term)
+    return _softmax(s, want), t
+
+
+def _softmax(s, want):
+    """The softmax of the scores ``s`` in ``want``: computed in ``want`` where it is as wide, else (a wide term's
+    sum) in ``s``'s dtype and rounded once."""
     if torch.promote_types(s.dtype, want) == want:
-        return torch.softmax(s, dim=-1, dtype=want), t
-    return torch.softmax(s, dim=-1).to(want), t  # a wide term's sum: its softmax rounded once
+        return torch.softmax(s, dim=-1, dtype=want)
+    return torch.softmax(s, dim=-1).to(want)
 
 
 class _Dropout:
@@ -151,9 +154,7 @@ class AttentionDropoutFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, scale, p, seed, offset, return_probs=False, fp32_softmax=False, bias=None,
                 softcap=None):
         batch, q3, k3, v3, terms = _batched(q, k, v, mask, bias)
-        probs = _probs(q3, k3, scale, terms, batch, fp32_softmax, softcap)
-        if softcap is not None:
-            probs = probs[0]  # its tanh is recomputed in backward
+        probs = _probs(q3, k3, scale, terms, batch, fp32_softmax, softcap)[0]  # a cap's tanh: recomputed in backward
         _Dropout(probs, batch, p, seed, offset)(probs, out=probs)
         out = torch.bmm(probs.to(v3.dtype), v3).mul_(_keep_scale(p))
         ctx.save_for_backward(q, k, v, mask, bias)
@@ -180,9 +181,7 @@ class AttentionDropoutFunction(torch.autograd.Function):
         ks = _keep_scale(p)
         batch, q3, k3, v3, terms = _batched(q, k, v, mask, bias)
         g3 = grad.reshape(-1, *grad.shape[-2:])
-        probs, tanh = _probs(q3, k3, scale, terms, batch, fp32_softmax, softcap), None
-        if softcap is not None:
-            probs, tanh = probs
+        probs, tanh = _probs(q3, k3, scale, terms, batch, fp32_softmax, softcap)
         drop = _Dropout(probs, batch, p, seed, offset)
         grad_v = torch.bmm(drop(probs).to(g3.dtype).transpose(1, 2), g3).mul_(ks)
         # dS = softmax_backward(dropout(dO v^T), P), in the probabilities' dtype (fp32 for an fp32 softmax, as
