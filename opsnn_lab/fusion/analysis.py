@@ -77,9 +77,12 @@ class Analysis:
     torch.fx is asked only for the chains no module call carries (functional code inside one forward).
     """
 
-    def __init__(self, model: nn.Module, trace: RuntimeTrace, name: str, forwards: int = 1):
+    def __init__(self, model: nn.Module, trace: RuntimeTrace, name: str, forwards: int = 1,
+                 checkpointed: tuple[str, ...] = ()):
         self.model, self.trace, self.name = model, trace, name
-        self.checkpointed: tuple[str, ...] = ()  # modules with gradient checkpointing on (checkpointing.py)
+        # node name -> what checkpoints it (a layer with gradient checkpointing on, ``checkpointed``, or a
+        # torch.utils.checkpoint call), for the nodes that run checkpointed (checkpointing.py)
+        self.units = checkpointing.inside(trace.graph, checkpointed, trace.checkpointed)
         where = "the analysis forward" if forwards == 1 else f"any of the {forwards} analysis forwards"
         # modules holding parameters of which nothing ran: no candidate of theirs was seen; they run as they are
         self.not_analysed = {p or "<model>": f"not called in {where} (skipped by layerdrop or a branch): not analysed, "
@@ -253,15 +256,6 @@ class Analysis:
                     for m in find_all(self.trace.graph, patterns,
                                       claims=lambda m: m.key in rewritable and not self.not_worth(m, worse))]
 
-    @property
-    def units(self) -> dict:
-        """Node name -> what checkpoints it, for the nodes that run checkpointed (``checkpointing.inside``)."""
-        key = (self.checkpointed, len(self.trace.checkpointed))
-        if self.__dict__.get("_units_key") != key:
-            self._units = checkpointing.inside(self.trace.graph, self.checkpointed, self.trace.checkpointed)
-            self._units_key = key
-        return self._units
-
     def plan(self, patterns=None) -> FusionPlan:
         patterns = check_patterns(patterns)
         rewritable, why_not, worse = dict(self.rewritable), dict(self.why_not), {}
@@ -408,7 +402,7 @@ def _stream_steps(model: nn.Module) -> list[int]:
 FORWARDS = 8  # recorded forwards at most, while a module holding parameters did not run and the RNG moved
 
 
-def _record(model: nn.Module, args, kwargs, devices, restore) -> tuple[RuntimeTrace, int]:
+def _record(model: nn.Module, args, kwargs, devices, restore, checkpointed=()) -> tuple[RuntimeTrace, int]:
     """The recorded forward in which the fewest parameters sat in modules that did not run, and how many forwards
     were recorded: another one (buffers restored first; the random streams go on) while some module holding
     parameters did not run and the forward drew random numbers (a layerdrop's draw; a data-dependent branch on
@@ -416,7 +410,7 @@ def _record(model: nn.Module, args, kwargs, devices, restore) -> tuple[RuntimeTr
     best, left = None, 0
     for n in range(1, FORWARDS + 1):
         before = _rng_states(devices), _stream_steps(model)
-        trace = trace_runtime(model, args, kwargs)
+        trace = trace_runtime(model, args, kwargs, checkpointed)
         missing = sum(p.numel() for path in trace.not_called for p in model.get_submodule(path).parameters())
         if best is None or missing < left:
             best, left = trace, missing
@@ -481,10 +475,8 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
             with torch.random.fork_rng(devices=devices), host_rngs(), own_dtypes(model, args, kwargs), \
                     library_hooks(model), checkpointing.transparent():  # a model's own checkpoint calls run plain
                 model.train()
-                trace, forwards = _record(model, args, kwargs, devices, restore)
-                checkpointing.keep_inputs(trace, checkpointed)
-                analysis = Analysis(model, trace, type(model).__name__, forwards)
-                analysis.checkpointed = checkpointed
+                trace, forwards = _record(model, args, kwargs, devices, restore, checkpointed)
+                analysis = Analysis(model, trace, type(model).__name__, forwards, checkpointed)
         finally:
             for m, flag in flags.items():
                 m.training = flag

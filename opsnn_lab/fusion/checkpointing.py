@@ -20,7 +20,7 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 
-__all__ = ["suspended", "transparent", "refused", "current", "saving_inputs", "keep_inputs", "inside", "crossing",
+__all__ = ["suspended", "transparent", "refused", "current", "saving_inputs", "save_inputs", "inside", "crossing",
            "settle"]
 
 _CALLS: list[int] = []  # the torch.utils.checkpoint calls running, inside ``transparent`` (innermost last)
@@ -30,9 +30,9 @@ _INPUT_SAVERS: list = []  # who records the inputs a checkpoint keeps (``saving_
 
 @contextlib.contextmanager
 def saving_inputs(save):
-    """``save(tensor)`` for each tensor argument of a checkpoint call run inside ``transparent``: a checkpoint keeps
-    its inputs for its backward (both kinds save them as an autograd Function's), where nothing inside it keeps
-    anything."""
+    """``save(tensor)`` for each tensor argument of a checkpoint call run inside ``transparent``, and of each call of
+    a layer whose checkpointing ``suspended`` turned off (``save_inputs``): a checkpoint keeps its inputs for its
+    backward (both kinds save them as an autograd Function's), where nothing inside it keeps anything."""
     _INPUT_SAVERS.append(save)
     try:
         yield
@@ -84,19 +84,20 @@ class _Reentrant:
 
     @staticmethod
     def apply(function, preserve_rng_state, *args):
-        _save_inputs(args)
+        save_inputs(args)
         with _call():
             return function(*args)
 
 
 def _plain(*args, **kwargs):
     """``_checkpoint_without_reentrant_generator`` that sets nothing up: the function runs as it is, counted."""
-    _save_inputs([*args, *kwargs.values()])
+    save_inputs([*args, *kwargs.values()])
     with _call():
         yield
 
 
-def _save_inputs(values) -> None:
+def save_inputs(values) -> None:
+    """The tensors among ``values``, a checkpoint's inputs, to whoever records them (``saving_inputs``)."""
     if _CALLS:  # an inner checkpoint's inputs are dropped with the outer one's activations
         return
     for save in _INPUT_SAVERS:
@@ -152,18 +153,6 @@ def _entry_points(reentrant, plain):
             setattr(_torch_checkpoint, n, v)
 
 
-def keep_inputs(trace, paths: tuple[str, ...]) -> None:
-    """The positional tensor arguments of each call of the checkpointed layers ``paths``, counted as saved: a layer's
-    checkpoint keeps them for its recompute (Hugging Face's wrapper checkpoints ``forward`` with the keyword arguments
-    bound and the positional ones as the checkpoint's inputs), which the trace, recorded with the flags off, did not
-    see."""
-    for path in paths:
-        for args, _ in trace.calls.get(path, []):
-            for t in args:
-                if isinstance(t, torch.Tensor):
-                    trace.keep("<checkpoint>", t)
-
-
 def _holder(scope: str, paths: tuple[str, ...]) -> str | None:
     return next((p for p in paths if scope == p or scope.startswith(f"{p}.") or not p), None)
 
@@ -190,7 +179,7 @@ def crossing(m, units: dict) -> str:
 _CROSSING = "not fused: its steps run under different activation checkpoints"
 
 
-def settle(decisions, nodes: dict[str, str]) -> None:
+def settle(decisions, nodes: dict[str, str | int]) -> None:
     """A decision of a chain inside a checkpointed module saves nothing across the step: its ``saved_bytes`` go to
     0 and its reason says why, with what the fused chain saves in the layer's recompute."""
     for d in decisions:

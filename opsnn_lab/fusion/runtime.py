@@ -78,11 +78,6 @@ class RuntimeTrace:
     # checkpointing.py), for the nodes that did
     checkpointed: dict[str, int] = field(default_factory=dict)
 
-    def keep(self, saver: str, t: torch.Tensor) -> None:
-        """Count ``t`` as saved by ``saver``, a name of no node (what a checkpoint keeps of its inputs)."""
-        if not isinstance(t, nn.Parameter):
-            self.saved.append((saver, _storage_key(t), t.untyped_storage().nbytes()))
-
     def calls_of(self, path: str) -> list[ModuleCall]:
         return [c for c in self.module_calls if c.path == path]
 
@@ -197,8 +192,9 @@ _METADATA = frozenset({"__get__", "size", "dim", "numel", "stride", "is_contiguo
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, checkpointed: tuple[str, ...] = ()):
         super().__init__()
+        self.checkpointed_layers = frozenset(checkpointed)  # layers whose checkpoint the flags-off record leaves out
         self.paths = {}
         for name, m in model.named_modules(remove_duplicate=False):
             self.paths.setdefault(id(m), name)
@@ -321,6 +317,8 @@ class _Recorder(TorchFunctionMode):
             state = ArgumentState([*args, *kwargs.values()]) if first else None
             record = RecordedCall(args, kwargs, state if state and state.items else None)
             self.calls.setdefault(path, []).append(record)
+            if path in self.checkpointed_layers:  # its checkpoint keeps its positional inputs, as its wrapper calls it
+                checkpointing.save_inputs(args)
             self.records[len(self.module_calls)] = record
             ins = [self.producer.get(id(t), "") for t in flatten_tensors([list(args), kwargs])]
             self.module_calls.append(ModuleCall(path, ins, [], len(self.nodes), -1, False, len(args), tuple(kwargs)))
@@ -369,7 +367,7 @@ class _Recorder(TorchFunctionMode):
         return t
 
     def checkpoint_input(self, t: torch.Tensor) -> None:
-        """What a reentrant checkpoint keeps of its inputs, which it runs plain while recording (checkpointing.py)."""
+        """What a checkpoint keeps of its inputs, which the record runs plain (checkpointing.py)."""
         self.pack(t, "<checkpoint>")
 
 
@@ -391,11 +389,14 @@ def _weak_pack(rec: _Recorder):
     return pack
 
 
-def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None) -> RuntimeTrace:
-    """Run ``model(*args, **kwargs)`` once and return its dataflow graph (the model runs as is)."""
+def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None,
+                  checkpointed: tuple[str, ...] = ()) -> RuntimeTrace:
+    """Run ``model(*args, **kwargs)`` once and return its dataflow graph (the model runs as is). ``checkpointed``:
+    layers whose checkpointing is off for the record (``checkpointing.suspended``), whose inputs their checkpoint
+    would keep."""
     kwargs = kwargs or {}
     probe_modules(model)  # before any hook: the probe runs modules, which the record must not see
-    rec = _Recorder(model)
+    rec = _Recorder(model, checkpointed)
     rec.add_inputs(args, kwargs)
     pre_hook, post_hook = passive(rec.pre_hook), passive(rec.post_hook)  # record what runs, fused regions too
     pre = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
