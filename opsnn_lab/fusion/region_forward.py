@@ -31,7 +31,7 @@ from opsnn_lab.fusion.regions import (
     signature,
     tensor_facts,
 )
-from opsnn_lab.fusion.runtime import flatten_tensors
+from opsnn_lab.fusion.runtime import buffers_kept, flatten_tensors
 from opsnn_lab.fusion.specialise import SpecialisationMiss
 from opsnn_lab.fusion.staleness import modal, settings
 from opsnn_lab.fusion.tracer import kwargs_values
@@ -283,8 +283,6 @@ def _untouched(host: nn.Module, example: dict, ops=()):
     numpy's, the counter-RNG streams of the region and of its fused ``ops``, its buffers and plain attributes.
     Before, a router's noise drawn by the trace moved the draws of the call that followed (Phi-MoE's fused layers
     routed other tokens than eager's: 5e-2 apart)."""
-    from opsnn_lab.fusion.runtime import buffers_kept
-
     devices = sorted({t.device.index or 0 for t in flatten_tensors(example) if t.is_cuda})
     streams, buffers, state = dropout_streams(host), buffers_kept(host), instance_state(host)
     drawn = [(op, op.rng_seed, op.rng_step) for op in ops if hasattr(op, "set_rng")]
