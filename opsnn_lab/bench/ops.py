@@ -155,16 +155,28 @@ def _qkv_chain(s, device, dtype):
     return Chain("qkv", eager, fused, (x,))
 
 
-def _attention_chain(s, device, dtype):
-    from opsnn_lab import ops
-
+def _heads(s, device, dtype):
+    """The attention rows' ``(q, k, v)``, each (batch, heads, tokens, head width), and their ``1 / sqrt(d)`` scale."""
     b, t, h = s["batch"], s["tokens"], s["heads"]
     d = s["hidden"] // h
     q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    return q, k, v, 1.0 / math.sqrt(d)
+
+
+def _causal(t, device, dtype):
+    """A decoder's additive causal mask, (1, 1, t, t)."""
+    return torch.full((t, t), torch.finfo(dtype).min, device=device, dtype=dtype).triu(1)[None, None]
+
+
+def _attention_chain(s, device, dtype):
+    from opsnn_lab import ops
+
+    b, t = s["batch"], s["tokens"]
+    q, k, v, scale = _heads(s, device, dtype)
     keep = torch.ones(b, t, device=device, dtype=dtype)
     keep[0, -t // 4:] = 0  # some padding, as in a real batch
     mask = (1.0 - keep[:, None, None, :]) * torch.finfo(dtype).min
-    drop, scale = nn.Dropout(s["p"]), 1.0 / math.sqrt(d)
+    drop = nn.Dropout(s["p"])
 
     def eager(q, k, v, mask):
         probs = drop(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale + mask, dim=-1))
@@ -177,12 +189,10 @@ def _t5_attention_chain(s, device, dtype):
     mask (``FusedAttention(q, k, v, mask, bias)``: each term saved as it is)."""
     from opsnn_lab import ops
 
-    b, t, h = s["batch"], s["tokens"], s["heads"]
-    d = s["hidden"] // h
-    q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    t, h = s["tokens"], s["heads"]
+    q, k, v, scale = _heads(s, device, dtype)
     bias = (0.1 * torch.randn(1, h, t, t, device=device, dtype=dtype)).requires_grad_(True)
-    causal = torch.full((t, t), torch.finfo(dtype).min, device=device, dtype=dtype).triu(1)[None, None]
-    drop, scale = nn.Dropout(s["p"]), 1.0 / math.sqrt(d)
+    causal, drop = _causal(t, device, dtype), nn.Dropout(s["p"])
 
     def eager(q, k, v, bias):
         probs = drop(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale + bias + causal, dim=-1))
@@ -198,11 +208,8 @@ def _softcap_attention_chain(s, device, dtype):
     softmax in fp32 and cast back, dropout (``FusedAttention(softcap=50)``: the tanh recomputed in backward)."""
     from opsnn_lab import ops
 
-    b, t, h = s["batch"], s["tokens"], s["heads"]
-    d = s["hidden"] // h
-    q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    causal = torch.full((t, t), torch.finfo(dtype).min, device=device, dtype=dtype).triu(1)[None, None]
-    drop, scale, cap = nn.Dropout(s["p"]), 1.0 / math.sqrt(d), 50.0
+    q, k, v, scale = _heads(s, device, dtype)
+    causal, drop, cap = _causal(s["tokens"], device, dtype), nn.Dropout(s["p"]), 50.0
 
     def eager(q, k, v):
         scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap + causal
