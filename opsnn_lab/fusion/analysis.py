@@ -266,11 +266,11 @@ class Analysis:
                 break
             worse.update(declined)
             decisions = self._settle(patterns, rewritable, why_not, worse)
-        dropped = self.units
-        sites = [(d.key, tuple(d.nodes)) for d in decisions if d.fused and not dropped.keys() & set(d.nodes)]
-        total = self.cost.fused_total([], frozenset(dropped))  # what a step keeps: a checkpointed layer nothing
-        together = total - self.cost.fused_total(sites, frozenset(dropped))
-        checkpointing.settle(decisions, dropped)
+        dropped = frozenset(self.units)  # what a step keeps of a checkpointed layer: nothing
+        sites = [(d.key, tuple(d.nodes)) for d in decisions if d.fused and not dropped & set(d.nodes)]
+        total = self.cost.fused_total([], dropped)
+        together = total - self.cost.fused_total(sites, dropped)
+        checkpointing.settle(decisions, self.units)
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
                           graph=graph_data(self.trace), saved_together=together,
                           not_analysed=dict(self.not_analysed), _analysis=self)
