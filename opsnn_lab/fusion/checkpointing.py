@@ -90,8 +90,10 @@ class _Reentrant:
 
 
 def _plain(*args, **kwargs):
-    """``_checkpoint_without_reentrant_generator`` that sets nothing up: the function runs as it is, counted."""
-    save_inputs([*args, *kwargs.values()])
+    """``_checkpoint_without_reentrant_generator`` that sets nothing up: the function runs as it is, counted. The
+    positional arguments are what it saves (its keyword arguments are held by the recompute's closure, as the
+    caller's other locals are, and no saved-tensor hook sees them)."""
+    save_inputs(args)
     with _call():
         yield
 

@@ -1,0 +1,140 @@
+"""The other ways training code checkpoints activations: FSDP's ``apply_activation_checkpointing`` (layers wrapped
+in a ``CheckpointWrapper``, reentrant or not), ``torch.utils.checkpoint.checkpoint_sequential`` over a
+``Sequential``, and Hugging Face's ``every_n_layers``. Each plans what a checkpointed step keeps (the figure the
+fused model measures) and trains as eager."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import opsnn_lab as ol
+from opsnn_lab.demos import zoo
+from opsnn_lab.measuring import activation_bytes
+from tests.fusion._reproducible import assert_trains_as_eager
+
+wrapper = pytest.importorskip("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' "use_cache=True is incompatible with checkpointing"
+        yield
+
+
+def _kept(model, run) -> int:
+    return activation_bytes(lambda: run(model), exclude=tuple(model.parameters()))
+
+
+def _plans_what_it_keeps(model, fused, plan, run):
+    eager = _kept(model, run)
+    assert plan.saved_bytes == eager - _kept(fused, run) > 0
+    assert plan.activation_bytes == eager  # the checkpoints' inputs included, the kwargs a closure holds not
+
+
+def _same_gradients(model, fused, run, rtol=1e-5):
+    grads = []
+    for m in (model, fused):
+        ol.consistency.make_reproducible(m, seed=3)
+        m.zero_grad(set_to_none=True)
+        run(m).backward()  # reentrant checkpointing takes backward() only
+        grads.append([p.grad for p in m.parameters()])
+    largest = max(float(g.abs().max()) for g in grads[0] if g is not None)
+    for (name, _), a, b in zip(model.named_parameters(), *grads):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=1e-6 * largest, msg=name)
+
+
+@pytest.mark.parametrize("impl", ["NO_REENTRANT", "REENTRANT"])
+def test_fsdp_checkpoint_wrapped_layers_are_fused_inside_their_checkpoint(impl):
+    model, inputs = zoo.build("llama", batch=2, seq=16, dropout=0.1)
+    model.train()
+    layer = type(model.model.layers[0])
+    wrap = functools.partial(wrapper.checkpoint_wrapper, checkpoint_impl=getattr(wrapper.CheckpointImpl, impl))
+    wrapper.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: isinstance(m, layer))
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), inputs)
+    inside = [d for d in plan.fused if "._checkpoint_wrapped_module" in d.modules[0]]
+    assert {d.pattern for d in inside} >= {"qkv", "attention", "add_rms_norm", "gated_mlp_silu"}, plan.summary()
+    assert all(d.saved_bytes == 0 and "torch.utils.checkpoint call" in d.reason for d in inside)
+    # the residual add of one wrapped layer and the next one's norm run under two checkpoints
+    across = [d for d in plan.decisions if d.pattern == "add_rms_norm" and not d.fused]
+    assert across and all("different activation checkpoints" in d.reason or "inline" in d.reason for d in across)
+    run = lambda m: m(**inputs).loss  # noqa: E731
+    _plans_what_it_keeps(model, fused, plan, run)
+    _same_gradients(model, fused, run)
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(True)
+        self.dw, self.dw_bn, self.dw_act = nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False), nn.BatchNorm2d(c), \
+            nn.SiLU()
+
+    def forward(self, x):
+        return x + self.dw_act(self.dw_bn(self.dw(self.act(self.bn(self.conv(x))))))
+
+
+class _Segmented(nn.Module):
+    """A stem and three blocks run by ``checkpoint_sequential`` in two segments (the last segment runs as it is)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  *(_Block(8) for _ in range(3)))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint_sequential(self.body, 2, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_sequential_segments_are_analysed_as_they_compute(reentrant):
+    torch.manual_seed(0)
+    model = _Segmented(reentrant).double().train()
+    x = torch.randn(2, 3, 10, 9, dtype=torch.float64, requires_grad=reentrant)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    chains = {d.modules[0]: d for d in plan.decisions if d.pattern.startswith("conv_bn_")}
+    assert len(chains) == 7 and all(d.fused for d in chains.values()), plan.summary()
+    stem = chains.pop("body.0")  # segment 1 (body.0-2) runs under one checkpoint; segment 2 (the blocks) as it is
+    assert stem.saved_bytes == 0 and "torch.utils.checkpoint call" in stem.reason
+    assert all(d.saved_bytes > 0 for d in chains.values())
+    run = lambda m: m(x).sum()  # noqa: E731
+    _plans_what_it_keeps(model, fused, plan, run)
+    assert_trains_as_eager(model, fused, x)
+
+
+def test_wrapping_single_modules_declines_the_chains_they_split():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).double().train()
+    wrapper.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.BatchNorm2d))
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    (d,) = plan.decisions
+    assert not d.fused and "different activation checkpoints" in d.reason and "outside any checkpoint" in d.reason
+    assert plan.saved_bytes == 0
+    assert_trains_as_eager(model, fused, x)
+
+
+def test_every_n_layers_checkpoints_some_layers_and_the_others_save_fused():
+    T = pytest.importorskip("transformers")
+    if not hasattr(T.PreTrainedModel, "activation_checkpointing_enable"):
+        pytest.skip(f"transformers {T.__version__} has no every_n_layers")
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=64, attention_dropout=0.1)
+    model = T.LlamaForCausalLM(cfg).train()
+    model.activation_checkpointing_enable(every_n_layers=2)
+    ids = torch.randint(0, 100, (2, 16))
+    inputs = {"input_ids": ids, "labels": ids}
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), inputs)
+    mlps = {d.modules[0].split(".")[2]: d.saved_bytes for d in plan.fused if d.pattern == "gated_mlp_silu"}
+    assert mlps["0"] == mlps["2"] == 0 and mlps["1"] > 0 and mlps["3"] > 0, mlps
+    run = lambda m: m(**inputs).loss  # noqa: E731
+    _plans_what_it_keeps(model, fused, plan, run)
+    _same_gradients(model, fused, run)
