@@ -42,26 +42,21 @@ def saving_inputs(save):
 
 @contextlib.contextmanager
 def suspended(model: nn.Module):
-    """Every ``gradient_checkpointing`` flag of the model off inside the block; yields the paths of the modules
-    that checkpoint (``_units``)."""
-    on = {path: m for path, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True}
+    """The ``gradient_checkpointing`` flag of each Hugging Face layer that checkpoints its whole call (its
+    ``GradientCheckpointingLayer``) off inside the block; yields their paths. Other flagged modules keep their flag:
+    what the flag does there is the module's own code (a stack's loop checkpointing each layer it calls, a diffusers
+    block checkpointing its resnets and attentions but not its downsampler, a model its blocks and not its
+    embeddings), and the checkpoint calls that code makes run plain under ``transparent``, each numbered, so the
+    record marks exactly what ran inside one."""
+    on = {path: m for path, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True
+          and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)}
     for m in on.values():
         m.gradient_checkpointing = False
     try:
-        yield _units(on)
+        yield tuple(on)
     finally:
         for m in on.values():
             m.gradient_checkpointing = True
-
-
-def _units(on: dict[str, nn.Module]) -> tuple[str, ...]:
-    """Of the modules with the flag on, those that run checkpointed: Hugging Face's layers (its
-    ``GradientCheckpointingLayer``, whose forward wrapper checkpoints; the model above them holds the flag too, for
-    its cache settings), else the innermost flagged modules (a stack whose loop checkpoints each layer it calls)."""
-    layers = [p for p, m in on.items() if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
-    if layers:
-        return tuple(layers)
-    return tuple(p for p in on if not any(q != p and q.startswith(f"{p}.") for q in on))
 
 
 def current() -> int | None:

@@ -138,3 +138,84 @@ def test_every_n_layers_checkpoints_some_layers_and_the_others_save_fused():
     run = lambda m: m(**inputs).loss  # noqa: E731
     _plans_what_it_keeps(model, fused, plan, run)
     _same_gradients(model, fused, run)
+
+
+class _Resnet(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.bn(self.conv(x)))
+
+
+class _FlaggedBlock(nn.Module):
+    """A block whose flag checkpoints its resnets, not its downsampler (diffusers' down blocks)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.gradient_checkpointing = False
+        self.resnets = nn.ModuleList(_Resnet(c) for _ in range(2))
+        self.down = nn.Sequential(nn.Conv2d(c, c, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+
+    def forward(self, x):
+        for resnet in self.resnets:
+            x = torch.utils.checkpoint.checkpoint(resnet, x, use_reentrant=False) \
+                if torch.is_grad_enabled() and self.gradient_checkpointing else resnet(x)
+        return self.down(x)
+
+
+class _FlaggedStack(nn.Module):
+    """A flagged stack checkpointing each block it calls (an older Hugging Face encoder, a diffusers transformer),
+    with a stem and a head outside; or (``blocks_flagged``) unflagged, its blocks flagged."""
+
+    def __init__(self, blocks_flagged: bool):
+        super().__init__()
+        self.gradient_checkpointing, self.blocks_flagged = False, blocks_flagged
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.Hardswish())
+        self.blocks = nn.ModuleList(_FlaggedBlock(8) for _ in range(2))
+        self.head = nn.Sequential(nn.Conv2d(8, 8, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6())
+
+    def enable(self):
+        for m in [*self.blocks] if self.blocks_flagged else [self]:
+            m.gradient_checkpointing = True
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True) \
+                if torch.is_grad_enabled() and self.gradient_checkpointing else block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("blocks_flagged", [True, False], ids=["flagged-blocks", "flagged-stack"])
+def test_a_flag_checkpoints_what_the_modules_code_checkpoints(blocks_flagged):
+    # the flag's meaning is the module's code: only the calls it checkpoints are (the downsamplers, stem and head
+    # save across the step), which the record sees as the checkpoint calls they are
+    torch.manual_seed(0)
+    model = _FlaggedStack(blocks_flagged).double().train()
+    model.enable()
+    x = torch.randn(2, 3, 12, 10, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    chains = {d.modules[0]: d for d in plan.decisions if d.pattern.startswith("conv_bn_")}
+    assert len(chains) == 8 and all(d.fused for d in chains.values()), plan.summary()
+    checkpointed = {p for p in chains if ".resnets." in p or (not blocks_flagged and p.startswith("blocks."))}
+    assert all(chains[p].saved_bytes == 0 and "torch.utils.checkpoint call" in chains[p].reason for p in checkpointed)
+    assert all(chains[p].saved_bytes > 0 for p in set(chains) - checkpointed), {p: d.saved_bytes for p, d in
+                                                                              chains.items()}
+    run = lambda m: m(x).sum()  # noqa: E731
+    _plans_what_it_keeps(model, fused, plan, run)
+    assert_trains_as_eager(model, fused, x)
+
+
+def test_a_flag_set_after_fuse_checkpoints_the_fused_model():
+    torch.manual_seed(0)
+    model = _FlaggedStack(blocks_flagged=True).double().train()
+    x = torch.randn(2, 3, 12, 10, dtype=torch.float64, requires_grad=True)
+    fused, _ = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    run = lambda m: m(x).sum()  # noqa: E731
+    before = _kept(fused, run)
+    for m in (model, fused):
+        m.enable()
+    assert _kept(fused, run) < min(before, _kept(model, run))  # the fused resnets dropped with their checkpoint
+    assert_trains_as_eager(model, fused, x)
