@@ -266,14 +266,19 @@ class Analysis:
                 break
             worse.update(declined)
             decisions = self._settle(patterns, rewritable, why_not, worse)
-        dropped = frozenset(self.units)  # what a step keeps of a checkpointed layer: nothing
-        sites = [(d.key, tuple(d.nodes)) for d in decisions if d.fused and not dropped & set(d.nodes)]
-        total = self.cost.fused_total([], dropped)
-        together = total - self.cost.fused_total(sites, dropped)
+        total = self.cost.fused_total([], frozenset(self.units))  # what a step keeps of a checkpointed layer: nothing
+        together = self.saved_together(decisions)
         checkpointing.settle(decisions, self.units)
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
                           graph=graph_data(self.trace), saved_together=together,
                           not_analysed=dict(self.not_analysed), _analysis=self)
+
+    def saved_together(self, decisions: list[Decision]) -> int:
+        """Activation bytes the fused ``decisions`` save together across a step (``plan.saved_bytes``): a chain inside
+        a checkpoint saves nothing there, fused or not."""
+        dropped = frozenset(self.units)
+        sites = [(d.key, tuple(d.nodes)) for d in decisions if d.fused and not dropped & set(d.nodes)]
+        return self.cost.fused_total([], dropped) - self.cost.fused_total(sites, dropped)
 
     def _worse_together(self, decisions: list[Decision]) -> dict:
         """The fused chain of a memory pattern (``min_share`` / ``never_worse``) that keeps the most activation
@@ -469,25 +474,28 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
 
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
 
-    # with gradient checkpointing on, the layers' activations as their forward (and recompute) computes them
-    with checkpointing.suspended(model) as checkpointed:
-        try:
-            with torch.random.fork_rng(devices=devices), host_rngs(), own_dtypes(model, args, kwargs), \
-                    library_hooks(model), checkpointing.transparent():  # a model's own checkpoint calls run plain
-                model.train()
+    try:
+        with torch.random.fork_rng(devices=devices), host_rngs(), own_dtypes(model, args, kwargs), \
+                library_hooks(model), checkpointing.transparent():  # a model's own checkpoint calls run plain
+            model.train()
+            # with gradient checkpointing on, the layers' activations as their forward (and recompute) computes
+            # them; their flags are back on for the regions' traces, which then meet the layers' checkpoints as
+            # the rewrite will (a region holding a checkpointed layer is not traced whole: its code would run the
+            # layer's ops without the checkpoint)
+            with checkpointing.suspended(model) as checkpointed:
                 trace, forwards = _record(model, args, kwargs, devices, restore, checkpointed)
-                analysis = Analysis(model, trace, type(model).__name__, forwards, checkpointed)
-        finally:
-            for m, flag in flags.items():
-                m.training = flag
-            put_back()
-        # ops are built (and some validated) as the chains' own dtypes run them; a region's size questions run its
-        # code on the example, which moves buffers too (a spectral norm's power iteration): restored again
-        try:
-            with torch.random.fork_rng(devices=devices), host_rngs(), own_dtypes(model, args, kwargs):
-                plan = analysis.plan(patterns)
-        finally:
-            put_back()
+            analysis = Analysis(model, trace, type(model).__name__, forwards, checkpointed)
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+        put_back()
+    # ops are built (and some validated) as the chains' own dtypes run them; a region's size questions run its
+    # code on the example, which moves buffers too (a spectral norm's power iteration): restored again
+    try:
+        with torch.random.fork_rng(devices=devices), host_rngs(), own_dtypes(model, args, kwargs):
+            plan = analysis.plan(patterns)
+    finally:
+        put_back()
     plan.analysis_seconds = time.perf_counter() - t0
     return plan
 

@@ -127,8 +127,7 @@ def _leave_unfused(fused: nn.Module, plan: FusionPlan, route: dict, slots: dict,
     for d in plan.decisions:
         if d.fused and d.route == f"fx:{region}":
             d.fused, d.reason, d.route = False, why, ""
-    plan.saved_together = plan.activation_bytes - plan._analysis.cost.fused_total(
-        [(d.key, tuple(d.nodes)) for d in plan.decisions if d.fused])
+    plan.saved_together = plan._analysis.saved_together(plan.decisions)
     warnings.warn(f"opsnn_lab.fusion: {why} (a bug in opsnn_lab: please report it with the model)", RuntimeWarning,
                   stacklevel=3)
 

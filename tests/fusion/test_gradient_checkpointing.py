@@ -120,6 +120,34 @@ def test_a_call_without_the_examples_cache_runs_code_traced_for_it(monkeypatch):
     torch.testing.assert_close(out.loss, model(**inputs, use_cache=False).loss, rtol=1e-6, atol=1e-6)
 
 
+def test_a_model_fx_traces_whole_keeps_its_checkpointed_layers_out_of_that_trace(monkeypatch):
+    # MegatronBert's model forward traces whole with the layers' flags off, not with them on: the regions are
+    # traced as the rewrite traces them, flags on (before, the whole-model region failed its rewrite with a
+    # warning and its chains ran unfused while the plan's figure went negative)
+    from tests.fusion._hf import transformers_with
+
+    T = transformers_with("MegatronBertForMaskedLM")
+    torch.manual_seed(0)
+    cfg = T.MegatronBertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=64, max_position_embeddings=64)
+    model = T.MegatronBertForMaskedLM(cfg).train()
+    ids = torch.randint(3, 100, (2, 8))
+    inputs = {"input_ids": ids, "labels": ids}
+    model.gradient_checkpointing_enable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed rewrite warns
+        fused, plan = ol.fusion.fuse(copy.deepcopy(model), inputs)
+    in_layers = [d for d in plan.fused if d.pattern == "add_layer_norm" and ".layer." in d.modules[0]]
+    assert len(in_layers) >= 2 and all("runs under gradient checkpointing" in d.reason for d in in_layers)
+    eager = activation_bytes(lambda: model(**inputs).loss, exclude=tuple(model.parameters()))
+    assert plan.saved_bytes == eager - activation_bytes(lambda: fused(**inputs).loss, exclude=tuple(fused.parameters()))
+    assert plan.activation_bytes == eager
+    calls = _ops_called(fused, monkeypatch)
+    fused(**inputs).loss.backward()
+    assert any(n.startswith("bert.encoder.layer.0") for n in calls), calls
+    _same_training(model, fused, inputs)
+
+
 class _Block(torch.nn.Module):
     def __init__(self, d=16):
         super().__init__()

@@ -361,6 +361,38 @@ def test_a_region_whose_rewrite_fails_runs_unfused_and_the_plan_says_so(monkeypa
         ol.fusion.apply(model, ol.fusion.FusionPlan.from_json(as_json))
 
 
+class _FirstBlockCheckpointed(_TwoBlocks):
+    def forward(self, x):
+        x = torch.utils.checkpoint.checkpoint(self.blocks[0], x, use_reentrant=False).reshape(x.shape)
+        return self.blocks[1](x).reshape(x.shape)
+
+
+def test_a_failed_rewrite_beside_a_checkpoint_leaves_the_plans_figure_what_the_step_keeps(monkeypatch):
+    # the plan's figure is taken again without the failed region's chains: a chain inside a checkpoint saves
+    # nothing across the step there too (before, it was counted as saving what it saves in the recompute)
+    from opsnn_lab.fusion import rewrite
+    from opsnn_lab.measuring import activation_bytes
+
+    real = rewrite.FxForward.__init__
+
+    def fails_on_a_marked_host(self, host, *args, **kwargs):
+        if getattr(host, "fail_here", False):
+            raise RuntimeError("simulated tracer failure")
+        real(self, host, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model, x = _FirstBlockCheckpointed().double().train(), seeded(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    plan = ol.fusion.analyze(model, (x,))
+    assert [d.route for d in plan.decisions if d.fused] == ["fx:blocks.0", "fx:blocks.1"]
+    model.blocks[1].fail_here = True
+    monkeypatch.setattr(rewrite.FxForward, "__init__", fails_on_a_marked_host)
+    with pytest.warns(RuntimeWarning, match="fx rewrite of `blocks.1` failed"):
+        fused = ol.fusion.apply(model, plan)
+    kept = [activation_bytes(lambda m=m: m(x).sum(), exclude=tuple(m.parameters())) for m in (model, fused)]
+    assert plan.saved_bytes == kept[0] - kept[1] == 0
+    _assert_same(model, fused, (x,))
+
+
 @dataclass
 class PerLayerConfig:
     """A config whose global ``head_dim`` field raises when read (Gemma-4's per-layer attributes)."""
