@@ -1,10 +1,12 @@
-"""Models with activation checkpointing on (Hugging Face's ``gradient_checkpointing_enable()``, or
+"""Models with activation checkpointing on (Hugging Face's ``gradient_checkpointing_enable()``, diffusers'
+``enable_gradient_checkpointing()``, FSDP's ``apply_activation_checkpointing``, ``checkpoint_sequential``, or
 ``torch.utils.checkpoint`` calls in a forward: timm's ``set_grad_checkpointing()``, a user's own).
 
 A checkpointed layer keeps nothing past its forward: its activations are dropped and computed again in backward,
 so a trace recorded with checkpointing on sees no tensor saved inside it, and every chain there reads as keeping
 more fused than eager's nothing (the fused op's saves were measured outside the checkpoint). The analysis records
-with the flags off (``suspended``) and with ``torch.utils.checkpoint`` running the function it is given as it is
+with the Hugging Face layers' flags off (``suspended``; back on for the regions' fx traces, which then meet the
+checkpoints as the rewrite does) and with ``torch.utils.checkpoint`` running the function it is given as it is
 (``transparent``, which marks what ran inside), so each chain is weighed on what the layer's forward, and its
 recompute in backward, actually computes; the fused layer runs under the same checkpoint (``region_forward``, the
 layer's own wrapper around module-level ops, or the model's own checkpoint call). Across the step a chain inside
@@ -95,8 +97,8 @@ def _plain(*args, **kwargs):
 
 def save_inputs(values) -> None:
     """The tensors among ``values``, a checkpoint's inputs, to whoever records them (``saving_inputs``)."""
-    if _CALLS:  # an inner checkpoint's inputs are dropped with the outer one's activations
-        return
+    if _CALLS or not torch.is_grad_enabled():  # an inner checkpoint's inputs are dropped with the outer one's
+        return  # activations; without gradients a checkpoint runs its function as it is and keeps nothing
     for save in _INPUT_SAVERS:
         for t in values:
             if isinstance(t, torch.Tensor):

@@ -5,6 +5,7 @@ fused model measures) and trains as eager."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -218,4 +219,32 @@ def test_a_flag_set_after_fuse_checkpoints_the_fused_model():
     for m in (model, fused):
         m.enable()
     assert _kept(fused, run) < min(before, _kept(model, run))  # the fused resnets dropped with their checkpoint
+    assert_trains_as_eager(model, fused, x)
+
+
+class _SomeStepsWithoutGradients(nn.Module):
+    """A block run three times through its checkpoint, the first two without gradients (a recurrent model bounding
+    its memory: only the last steps backpropagate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _Resnet(8)
+
+    def forward(self, x):
+        h = torch.zeros_like(x)
+        for step in range(3):
+            with torch.no_grad() if step < 2 else contextlib.nullcontext():
+                h = torch.utils.checkpoint.checkpoint(self.block, h + x, use_reentrant=False)
+        return h
+
+
+def test_a_checkpoint_run_without_gradients_keeps_nothing():
+    torch.manual_seed(0)
+    model = _SomeStepsWithoutGradients().double().train()
+    x = torch.randn(2, 8, 7, 6, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    assert [d.fused for d in plan.decisions if d.pattern == "conv_bn_silu"] == [True] * 3  # a decision a call
+    run = lambda m: m(x).sum()  # noqa: E731
+    assert plan.activation_bytes == _kept(model, run)  # one checkpoint's input, not three
+    assert plan.saved_bytes == _kept(model, run) - _kept(fused, run)
     assert_trains_as_eager(model, fused, x)
