@@ -22,8 +22,8 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 
-__all__ = ["suspended", "transparent", "refused", "current", "saving_inputs", "save_inputs", "inside", "crossing",
-           "settle"]
+__all__ = ["suspended", "transparent", "refused", "current", "saving_inputs", "save_inputs", "holder", "inside",
+           "crossing", "settle"]
 
 _CALLS: list[int] = []  # the torch.utils.checkpoint calls running, inside ``transparent`` (innermost last)
 _COUNT = [0]
@@ -152,7 +152,8 @@ def _entry_points(reentrant, plain):
             setattr(_torch_checkpoint, n, v)
 
 
-def _holder(scope: str, paths: tuple[str, ...]) -> str | None:
+def holder(scope: str, paths: tuple[str, ...]) -> str | None:
+    """The path among ``paths`` whose module runs the code of ``scope`` (a module path), else None."""
     return next((p for p in paths if scope == p or scope.startswith(f"{p}.") or not p), None)
 
 
@@ -160,7 +161,7 @@ def inside(graph, paths: tuple[str, ...], calls: dict | None = None) -> dict[str
     """``{node name: what checkpoints it}`` for the trace's nodes that run checkpointed: the path of the flagged
     module it runs in, or the number of the ``torch.utils.checkpoint`` call it ran inside (``calls``: the trace's
     ``checkpointed``)."""
-    found = {n.name: _holder(n.scope or "", paths) for n in graph.nodes} if paths else {}
+    found = {n.name: holder(n.scope or "", paths) for n in graph.nodes} if paths else {}
     return {**(calls or {}), **{name: path for name, path in found.items() if path is not None}}
 
 

@@ -75,8 +75,8 @@ class RuntimeTrace:
     # layers a layerdrop or a branch skipped; nothing of them is in the record
     not_called: list[str] = field(default_factory=list)
     # node name -> the torch.utils.checkpoint call it ran inside (run as a plain call while recording:
-    # checkpointing.py), for the nodes that did
-    checkpointed: dict[str, int] = field(default_factory=dict)
+    # checkpointing.py), for the nodes that did; a save no recorded op made -> its call or checkpointed layer
+    checkpointed: dict[str, int | str] = field(default_factory=dict)
 
     def calls_of(self, path: str) -> list[ModuleCall]:
         return [c for c in self.module_calls if c.path == path]
@@ -194,7 +194,7 @@ _METADATA = frozenset({"__get__", "size", "dim", "numel", "stride", "is_contiguo
 class _Recorder(TorchFunctionMode):
     def __init__(self, model: nn.Module, checkpointed: tuple[str, ...] = ()):
         super().__init__()
-        self.checkpointed_layers = frozenset(checkpointed)  # layers whose checkpoint the flags-off record leaves out
+        self.checkpointed_layers = tuple(checkpointed)  # layers whose checkpoint the flags-off record leaves out
         self.paths = {}
         for name, m in model.named_modules(remove_duplicate=False):
             self.paths.setdefault(id(m), name)
@@ -215,7 +215,9 @@ class _Recorder(TorchFunctionMode):
         self.open_calls: list[tuple[int, int] | None] = []  # (index in module_calls, first node index)
         self.called: set[int] = set()  # id of every module called, inside built-in modules too
         self.read: set[int] = set()  # id of every Parameter a recorded function call read
-        self.checkpointed: dict[str, int] = {}  # nodes made inside a torch.utils.checkpoint call -> the call
+        # nodes made inside a torch.utils.checkpoint call -> the call; saves no op made there (``_saver``) -> the call
+        # or checkpointed layer
+        self.checkpointed: dict[str, int | str] = {}
 
     # -- tensors ----------------------------------------------------------------------------------------
     def _refs(self, value):
@@ -317,7 +319,10 @@ class _Recorder(TorchFunctionMode):
             state = ArgumentState([*args, *kwargs.values()]) if first else None
             record = RecordedCall(args, kwargs, state if state and state.items else None)
             self.calls.setdefault(path, []).append(record)
-            if path in self.checkpointed_layers:  # its checkpoint keeps its positional inputs, as its wrapper calls it
+            if path in self.checkpointed_layers and \
+                    checkpointing.holder(self.scope[-1], self.checkpointed_layers) is None:
+                # its checkpoint keeps its positional inputs, as its wrapper calls it; inside another checkpointed
+                # layer (Swin's layers in its stages) they go with that one's activations
                 checkpointing.save_inputs(args)
             self.records[len(self.module_calls)] = record
             ins = [self.producer.get(id(t), "") for t in flatten_tensors([list(args), kwargs])]
@@ -363,8 +368,22 @@ class _Recorder(TorchFunctionMode):
         if not isinstance(t, nn.Parameter):
             key = _storage_key(t)
             if key not in self.param_storages:
-                self.saved.append((saver or self.current[-1], key, t.untyped_storage().nbytes()))
+                self.saved.append((saver or self._saver(), key, t.untyped_storage().nbytes()))
         return t
+
+    def _saver(self) -> str:
+        """The op saving a tensor now; "<outside>" when no recorded op runs (an autograd Function's ``forward``
+        saving its own tensors), named for where it runs when that is a checkpoint: nothing of it is kept."""
+        if (saver := self.current[-1]) != "<outside>":
+            return saver
+        scope = self.scope[-1]
+        unit = checkpointing.holder(scope, self.checkpointed_layers)
+        unit = unit if unit is not None else checkpointing.current()
+        if unit is None:
+            return saver
+        saver = f"<outside> {scope or '<model>'}"
+        self.checkpointed[saver] = unit
+        return saver
 
     def checkpoint_input(self, t: torch.Tensor) -> None:
         """What a checkpoint keeps of its inputs, which the record runs plain (checkpointing.py)."""
