@@ -114,9 +114,11 @@ def _running(name: str, dtype: torch.dtype, r: dict, build=build):
     return model, inputs
 
 
-def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=build) -> None:
+def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=build,
+          checkpointing: bool = False) -> None:
     """``hf_sweep.check`` on ``build``'s model (its eval step asks for hidden states where a model takes them)."""
-    S.check(name, dtype, r, autocast, running=lambda n, d, rec: _running(n, d, rec, build))
+    S.check(name, dtype, r, autocast, running=lambda n, d, rec: _running(n, d, rec, build),
+            checkpointing=checkpointing)
 
 
 def main(argv=None) -> None:

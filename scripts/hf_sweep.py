@@ -13,6 +13,7 @@ fusion failure (``stage`` says where a failure happened).
     python scripts/hf_sweep.py --dtype float32 --autocast     # + a bf16 autocast step, fused and eager vs fp32
     python scripts/hf_sweep.py --dtype float32 --no-cache     # use_cache=False before fusion, as training sets it
     python scripts/hf_sweep.py --dtype float32 --call-no-cache  # fused on a default call, trained with use_cache=False
+    python scripts/hf_sweep.py --models all --checkpointing   # checkpointing on before fusion: plan = the step's bytes
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ def fuse_recorded(model, example, r: dict):
         else:
             raise
     r["fused"] = sorted(f"{d.pattern}@{d.route.split(':')[0]}" for d in plan.decisions if d.fused)
+    r["plan_bytes"] = {"saved": plan.saved_bytes, "eager": plan.activation_bytes}
     r["fx_regions"] = sorted(x["path"] or "<model>" for x in plan.routes if x["route"] == "fx")
     r["rewrite_failed"] = sorted({d.reason for d in plan.decisions if d.reason.startswith(REWRITE_FAILED)})
     return fused
@@ -269,17 +271,24 @@ def unfused_at_run(r: dict):
 
 
 def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, running=build_running,
-          no_cache: bool = False, call_no_cache: bool = False) -> None:
+          no_cache: bool = False, call_no_cache: bool = False, checkpointing: bool = False) -> None:
     """Fill ``r``; ``r["stage"]`` is where an exception left it ("build"/"eager": the model itself).
     ``running(name, dtype, r)``: the model and its keyword inputs, run once (diffusers_sweep.py hands its own).
     ``no_cache``: ``use_cache = False`` in the model's configs before fusion (training scripts set it).
     ``call_no_cache``: fused on the example as it is, checked on calls passing ``use_cache=False`` (what a training
-    script passes to a model fused on a default call: the regions' code traced for it at its first call)."""
+    script passes to a model fused on a default call: the regions' code traced for it at its first call).
+    ``checkpointing``: activation checkpointing on before fusion (``enable_checkpointing``), and the plan's bytes
+    checked against the step's (``r["bytes"]``)."""
     with unfused_at_run(r):
         model, inputs = running(name, dtype, r)
         if no_cache:
             without_cache(model)
+        if checkpointing:
+            r["stage"] = "checkpointing"
+            enable_checkpointing(model)
         fused = fuse_recorded(model, inputs, r)
+        if checkpointing:
+            step_bytes(lambda m: sum(o.sum() for o in _run(m, inputs)), model, fused, r)
         if call_no_cache and "use_cache" in inspect.signature(model.forward).parameters:
             inputs = {**inputs, "use_cache": False}
             r["called_with"] = "use_cache=False"
@@ -302,6 +311,35 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, runnin
         if autocast:  # last: its updates of BatchNorm running statistics differ between the two models
             autocast_errors(lambda m: _train_step(m, inputs), model, fused, (outs_a, g_a), r)
     del r["stage"]
+
+
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing on as the model's library turns it on: Hugging Face's
+    ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before it), diffusers'
+    ``enable_gradient_checkpointing()``, timm's ``set_grad_checkpointing()``; a wrapper's model held as ``.vae``
+    (diffusers_sweep.EncodeDecode) through it. ``ValueError`` where the model has none of these."""
+    inner = getattr(model, "vae", model)
+    if getattr(inner, "supports_gradient_checkpointing", False):  # Hugging Face
+        on = getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "use_cache=True is incompatible with gradient checkpointing"
+            on()
+    elif getattr(inner, "_supports_gradient_checkpointing", False):  # diffusers
+        inner.enable_gradient_checkpointing()
+    elif hasattr(inner, "set_grad_checkpointing"):  # timm
+        inner.set_grad_checkpointing(True)
+    else:
+        raise ValueError(f"{type(inner).__name__} has no activation checkpointing to turn on")
+
+
+def step_bytes(loss, model, fused, r: dict) -> None:
+    """``r["bytes"]``: the activation bytes a step of ``loss(m)`` keeps, eager and fused, beside the plan's figures
+    (``r["plan_bytes"]``): what the plan says fusion saves, and the eager total, each as the step measures it."""
+    from opsnn_lab.measuring import activation_bytes
+
+    r["stage"] = "bytes"
+    eager, kept = (activation_bytes(lambda m=m: loss(m), exclude=tuple(m.parameters())) for m in (model, fused))
+    r["bytes"] = {"saved": eager - kept, "eager": eager}
 
 
 def without_cache(model) -> None:
@@ -361,6 +399,9 @@ def _line(r: dict) -> str:
     if "amp_out_err" in r:  # fused / eager error of the bf16 step against the fp32 one
         line += "  bf16 fused/eager error: " + ", ".join(
             f"{k} {r[k]['fused'] / max(r[k]['eager'], 1e-30):.2f}" for k in ("amp_out_err", "amp_grad_err"))
+    if "bytes" in r:
+        line += "  plan = step" if r["bytes"] == r["plan_bytes"] else \
+            f"  PLAN {r['plan_bytes']} != STEP {r['bytes']}"
     if r.get("ran_unfused"):
         line = f"{len(r['ran_unfused'])} RAN UNFUSED, " + line
     if r.get("rewrite_failed"):  # first: the printed line is cut at 150 characters (the JSON has the reasons)
@@ -378,6 +419,11 @@ def argument_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def add_checkpointing_flag(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing on before fusion, as the "
+                    "model's library turns it on; the plan's activation bytes checked against the step's")
+
+
 def main(argv=None) -> None:
     ap = argument_parser(__doc__)
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
@@ -386,12 +432,14 @@ def main(argv=None) -> None:
     ap.add_argument("--no-cache", action="store_true", help="use_cache=False in the configs before fusion")
     ap.add_argument("--call-no-cache", action="store_true", help="fused on the default call, checked on calls "
                     "passing use_cache=False")
+    add_checkpointing_flag(ap)
     args = ap.parse_args(argv)
     if args.autocast and args.dtype != "float32":
         ap.error("--autocast compares with the float32 step: use it with --dtype float32")
     dtype = getattr(torch, args.dtype)
     run_sweep(model_names(args.models), lambda name, r: check(name, dtype, r, args.autocast, no_cache=args.no_cache,
-                                                              call_no_cache=args.call_no_cache), _line, args.out)
+                                                              call_no_cache=args.call_no_cache,
+                                                              checkpointing=args.checkpointing), _line, args.out)
 
 
 if __name__ == "__main__":

@@ -115,9 +115,10 @@ def _train_step(model, x):
     return outs, [g if g is not None else torch.zeros(0) for g in grads]
 
 
-def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=build) -> None:
+def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=build,
+          checkpointing: bool = False) -> None:
     """The checks of the module docstring on ``build(name, dtype, small)``'s model and input (torchvision_sweep.py
-    hands its own)."""
+    hands its own); ``checkpointing``: as ``hf_sweep.check``'s."""
     with S.unfused_at_run(r):
         r["stage"] = "build"
         model, x = _without_dropout(*build(name, dtype))
@@ -129,7 +130,12 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=
             model, x = _without_dropout(*build(name, dtype, small=False))
             r["stage"] = "eager"
             _outs(model, x)
+        if checkpointing:
+            r["stage"] = "checkpointing"
+            S.enable_checkpointing(model)
         fused = S.fuse_recorded(model, (x,), r)
+        if checkpointing:
+            S.step_bytes(lambda m: sum(o.sum() for o in _outs(m, x)), model, fused, r)
         r["stage"] = "train"
         (outs_a, g_a), (outs_b, g_b) = (_train_step(m, x) for m in (model, fused))
         r["out_err"], r["grad_err"] = S._rel(outs_b, outs_a), S._rel(g_b, g_a, S.largest_finite(g_a))
@@ -154,6 +160,7 @@ def sweep_main(argv, doc: str, default_names, build=build, check=check, running=
     ap.add_argument("--list", action="store_true", help="print the default models and stop")
     ap.add_argument("--autocast", action="store_true", help="also a training step under bf16 autocast, eager and "
                     "fused, each against the float32 eager step")
+    S.add_checkpointing_flag(ap)
     args = ap.parse_args(argv)
     names = args.models.split(",") if args.models else default_names()
     if args.list:
@@ -162,10 +169,13 @@ def sweep_main(argv, doc: str, default_names, build=build, check=check, running=
     if args.autocast and args.dtype != "float32":
         ap.error("--autocast compares with the float32 step: use it with --dtype float32")
     dtype = getattr(torch, args.dtype)
+    on = args.checkpointing
     if running is not None:
-        S.run_sweep(names, lambda name, r: S.check(name, dtype, r, args.autocast, running=running), S._line, args.out)
+        S.run_sweep(names, lambda name, r: S.check(name, dtype, r, args.autocast, running=running, checkpointing=on),
+                    S._line, args.out)
     else:
-        S.run_sweep(names, lambda name, r: check(name, dtype, r, args.autocast, build=build), S._line, args.out)
+        S.run_sweep(names, lambda name, r: check(name, dtype, r, args.autocast, build=build, checkpointing=on),
+                    S._line, args.out)
 
 
 def main(argv=None) -> None:

@@ -149,3 +149,15 @@ def test_the_records_are_on_disk_after_each_model(tmp_path):
     assert seen[1]["a"]["fused"] == ["a"] and seen[1]["b"]["stage"].startswith("started")
     final = json.loads(out.read_text())
     assert final["b"]["fused"] == ["b"] and "stage" not in final["b"] and not list(tmp_path.glob("*.part"))
+
+
+def test_checkpointing_checks_the_plans_bytes_against_the_steps(tmp_path, capsys):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "checkpointed.json"
+    main(["--models", "MegatronBert,Yoso", "--checkpointing", "--out", str(out)])
+    results = json.loads(out.read_text())
+    for r in results.values():  # a whole-model trace around checkpointed layers; an autograd Function in a layer
+        assert "error" not in r and r["fused"] and r["rewrite_failed"] == [], r
+        assert r["bytes"] == r["plan_bytes"] and r["bytes"]["eager"] > 0, r
+        assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-12
+    assert capsys.readouterr().out.count("plan = step") == 2
