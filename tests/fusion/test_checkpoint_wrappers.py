@@ -39,6 +39,11 @@ def _plans_what_it_keeps(model, fused, plan, run):
     assert plan.activation_bytes == eager  # the checkpoints' inputs included, the kwargs a closure holds not
 
 
+def _plans_and_trains_as_eager(model, fused, plan, run):
+    _plans_what_it_keeps(model, fused, plan, run)
+    _same_gradients(model, fused, run)
+
+
 def _same_gradients(model, fused, run, rtol=1e-5):
     grads = []
     for m in (model, fused):
@@ -65,9 +70,7 @@ def test_fsdp_checkpoint_wrapped_layers_are_fused_inside_their_checkpoint(impl):
     # the residual add of one wrapped layer and the next one's norm run under two checkpoints
     across = [d for d in plan.decisions if d.pattern == "add_rms_norm" and not d.fused]
     assert across and all("different activation checkpoints" in d.reason or "inline" in d.reason for d in across)
-    run = lambda m: m(**inputs).loss  # noqa: E731
-    _plans_what_it_keeps(model, fused, plan, run)
-    _same_gradients(model, fused, run)
+    _plans_and_trains_as_eager(model, fused, plan, lambda m: m(**inputs).loss)
 
 
 class _Block(nn.Module):
@@ -136,9 +139,7 @@ def test_every_n_layers_checkpoints_some_layers_and_the_others_save_fused():
     fused, plan = ol.fusion.fuse(copy.deepcopy(model), inputs)
     mlps = {d.modules[0].split(".")[2]: d.saved_bytes for d in plan.fused if d.pattern == "gated_mlp_silu"}
     assert mlps["0"] == mlps["2"] == 0 and mlps["1"] > 0 and mlps["3"] > 0, mlps
-    run = lambda m: m(**inputs).loss  # noqa: E731
-    _plans_what_it_keeps(model, fused, plan, run)
-    _same_gradients(model, fused, run)
+    _plans_and_trains_as_eager(model, fused, plan, lambda m: m(**inputs).loss)
 
 
 class _Resnet(nn.Module):

@@ -332,23 +332,28 @@ class _TwoBlocks(nn.Module):
         return x
 
 
-def test_a_region_whose_rewrite_fails_runs_unfused_and_the_plan_says_so(monkeypatch):
+def _failing_on_marked_hosts(monkeypatch) -> None:
+    """An fx region whose module has ``fail_here`` set fails its rewrite (after its fused ops are registered)."""
     from opsnn_lab.fusion import rewrite
 
     real = rewrite.FxForward.__init__
 
-    def fails_on_a_marked_host(self, host, *args, **kwargs):  # after the region's fused ops are registered
+    def fails_on_a_marked_host(self, host, *args, **kwargs):
         if getattr(host, "fail_here", False):
             raise RuntimeError("simulated tracer failure")
         real(self, host, *args, **kwargs)
 
+    monkeypatch.setattr(rewrite.FxForward, "__init__", fails_on_a_marked_host)
+
+
+def test_a_region_whose_rewrite_fails_runs_unfused_and_the_plan_says_so(monkeypatch):
     torch.manual_seed(0)
     model, x = _TwoBlocks().double().train(), seeded(2, 5, 8, dtype=torch.float64, requires_grad=True)
     plan = ol.fusion.analyze(model, (x,))
     assert [d.route for d in plan.decisions if d.fused] == ["fx:blocks.0", "fx:blocks.1"]
     saved, as_json = plan.saved_bytes, plan.to_json()
     model.blocks[1].fail_here = True  # the copy apply() makes has it too
-    monkeypatch.setattr(rewrite.FxForward, "__init__", fails_on_a_marked_host)
+    _failing_on_marked_hosts(monkeypatch)
     with pytest.warns(RuntimeWarning, match="fx rewrite of `blocks.1` failed .*simulated tracer failure"):
         fused = ol.fusion.apply(model, plan)
     assert [d.route for d in plan.decisions if d.fused] == ["fx:blocks.0"]
@@ -370,22 +375,14 @@ class _FirstBlockCheckpointed(_TwoBlocks):
 def test_a_failed_rewrite_beside_a_checkpoint_leaves_the_plans_figure_what_the_step_keeps(monkeypatch):
     # the plan's figure is taken again without the failed region's chains: a chain inside a checkpoint saves
     # nothing across the step there too (before, it was counted as saving what it saves in the recompute)
-    from opsnn_lab.fusion import rewrite
     from opsnn_lab.measuring import activation_bytes
-
-    real = rewrite.FxForward.__init__
-
-    def fails_on_a_marked_host(self, host, *args, **kwargs):
-        if getattr(host, "fail_here", False):
-            raise RuntimeError("simulated tracer failure")
-        real(self, host, *args, **kwargs)
 
     torch.manual_seed(0)
     model, x = _FirstBlockCheckpointed().double().train(), seeded(2, 5, 8, dtype=torch.float64, requires_grad=True)
     plan = ol.fusion.analyze(model, (x,))
     assert [d.route for d in plan.decisions if d.fused] == ["fx:blocks.0", "fx:blocks.1"]
     model.blocks[1].fail_here = True
-    monkeypatch.setattr(rewrite.FxForward, "__init__", fails_on_a_marked_host)
+    _failing_on_marked_hosts(monkeypatch)
     with pytest.warns(RuntimeWarning, match="fx rewrite of `blocks.1` failed"):
         fused = ol.fusion.apply(model, plan)
     kept = [activation_bytes(lambda m=m: m(x).sum(), exclude=tuple(m.parameters())) for m in (model, fused)]
