@@ -13,6 +13,7 @@ from torch import nn
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion import checkpointing
 from opsnn_lab.fusion.cost import CostModel
+from opsnn_lab.fusion.distributed import check_not_distributed
 from opsnn_lab.fusion.instance import dropout_streams, host_rngs, instance_state, restore_instance_state
 from opsnn_lab.fusion.match import NORM_ACTS
 from opsnn_lab.fusion.patterns import (
@@ -455,6 +456,7 @@ def analyze(model: nn.Module, example_inputs, patterns=None) -> FusionPlan:
     themselves when they run under it.
     """
     check_type("model", model, nn.Module)
+    check_not_distributed(model)
     args, kwargs = split_inputs(example_inputs)
     patterns = check_patterns(patterns)
     t0 = time.perf_counter()

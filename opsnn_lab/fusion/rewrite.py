@@ -21,6 +21,7 @@ from torch import nn
 
 from opsnn_lab._checks import check_type
 from opsnn_lab.fusion import owners
+from opsnn_lab.fusion.distributed import check_not_distributed
 from opsnn_lab.fusion.graph import Graph, Node, Ref, canonical_module
 from opsnn_lab.fusion.packing import RepackAfterApply, fused_ops, repack_after_load
 from opsnn_lab.fusion.patch import install, revert
@@ -142,6 +143,7 @@ def apply(model: nn.Module, plan: FusionPlan) -> nn.Module:
     """
     check_type("model", model, nn.Module)
     check_type("plan", plan, FusionPlan)
+    check_not_distributed(model)
     fused = copy.deepcopy(model, graph_free_memo(model))
     # probing and tracing run the copy's code, which may move a buffer (a spectral norm's power iteration): each
     # is put back as the model has it
