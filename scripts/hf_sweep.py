@@ -2,7 +2,8 @@
 
 For every ``<Name>Config`` / model class pair found in the installed transformers: dropouts 0, eager
 attention, one training step of the fused model and of the original (outputs and every parameter gradient
-of a fixed random projection), then eval with hidden states and attentions, then ``inference_mode``.
+of a fixed random projection), then eval with hidden states and attentions, then ``inference_mode``; and the
+plan's activation bytes (saved, eager total) against what a step keeps, eager and fused ("plan = step").
 Prints one line per model; ``--out`` writes the details (fused patterns, fx regions, errors) as JSON.
 A model the installed transformers cannot build from the small config is reported as such, not as a
 fusion failure (``stage`` says where a failure happened).
@@ -13,7 +14,7 @@ fusion failure (``stage`` says where a failure happened).
     python scripts/hf_sweep.py --dtype float32 --autocast     # + a bf16 autocast step, fused and eager vs fp32
     python scripts/hf_sweep.py --dtype float32 --no-cache     # use_cache=False before fusion, as training sets it
     python scripts/hf_sweep.py --dtype float32 --call-no-cache  # fused on a default call, trained with use_cache=False
-    python scripts/hf_sweep.py --models all --checkpointing   # checkpointing on before fusion: plan = the step's bytes
+    python scripts/hf_sweep.py --models all --checkpointing   # checkpointing on before fusion
 """
 
 from __future__ import annotations
@@ -277,8 +278,8 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, runnin
     ``no_cache``: ``use_cache = False`` in the model's configs before fusion (training scripts set it).
     ``call_no_cache``: fused on the example as it is, checked on calls passing ``use_cache=False`` (what a training
     script passes to a model fused on a default call: the regions' code traced for it at its first call).
-    ``checkpointing``: activation checkpointing on before fusion (``enable_checkpointing``), and the plan's bytes
-    checked against the step's (``r["bytes"]``)."""
+    ``checkpointing``: activation checkpointing on before fusion (``enable_checkpointing``). The plan's bytes are
+    checked against the step's either way (``r["bytes"]``)."""
     with unfused_at_run(r):
         model, inputs = running(name, dtype, r)
         if no_cache:
@@ -287,8 +288,7 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, runnin
             r["stage"] = "checkpointing"
             enable_checkpointing(model)
         fused = fuse_recorded(model, inputs, r)
-        if checkpointing:
-            step_bytes(lambda m: sum(o.sum() for o in _run(m, inputs)), model, fused, r)
+        step_bytes(lambda m: sum(o.sum() for o in _run(m, inputs)), model, fused, r)
         if call_no_cache and "use_cache" in inspect.signature(model.forward).parameters:
             inputs = {**inputs, "use_cache": False}
             r["called_with"] = "use_cache=False"
@@ -421,7 +421,7 @@ def argument_parser(doc: str) -> argparse.ArgumentParser:
 
 def add_checkpointing_flag(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing on before fusion, as the "
-                    "model's library turns it on; the plan's activation bytes checked against the step's")
+                    "model's library turns it on")
 
 
 def main(argv=None) -> None:

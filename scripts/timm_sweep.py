@@ -134,8 +134,7 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=
             r["stage"] = "checkpointing"
             S.enable_checkpointing(model)
         fused = S.fuse_recorded(model, (x,), r)
-        if checkpointing:
-            S.step_bytes(lambda m: sum(o.sum() for o in _outs(m, x)), model, fused, r)
+        S.step_bytes(lambda m: sum(o.sum() for o in _outs(m, x)), model, fused, r)
         r["stage"] = "train"
         (outs_a, g_a), (outs_b, g_b) = (_train_step(m, x) for m in (model, fused))
         r["out_err"], r["grad_err"] = S._rel(outs_b, outs_a), S._rel(g_b, g_a, S.largest_finite(g_a))

@@ -72,7 +72,7 @@ def test_the_diffusers_sweep_fuses_a_dit_shaped_model_and_checks_it(tmp_path, mo
     sweep["main"](["--models", "dit,no_such_model", "--out", str(out)])
     results = json.loads(out.read_text())
     r = results["dit"]
-    assert "error" not in r and not r["rewrite_failed"], r
+    assert "error" not in r and not r["rewrite_failed"] and r["bytes"] == r["plan_bytes"], r
     # the model traces whole, past the label dropout and the rank check; per block, the packed GEGLU (its second
     # half activated) with its dropout and down projection, and the residual add + LayerNorm
     assert r["fused"] == ["add_layer_norm@fx"] * 2 + ["gated_mlp_gelu@fx"] * 2, r["fused"]

@@ -26,6 +26,7 @@ def test_the_sweep_fuses_checks_and_reports(tmp_path, capsys):
         r = results[name]
         assert "error" not in r and r["fused"] and r["rewrite_failed"] == [], r
         assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-12
+        assert r["bytes"] == r["plan_bytes"] and r["bytes"]["saved"] > 0, r  # the plan's figures are the step's
     assert "add_layer_norm@fx" in results["ViT"]["fused"] and "vit.layers.0" in results["ViT"]["fx_regions"]
     assert results["NoSuchModel"]["error"].startswith("build: AttributeError")
     assert "NoSuchModel" in capsys.readouterr().out

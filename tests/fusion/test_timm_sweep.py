@@ -60,6 +60,7 @@ def test_the_timm_sweep_takes_the_smallest_of_each_family_and_checks_it(tmp_path
     for name in ("net_small", "old_family", "fixed_grid"):
         r = results[name]
         assert "error" not in r and r["fused"] == ["conv_bn_relu@module"], r
+        assert r["bytes"] == r["plan_bytes"] and r["bytes"]["saved"] > 0, r  # the plan's figures are the step's
         assert max(r[k] for k in ("out_err", "grad_err", "eval_err", "inference_err")) < 1e-12
     assert results["no_such_model"]["error"].startswith("build: KeyError")
     sweep["main"](["--models", "net_small", "--dtype", "float32", "--autocast", "--out", str(out)])
