@@ -84,6 +84,8 @@ class Analysis:
         # node name -> what checkpoints it (a layer with gradient checkpointing on, ``checkpointed``, or a
         # torch.utils.checkpoint call), for the nodes that run checkpointed (checkpointing.py)
         self.units = checkpointing.inside(trace.graph, checkpointed, trace.checkpointed)
+        # what a step keeps nothing of, fused or not: the nodes inside a checkpoint, and those run without gradients
+        self.dropped = frozenset(self.units) | trace.without_grad
         where = "the analysis forward" if forwards == 1 else f"any of the {forwards} analysis forwards"
         # modules holding parameters of which nothing ran: no candidate of theirs was seen; they run as they are
         self.not_analysed = {p or "<model>": f"not called in {where} (skipped by layerdrop or a branch): not analysed, "
@@ -182,6 +184,9 @@ class Analysis:
         made = sum(x.op == n.op and x.scope == n.scope for x in self.trace.graph.nodes)
         return box if calls and made == calls else None
 
+    def _without_grad(self, m: Match) -> bool:
+        return all(n.name in self.trace.without_grad for n in m.nodes)
+
     def _not_rewritable(self, m: Match, why_not: dict) -> str:
         why = why_not.get(m.key, "")
         return f"cannot be rewritten: {why}" if why else "cannot be rewritten here"
@@ -195,6 +200,8 @@ class Analysis:
             return worse[_site(m)]
         if why := checkpointing.crossing(m, self.units):
             return why
+        if self._without_grad(m):  # nothing saved, fused or not: the other sites of its key decide
+            return ""
         if not _memory_pattern(m.pattern) or _site(m) not in self.costs:
             return ""
         pat = pattern_of(m.pattern)
@@ -219,6 +226,10 @@ class Analysis:
             d.fused, d.reason = False, self._not_rewritable(m, self.why_not if why_not is None else why_not)
         elif m.ok:
             d.saved_bytes, d.traffic_bytes = self.costs[_site(m)][:2]  # a declined match shows what it would save
+            if self._without_grad(m):
+                d.saved_bytes = 0
+                d.reason += ("; runs with gradients off here (torch.no_grad in the forward): nothing is saved for "
+                             "backward, fused or not")
             why = self.not_worth(m, worse)
             if why:
                 d.fused, d.reason = False, why
@@ -267,7 +278,7 @@ class Analysis:
                 break
             worse.update(declined)
             decisions = self._settle(patterns, rewritable, why_not, worse)
-        total = self.cost.fused_total([], frozenset(self.units))  # what a step keeps of a checkpointed layer: nothing
+        total = self.cost.fused_total([], self.dropped)
         together = self.saved_together(decisions)
         checkpointing.settle(decisions, self.units)
         return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
@@ -276,10 +287,13 @@ class Analysis:
 
     def saved_together(self, decisions: list[Decision]) -> int:
         """Activation bytes the fused ``decisions`` save together across a step (``plan.saved_bytes``): a chain inside
-        a checkpoint saves nothing there, fused or not."""
-        dropped = frozenset(self.units)
-        sites = [(d.key, tuple(d.nodes)) for d in decisions if d.fused and not dropped & set(d.nodes)]
-        return self.cost.fused_total([], dropped) - self.cost.fused_total(sites, dropped)
+        a checkpoint, or run with gradients off, saves nothing there, fused or not."""
+        return self.cost.fused_total([], self.dropped) - self.cost.fused_total(self._kept_sites(decisions),
+                                                                               self.dropped)
+
+    def _kept_sites(self, decisions: list[Decision]) -> list[tuple]:
+        """The fused decisions' sites whose op keeps what it saves across the step (``dropped``: none of theirs)."""
+        return [(d.key, tuple(d.nodes)) for d in decisions if d.fused and not self.dropped & set(d.nodes)]
 
     def _worse_together(self, decisions: list[Decision]) -> dict:
         """The fused chain of a memory pattern (``min_share`` / ``never_worse``) that keeps the most activation
@@ -288,12 +302,12 @@ class Analysis:
         enough, but what it shares with another op changes: an attention core reading views of a packed QKV
         output keeps that whole buffer alive where eager's projections keep three tensors."""
         fused = [d for d in decisions if d.fused]
-        sites = [(d.key, tuple(d.nodes)) for d in fused]
-        held = self.cost.fused_total(sites)
+        sites = self._kept_sites(decisions)
+        held = self.cost.fused_total(sites, self.dropped)
         worst = None
         for key in dict.fromkeys(d.key for d in fused if _memory_pattern(d.pattern)):
             others = [s for s in sites if s[0] != key]
-            extra = held - self.cost.fused_total(others)
+            extra = held - self.cost.fused_total(others, self.dropped)
             if extra > 0 and (worst is None or extra > worst[0]):
                 worst = (extra, key, others)
         if worst is None:

@@ -265,7 +265,8 @@ class FxForward(Patch):
         put_back = draw_state(self._streams(), flatten_tensors((args, kwargs))) \
             if self.restore_rng.get(self.host.training) else None
         try:
-            out = type(gm).forward(self.host, *pos, **kw)
+            with torch.set_grad_enabled(torch.is_grad_enabled()):  # the code's own switches undone if it raises
+                out = type(gm).forward(self.host, *pos, **kw)
         except SpecialisationMiss:  # sizes the traced code branched on differ here; what ran before can run again
             if put_back is not None:  # and draw again what it drew
                 put_back()

@@ -77,6 +77,8 @@ class RuntimeTrace:
     # node name -> the torch.utils.checkpoint call it ran inside (run as a plain call while recording:
     # checkpointing.py), for the nodes that did; a save no recorded op made -> its call or checkpointed layer
     checkpointed: dict[str, int | str] = field(default_factory=dict)
+    # nodes recorded with gradients off (a ``torch.no_grad()`` block in the forward): nothing of them is saved
+    without_grad: frozenset[str] = frozenset()
 
     def calls_of(self, path: str) -> list[ModuleCall]:
         return [c for c in self.module_calls if c.path == path]
@@ -218,6 +220,7 @@ class _Recorder(TorchFunctionMode):
         # nodes made inside a torch.utils.checkpoint call -> the call; saves no op made there (``_saver``) -> the call
         # or checkpointed layer
         self.checkpointed: dict[str, int | str] = {}
+        self.without_grad: set[str] = set()  # nodes made with gradients off
 
     # -- tensors ----------------------------------------------------------------------------------------
     def _refs(self, value):
@@ -244,6 +247,8 @@ class _Recorder(TorchFunctionMode):
     def _add(self, node: Node, output, written=None) -> None:
         if (call := checkpointing.current()) is not None:
             self.checkpointed[node.name] = call
+        if not torch.is_grad_enabled():
+            self.without_grad.add(node.name)
         outs = flatten_tensors(output)
         if outs:
             t = outs[0]
@@ -433,7 +438,7 @@ def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None,
     graph.tensors = rec.tensors  # the same dict: cleared with trace.tensors once the analysis is done
     graph.modules = {path: m for path, m in model.named_modules()}
     return RuntimeTrace(graph, rec.saved, rec.calls, output, rec.tensors, rec.module_calls,
-                        _not_called(model, rec.called, rec.read), rec.checkpointed)
+                        _not_called(model, rec.called, rec.read), rec.checkpointed, frozenset(rec.without_grad))
 
 
 def _not_called(model: nn.Module, called: set[int], read: set[int]) -> list[str]:

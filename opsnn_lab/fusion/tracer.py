@@ -181,8 +181,27 @@ class _Tracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         self.leaf_ids = {id(root.get_submodule(p)) for p in self.leaves}
         self.answers = Answers(root, self.example, self.given)
+        self.start_mode = self.grad_mode = torch.is_grad_enabled()
+        self.entry_mode = None
         with _tracing_patches(self):
             return super().trace(root, concrete_args)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        """A node, after a switch of the gradient mode where the code switched it (``torch.no_grad()``,
+        ``set_grad_enabled``, a ``@torch.no_grad()`` forward): fx records no such switch, so the traced code ran the
+        ops of a no-grad block with gradients on, and a fused model computed other gradients than the model (a
+        recurrent block's no-grad steps backpropagated). Back to the mode the trace began in is back to the
+        call's own mode (read where the code had not switched it yet), at the end of a block and at the output."""
+        mode = torch.is_grad_enabled()
+        if kind in ("call_function", "call_method", "call_module") and mode != self.grad_mode:
+            if self.entry_mode is None:
+                self.entry_mode = super().create_node("call_function", torch.is_grad_enabled, (), {})
+            to = self.entry_mode if mode == self.start_mode else mode
+            super().create_node("call_function", torch._C._set_grad_enabled, (to,), {})
+            self.grad_mode = mode
+        elif kind == "output" and self.grad_mode != self.start_mode:
+            super().create_node("call_function", torch._C._set_grad_enabled, (self.entry_mode,), {})
+        return super().create_node(kind, target, args, kwargs, name, type_expr)
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         return self._ask(obj, expect) if self._can_answer(obj) else super().to_bool(obj)
