@@ -265,7 +265,7 @@ class FxForward(Patch):
         put_back = draw_state(self._streams(), flatten_tensors((args, kwargs))) \
             if self.restore_rng.get(self.host.training) else None
         try:
-            with torch.set_grad_enabled(torch.is_grad_enabled()):  # the code's own switches undone if it raises
+            with modes_kept():  # the code's own gradient and autocast switches undone if it raises between them
                 out = type(gm).forward(self.host, *pos, **kw)
         except SpecialisationMiss:  # sizes the traced code branched on differ here; what ran before can run again
             if put_back is not None:  # and draw again what it drew
@@ -336,3 +336,19 @@ def _arguments(routes, given: dict) -> tuple[list | None, dict]:
         else:
             kw[name] = value
     return pos, kw
+
+
+@contextlib.contextmanager
+def modes_kept():
+    """Gradients and autocast (on each device type, with its dtype) as they were when the block began, at its end:
+    traced code switches them where the model's code did (tracer.py), and a raise between a switch and its
+    restore would leave them switched for the caller."""
+    grad = torch.is_grad_enabled()
+    autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")}
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled(grad)
+        for d, (enabled, dtype) in autocast.items():
+            torch.set_autocast_enabled(d, enabled)
+            torch.set_autocast_dtype(d, dtype)

@@ -312,7 +312,7 @@ def _tracing_patches(tracer: _Tracer):
     """While ``tracer`` traces: ``SomeFunction.apply`` on traced values makes one ``apply_function`` node,
     ``torch.finfo`` / ``torch.iinfo`` of a traced dtype take the example's (guarded), ``torch.is_tensor`` of a
     tensor argument is True (guarded) and of any other traced value stops the trace, and a random factory of plain
-    sizes is a call of the code (``_FACTORIES``)."""
+    sizes is a call of the code (``_FACTORIES``), and an autocast block is recorded (``enter_autocast``)."""
     def apply(cls, *args, **kwargs):
         proxies = _proxies(args, kwargs)
         if not proxies:
@@ -363,14 +363,34 @@ def _tracing_patches(tracer: _Tracer):
                                       "which traced code would not write")
         _SETATTR(module, name, value)
 
+    def enter_autocast(block):
+        # fx records no autocast block: a region's `with torch.autocast(..., enabled=False)` around a float32
+        # computation (a rotary table, a router) ran under the caller's autocast. The block becomes two nodes, as
+        # torch.export records it, the block's own settings taken as the code gave them.
+        if runs_real_code():
+            return _AUTOCAST_ENTER(block)
+        block._opsnn_entered = tracer.create_proxy("call_function", torch.amp._enter_autocast, (
+            block.device, block.fast_dtype, block._enabled, block._cache_enabled), {})
+        return block
+
+    def exit_autocast(block, *exc):
+        entered = block.__dict__.pop("_opsnn_entered", None)
+        if entered is None:
+            return _AUTOCAST_EXIT(block, *exc)
+        tracer.create_proxy("call_function", torch.amp._exit_autocast, (entered,), {})
+        return False
+
     torch.autograd.Function.apply = classmethod(apply)
     torch.finfo, torch.iinfo, torch.is_tensor = info(_FINFO), info(_IINFO), is_tensor
     nn.Module.__setattr__ = assign
     for name, real in _FACTORIES.items():
         setattr(torch, name, drawn(real))
+    if _AUTOCAST_RECORDED:
+        _AUTOCAST.__enter__, _AUTOCAST.__exit__ = enter_autocast, exit_autocast
     try:
         yield
     finally:
+        _AUTOCAST.__enter__, _AUTOCAST.__exit__ = _AUTOCAST_ENTER, _AUTOCAST_EXIT
         nn.Module.__setattr__ = _SETATTR
         torch.autograd.Function.apply = _APPLY
         torch.finfo, torch.iinfo, torch.is_tensor = _FINFO, _IINFO, _IS_TENSOR
@@ -386,6 +406,9 @@ def _proxies(args, kwargs) -> list:
 
 
 _FINFO, _IINFO, _IS_TENSOR = torch.finfo, torch.iinfo, torch.is_tensor
+_AUTOCAST = torch.amp.autocast_mode.autocast
+_AUTOCAST_ENTER, _AUTOCAST_EXIT = _AUTOCAST.__enter__, _AUTOCAST.__exit__
+_AUTOCAST_RECORDED = hasattr(torch.amp, "_enter_autocast")  # torch's own graph calls for an autocast block
 _SETATTR = nn.Module.__setattr__
 # random factories called with plain sizes only (``torch.rand(8)``): fx would run them once, while it traces, and
 # the code would replay that one draw as a constant at every call; each is one call of the traced code instead
