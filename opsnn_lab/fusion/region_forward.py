@@ -83,6 +83,8 @@ class FxForward(Patch):
         # a guard comes after a draw (specialise.check_guards): the generators' state is kept at each call and put
         # back before the original forward runs on a miss, so it draws what eager draws
         self.restore_rng = {k: bool(gm.meta.get("restore_rng")) for k, gm in variants.items()}
+        # the code switches gradients or autocast where the model's code does (tracer.py): kept at each call
+        self.switches_modes = {k: _switches_modes(gm) for k, gm in variants.items()}
         self.modal_slots = {k: self._modal_slots(k, gm) for k, gm in variants.items()}
 
     def _modal_slots(self, key, gm) -> tuple:
@@ -184,8 +186,8 @@ class FxForward(Patch):
 
     def __setstate__(self, state):  # a model saved before these fields existed: no rebuild, no hook check
         self.__dict__.update({"output_types": {}, "inlined": {}, "facts": {}, "unwrapped": False,
-                              "restore_rng": {}, "settings": {}, "recorded": {}, "route": None, "keys": None,
-                              "alternates": {}, "modal_slots": {}, **state})
+                              "restore_rng": {}, "switches_modes": {}, "settings": {}, "recorded": {}, "route": None,
+                              "keys": None, "alternates": {}, "modal_slots": {}, **state})
 
     def _traced_for(self, bound) -> bool:
         """Whether the call's plain arguments are those the code was traced for."""
@@ -265,7 +267,8 @@ class FxForward(Patch):
         put_back = draw_state(self._streams(), flatten_tensors((args, kwargs))) \
             if self.restore_rng.get(self.host.training) else None
         try:
-            with modes_kept():  # the code's own gradient and autocast switches undone if it raises between them
+            # the code's own gradient and autocast switches undone if it raises between them
+            with modes_kept() if self.switches_modes.get(self.host.training) else contextlib.nullcontext():
                 out = type(gm).forward(self.host, *pos, **kw)
         except SpecialisationMiss:  # sizes the traced code branched on differ here; what ran before can run again
             if put_back is not None:  # and draw again what it drew
@@ -336,6 +339,13 @@ def _arguments(routes, given: dict) -> tuple[list | None, dict]:
         else:
             kw[name] = value
     return pos, kw
+
+
+_MODE_SWITCHES = frozenset({torch._C._set_grad_enabled, getattr(torch.amp, "_enter_autocast", None)}) - {None}
+
+
+def _switches_modes(gm) -> bool:
+    return any(n.op == "call_function" and n.target in _MODE_SWITCHES for n in gm.graph.nodes)
 
 
 @contextlib.contextmanager
