@@ -91,6 +91,7 @@ class Analysis:
         self.not_analysed = {p or "<model>": f"not called in {where} (skipped by layerdrop or a branch): not analysed, "
                              "it runs unfused" for p in trace.not_called}
         self.cost = CostModel(trace, lambda m: pattern_of(m.pattern).build(m))
+        self.step_total = self.cost.fused_total([], self.dropped)  # what a step of the model keeps, unfused
         viable = [m for m in find_all(trace.graph) if m.viable]
         planner = RoutePlanner(trace, viable)
         self.routes: dict[tuple, Route] = {}  # match key -> module-level route
@@ -278,18 +279,16 @@ class Analysis:
                 break
             worse.update(declined)
             decisions = self._settle(patterns, rewritable, why_not, worse)
-        total = self.cost.fused_total([], self.dropped)
         together = self.saved_together(decisions)
         checkpointing.settle(decisions, self.units)
-        return FusionPlan(decisions, [r.to_dict() for r in self.regions], total, patterns, self.name,
+        return FusionPlan(decisions, [r.to_dict() for r in self.regions], self.step_total, patterns, self.name,
                           graph=graph_data(self.trace), saved_together=together,
                           not_analysed=dict(self.not_analysed), _analysis=self)
 
     def saved_together(self, decisions: list[Decision]) -> int:
         """Activation bytes the fused ``decisions`` save together across a step (``plan.saved_bytes``): a chain inside
         a checkpoint, or run with gradients off, saves nothing there, fused or not."""
-        return self.cost.fused_total([], self.dropped) - self.cost.fused_total(self._kept_sites(decisions),
-                                                                               self.dropped)
+        return self.step_total - self.cost.fused_total(self._kept_sites(decisions), self.dropped)
 
     def _kept_sites(self, decisions: list[Decision]) -> list[tuple]:
         """The fused decisions' sites whose op keeps what it saves across the step (``dropped``: none of theirs)."""
