@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import warnings
 
 import pytest
 import torch
@@ -22,11 +21,8 @@ from tests.fusion._reproducible import assert_trains_as_eager
 wrapper = pytest.importorskip("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' "use_cache=True is incompatible with checkpointing"
-        yield
+# transformers' "use_cache=True is incompatible with checkpointing"
+pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _kept(model, run) -> int:

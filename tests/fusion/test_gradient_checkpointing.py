@@ -19,11 +19,8 @@ from tests.fusion._reproducible import assert_trains_as_eager
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' "use_cache=True is incompatible with checkpointing"
-        yield
+# transformers' "use_cache=True is incompatible with checkpointing"
+pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _ops_called(model, monkeypatch) -> dict:
