@@ -93,3 +93,32 @@ def test_each_term_is_saved_as_it_is_and_a_bad_one_is_named():
         att(q, k, v, mask, torch.zeros(H, T, T + 1))
     with pytest.raises(TypeError, match="bias"):
         att(q, k, v, mask, torch.zeros(1, H, T, T, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_a_wide_learned_bias_keeps_eagers_precision_in_every_gradient(dtype, p):
+    # LeViT's and T5's learned position bias stays fp32 under autocast: eager adds it to the half scores (an fp32
+    # sum) and takes the softmax and its backward in fp32; the op's every gradient, the fp32 bias's included, and with
+    # dropout, within twice eager's error against float64
+    for seed in range(3):
+        q64, k64, v64 = (seeded(B, H, T, D, seed=seed * 7 + i, dtype=torch.float64, scale=3.0, requires_grad=True)
+                         for i in range(3))
+        b64 = seeded(1, H, T, T, seed=seed + 40, dtype=torch.float64, scale=4.0, requires_grad=True)
+
+        def eager(q, k, v, b):  # autocast's dtypes: half GEMMs, the fp32 bias promoting the sum
+            s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(D))
+            probs = torch.softmax(s + b, dim=-1)
+            if p > 0:
+                probs = probs * rng.dropout_mask(1, 0, probs.shape, p, dtype=probs.dtype) / (1 - p)
+            return torch.matmul(probs.to(v.dtype), v)
+
+        low = [t.detach().to(dtype).requires_grad_() for t in (q64, k64, v64)] + [b64.detach().float().requires_grad_()]
+        ref = _fwd_bwd(eager, (q64, k64, v64, b64))
+        ours = _fwd_bwd(eager, low)
+        att = FusedAttention(dropout_p=p, seed=1)
+        att.set_rng(1, 0)
+        fused = _fwd_bwd(lambda q, k, v, b: att(q, k, v, b), low)
+        assert fused[1][3].dtype == torch.float32
+        for i, (f, e, r) in enumerate(zip((fused[0], *fused[1]), (ours[0], *ours[1]), (ref[0], *ref[1]))):
+            assert_within_eager_error(f, e, r, name=f"tensor {i} (seed {seed})")
