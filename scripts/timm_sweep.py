@@ -146,7 +146,8 @@ def check(name: str, dtype: torch.dtype, r: dict, autocast: bool = False, build=
         with torch.inference_mode():
             r["inference_err"] = S._rel(_outs(fused, x), _outs(model, x))
         if autocast:
-            S.autocast_errors(lambda m: _train_step(m, x), model, fused, (outs_a, g_a), r)
+            S.autocast_errors(lambda m: _train_step(m, x), model, fused, (outs_a, g_a), r,
+                              [lambda m, i=i: _train_step(m, i) for i in S.other_inputs(x)])
     del r["stage"]
 
 

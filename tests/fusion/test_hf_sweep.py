@@ -67,6 +67,53 @@ def test_autocast_compares_the_bf16_steps_with_the_fp32_one(tmp_path):
         main(["--models", "Llama", "--autocast"])  # float64 has no bf16 step to compare with
 
 
+@pytest.mark.parametrize("fused_errors, median, rechecked", [
+    ((0.5, 0.1, 0.1, 0.1), 1.0, True),  # over on the first input only (a router's flip): the median of four
+    ((0.5, 0.5, 0.1, 0.5), 5.0, True),  # over on most: still over
+    ((0.15, 9.0, 9.0, 9.0), 1.5, False),  # within on the first: no other input is run
+])
+def test_autocast_rechecks_a_model_over_the_criterion_on_other_inputs(fused_errors, median, rechecked):
+    import torch
+
+    sweep = runpy.run_path(str(SCRIPT))
+    model, fused = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    ran = []
+
+    def step_on(i):
+        def step(m):  # eager's bf16 error 0.1 on every input, the fused model's fused_errors[i]
+            ran.append((i, m is fused, torch.is_autocast_enabled("cpu")))
+            err = 0.0 if not torch.is_autocast_enabled("cpu") else fused_errors[i] if m is fused else 0.1
+            return [torch.tensor([1.0 + err])], [torch.tensor([2.0 + 2 * err])]
+        return step
+
+    r = {}
+    sweep["autocast_errors"](step_on(0), model, fused, step_on(0)(model), r, [step_on(i) for i in (1, 2, 3)])
+    assert r["amp_ratio"] == pytest.approx(median)
+    assert ("amp_ratios" in r) == rechecked and "amp_no_precision" not in r
+    assert {i for i, *_ in ran} == ({0, 1, 2, 3} if rechecked else {0})
+    assert r["amp_out_err"]["fused"] == pytest.approx(fused_errors[0])  # the first input's figures as they were
+    line = sweep["_line"]({"fused": [], "out_err": 0, "grad_err": 0, "eval_err": 0, "inference_err": 0, **r})
+    assert (f"(median of 4 inputs x{median:.2f})" in line) == rechecked, line
+
+
+def test_other_inputs_draw_values_and_token_ids_again_and_keep_the_rest():
+    import torch
+
+    other_inputs = runpy.run_path(str(SCRIPT))["other_inputs"]
+    ids = torch.tensor([[3, 7, 1, 9]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones(1, 4, dtype=torch.long), "labels": ids,
+              "pixel_values": torch.randn(2, 3, 4, 4, dtype=torch.float64) * 3 + 1, "timestep": torch.tensor([5.0])}
+    others = other_inputs(inputs)
+    assert len(others) == 3 and len({tuple(o["input_ids"].flatten().tolist()) for o in others}) == 3
+    for o in others:
+        assert o["input_ids"].max() <= 9 and o["input_ids"].dtype == ids.dtype and o["labels"] is ids
+        assert o["attention_mask"] is inputs["attention_mask"] and o["timestep"] is inputs["timestep"]
+        assert o["pixel_values"].dtype == torch.float64 and not torch.equal(o["pixel_values"], inputs["pixel_values"])
+        assert abs(float(o["pixel_values"].std()) - 3) < 1.0
+    x = torch.randn(2, 3, 8, 8)
+    assert [t.shape for t in other_inputs(x, n=2)] == [x.shape] * 2
+
+
 def test_the_consistency_sweep_reports_each_model(tmp_path, capsys):
     main = runpy.run_path(str(CONSISTENCY))["main"]
     out = tmp_path / "consistency.json"
