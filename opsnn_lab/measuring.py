@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,38 +56,46 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def saved_tensors_report(fn: Callable[[], object], exclude: tuple[torch.Tensor, ...] = ()) -> SavedTensorsReport:
-    """Run ``fn()`` and describe every unique storage autograd saved for backward.
+    """Run ``fn()`` and describe every unique storage autograd holds for backward once it returns.
 
     Parameters (``nn.Parameter``) and tensors in ``exclude`` (e.g. module buffers) are
     not activations and are left out. Tensors saved as views of a parameter (``weight.t()``)
     are recognised through their storage and left out too.
+
+    What ``fn`` saved for a computation it dropped, its graph freed before it returns (RT-DETR's last box
+    refinement, a state-space model's discarded state), is not held for backward and is left out: counted, it made
+    the figure move between runs, by a storage whose address a later save took or not. So ``fn`` returns what holds
+    the graph (the output, the loss), as a training step holds it until its backward.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     report = SavedTensorsReport()
-    seen: set = set()
     excluded = {_storage_key(t) for t in exclude}
     param_storages: set = set()
-    rows: list[dict] = []
+    saves: list[tuple] = []  # (storage key, weak reference to what pack returned, row)
 
     # The hooks stay with every tensor saved under them for as long as its autograd graph lives: ``pack`` holds
-    # plain values only, never ``report`` (whose ``output`` holds that graph), and returns a detached alias
-    # (``pack_detached``): either would make a cycle through C++ that no collector sees
+    # plain values and weak references only, never ``report`` (whose ``output`` holds that graph), and returns a
+    # detached alias (``pack_detached``): either would make a cycle through C++ that no collector sees. The alias
+    # lives as long as the graph node saving it: dead once ``fn`` returns, it was dropped with its computation
     def pack(t: torch.Tensor):
+        alias = pack_detached(t)
         if isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter):
             param_storages.add(_storage_key(t))
-            return pack_detached(t)
+            return alias
         key = _storage_key(t)
-        if key not in seen and key not in excluded:
-            seen.add(key)
-            rows.append({"key": key, "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                         "bytes": _nbytes(t)})
-        return pack_detached(t)
+        if key not in excluded:
+            saves.append((key, weakref.ref(alias), {"key": key, "shape": tuple(t.shape),
+                                                     "dtype": str(t.dtype).replace("torch.", ""), "bytes": _nbytes(t)}))
+        return alias
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         report.output = fn()
-    # Views of parameters (e.g. the transposed weight of a Linear) share the parameter's storage.
-    report.tensors = [r for r in rows if r["key"] not in param_storages]
+    rows: dict = {}
+    for key, alias, row in saves:  # a freed storage's address may have been taken by a later save: held ones only
+        if alias() is not None and key not in param_storages:
+            rows.setdefault(key, row)  # views of parameters (a Linear's transposed weight) share their storage
+    report.tensors = list(rows.values())
     report.total_bytes = sum(r["bytes"] for r in report.tensors)
     return report
 

@@ -38,6 +38,35 @@ def test_gelu_dropout_chain_eager_bytes():
     assert report.by_dtype() == {"float32": 320}
 
 
+def test_what_a_dropped_computation_saved_is_not_held_and_never_hides_a_later_save():
+    # a forward may drop a computation with its graph (RT-DETR's last box refinement, Mamba's discarded state): what
+    # it saved is freed before the step's backward, and the allocator may give its address to a later save, which
+    # counted as the same storage (the figure moved between runs: 4,000 bytes in some, 8,000 in others, before)
+    x = torch.randn(1000, requires_grad=True)
+
+    def fwd():
+        dropped = x.exp()  # exp keeps its output for backward; the forward drops it, and its graph, here
+        del dropped
+        return x.exp()
+
+    for _ in range(8):
+        report = saved_tensors_report(fwd)
+        assert report.total_bytes == 1000 * 4 and [r["shape"] for r in report.tensors] == [(1000,)]
+    assert activation_bytes(lambda: fwd().sum().item()) == 0  # nothing holds the graph once fn returns
+    import opsnn_lab as ol
+
+    assert ol.fusion.activation_bytes_by_module(_Forward(fwd), torch.zeros(1), depth=1) == {"<model>": 1000 * 4}
+
+
+class _Forward(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, _):
+        return self.fn()
+
+
 def test_no_grad_saves_nothing():
     lin = nn.Linear(4, 4)
     with torch.no_grad():

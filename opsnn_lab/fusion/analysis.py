@@ -84,8 +84,9 @@ class Analysis:
         # node name -> what checkpoints it (a layer with gradient checkpointing on, ``checkpointed``, or a
         # torch.utils.checkpoint call), for the nodes that run checkpointed (checkpointing.py)
         self.units = checkpointing.inside(trace.graph, checkpointed, trace.checkpointed)
-        # what a step keeps nothing of, fused or not: the nodes inside a checkpoint, and those run without gradients
-        self.dropped = frozenset(self.units) | trace.without_grad
+        # what a step keeps nothing of, fused or not: the nodes inside a checkpoint, those run without gradients, and
+        # those of a computation the forward dropped (``runtime.dropped_by_forward``)
+        self.dropped = frozenset(self.units) | trace.without_grad | trace.dropped
         where = "the analysis forward" if forwards == 1 else f"any of the {forwards} analysis forwards"
         # modules holding parameters of which nothing ran: no candidate of theirs was seen; they run as they are
         self.not_analysed = {p or "<model>": f"not called in {where} (skipped by layerdrop or a branch): not analysed, "
@@ -188,6 +189,10 @@ class Analysis:
     def _without_grad(self, m: Match) -> bool:
         return all(n.name in self.trace.without_grad for n in m.nodes)
 
+    def _dropped_by_forward(self, m: Match) -> bool:
+        """The chain's result is part of a computation the forward drops: nothing it saves outlives the forward."""
+        return any(n.name in self.trace.dropped for n in m.nodes)
+
     def _not_rewritable(self, m: Match, why_not: dict) -> str:
         why = why_not.get(m.key, "")
         return f"cannot be rewritten: {why}" if why else "cannot be rewritten here"
@@ -201,8 +206,8 @@ class Analysis:
             return worse[_site(m)]
         if why := checkpointing.crossing(m, self.units):
             return why
-        if self._without_grad(m):  # nothing saved, fused or not: the other sites of its key decide
-            return ""
+        if self._without_grad(m) or self._dropped_by_forward(m):  # nothing kept, fused or not: the other sites
+            return ""  # of its key decide
         if not _memory_pattern(m.pattern) or _site(m) not in self.costs:
             return ""
         pat = pattern_of(m.pattern)
@@ -231,6 +236,10 @@ class Analysis:
                 d.saved_bytes = 0
                 d.reason += ("; runs with gradients off here (torch.no_grad in the forward): nothing is saved for "
                              "backward, fused or not")
+            elif self._dropped_by_forward(m):
+                d.saved_bytes = 0
+                d.reason += ("; the forward drops its result here (nothing holds it, or what it feeds, once the "
+                             "forward returns): what it saves is freed before backward, fused or not")
             why = self.not_worth(m, worse)
             if why:
                 d.fused, d.reason = False, why
@@ -287,7 +296,8 @@ class Analysis:
 
     def saved_together(self, decisions: list[Decision]) -> int:
         """Activation bytes the fused ``decisions`` save together across a step (``plan.saved_bytes``): a chain inside
-        a checkpoint, or run with gradients off, saves nothing there, fused or not."""
+        a checkpoint, run with gradients off, or in a computation the forward drops saves nothing there, fused or
+        not."""
         return self.step_total - self.cost.fused_total(self._kept_sites(decisions), self.dropped)
 
     def _kept_sites(self, decisions: list[Decision]) -> list[tuple]:

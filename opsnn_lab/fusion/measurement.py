@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -72,14 +73,15 @@ def activation_bytes_by_module(model: nn.Module, example_inputs, depth: int = 2)
     """Activation bytes of one forward, attributed to module paths cut at ``depth`` (``layers.3`` at depth 2).
 
     A storage counts once, for the module that saved it first (the innermost module running at the
-    time); parameters are left out, as in ``activation_bytes``. Fused ops count for the block they sit in.
+    time); parameters are left out, and so is what a computation the forward dropped saved, as in
+    ``activation_bytes``. Fused ops count for the block they sit in.
     """
     check_type("model", model, nn.Module)
     check_positive("depth", depth, integer=True)
     args, kwargs = split_inputs(example_inputs)
     paths = {id(m): name for name, m in model.named_modules()}
     params = {_key(p) for p in model.parameters()}
-    stack, seen, out = [""], set(), {}
+    stack, saves = [""], []  # (storage key, weak reference to what pack returned, module, bytes)
 
     def pre(module, _args):
         stack.append(".".join(paths.get(id(module), stack[-1]).split(".")[:depth]))
@@ -88,21 +90,27 @@ def activation_bytes_by_module(model: nn.Module, example_inputs, depth: int = 2)
         stack.pop()
 
     def pack(t):
+        alias = pack_detached(t)  # not t: no cycle through the graph (measuring.pack_detached)
         key = _key(t)
-        if not isinstance(t, nn.Parameter) and key not in params and key not in seen:
-            seen.add(key)
-            out[stack[-1] or "<model>"] = out.get(stack[-1] or "<model>", 0) + t.untyped_storage().nbytes()
-        return pack_detached(t)  # not t: no cycle through the graph (measuring.pack_detached)
+        if not isinstance(t, nn.Parameter) and key not in params:
+            saves.append((key, weakref.ref(alias), stack[-1] or "<model>", t.untyped_storage().nbytes()))
+        return alias
 
     pre, post = passive(pre), passive(post)  # they measure the fused code as it runs: no region falls back
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre),
                                                     m.register_forward_hook(post, always_call=True))]
     try:
         with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(*args, **kwargs)
+            output = model(*args, **kwargs)  # held while the saves are counted: what a step keeps for backward
     finally:
         for h in handles:
             h.remove()
+    seen, out = set(), {}
+    for key, alias, where, nbytes in saves:
+        if alias() is not None and key not in seen:
+            seen.add(key)
+            out[where] = out.get(where, 0) + nbytes
+    del output
     return out
 
 

@@ -79,6 +79,9 @@ class RuntimeTrace:
     checkpointed: dict[str, int | str] = field(default_factory=dict)
     # nodes recorded with gradients off (a ``torch.no_grad()`` block in the forward): nothing of them is saved
     without_grad: frozenset[str] = frozenset()
+    # nodes whose autograd node nothing held once the forward returned (a computation it dropped): what they saved
+    # was freed before backward (``dropped_by_forward``)
+    dropped: frozenset[str] = frozenset()
 
     def calls_of(self, path: str) -> list[ModuleCall]:
         return [c for c in self.module_calls if c.path == path]
@@ -221,6 +224,7 @@ class _Recorder(TorchFunctionMode):
         # or checkpointed layer
         self.checkpointed: dict[str, int | str] = {}
         self.without_grad: set[str] = set()  # nodes made with gradients off
+        self.grad_fns: dict[str, list] = {}  # node name -> the autograd nodes of its outputs, as it made them
 
     # -- tensors ----------------------------------------------------------------------------------------
     def _refs(self, value):
@@ -259,6 +263,8 @@ class _Recorder(TorchFunctionMode):
         for t in outs:
             self.producer[id(t)] = node.name
             self.keep.append(t)
+        if outs and torch.is_grad_enabled():
+            self.grad_fns[node.name] = [t.grad_fn for t in outs if t.grad_fn is not None]
         self.nodes.append(node)
         if len(outs) > 1:
             self._items(node, outs)
@@ -432,13 +438,40 @@ def trace_runtime(model: nn.Module, args: tuple, kwargs: dict | None = None,
     finally:
         for h in pre + post:
             h.remove()
+    dropped = dropped_by_forward(rec, model, output, (args, kwargs))
+    rec.grad_fns.clear()
     outs = [rec.producer[id(t)] for t in flatten_tensors(output) if id(t) in rec.producer]
     rec.nodes.append(Node(name="output", kind="output", op="output", inputs=outs))
     graph = Graph(rec.nodes)
     graph.tensors = rec.tensors  # the same dict: cleared with trace.tensors once the analysis is done
     graph.modules = {path: m for path, m in model.named_modules()}
     return RuntimeTrace(graph, rec.saved, rec.calls, output, rec.tensors, rec.module_calls,
-                        _not_called(model, rec.called, rec.read), rec.checkpointed, frozenset(rec.without_grad))
+                        _not_called(model, rec.called, rec.read), rec.checkpointed, frozenset(rec.without_grad),
+                        dropped)
+
+
+def dropped_by_forward(rec: _Recorder, model: nn.Module, output, inputs) -> frozenset[str]:
+    """The recorded nodes whose autograd nodes nothing holds once the forward returns:
+    a computation the forward made and dropped (RT-DETR's decoder refines its boxes once more after the last layer
+    and reads the result only through ``detach``). Held: what the graph of the output, of the inputs and of a tensor
+    left in a module's attributes (a recurrent state) reaches. What the dropped nodes saved is freed before
+    backward, as ``measuring.activation_bytes`` finds it; and a fused region's code does not compute them at all."""
+    if not {name for name, _, _ in rec.saved} & rec.grad_fns.keys():
+        return frozenset()
+    roots = [*_held_tensors(output), *flatten_tensors(output), *flatten_tensors(inputs)]
+    for m in model.modules():
+        for key, value in vars(m).items():
+            if key not in ("_parameters", "_modules"):
+                roots.extend(_held_tensors(value))
+    held: set = set()
+    todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in held:
+            continue
+        held.add(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    return frozenset(name for name, fns in rec.grad_fns.items() if fns and not any(f in held for f in fns))
 
 
 def _not_called(model: nn.Module, called: set[int], read: set[int]) -> list[str]:
