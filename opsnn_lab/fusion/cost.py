@@ -54,6 +54,9 @@ class SiteCost:
     moved: dict  # eager storage -> the op's output storage (group) holding that tensor once the op runs
     saved: list  # the op's saved storages, as (role, bytes) (CostModel._measure)
     out_storages: dict  # group -> bytes of the op's output storages
+    # (outside node, eager storage) -> (the copy it saves instead, its bytes): a view in eager, a copy in the op's
+    # output layout (``CostModel._moved``)
+    copied: dict = dataclasses.field(default_factory=dict)
 
 
 class CostModel:
@@ -94,10 +97,11 @@ class CostModel:
             if role[0] != "in" or not self._saved_outside(key, names):
                 held.setdefault(key, nbytes)
         kept_before: dict = {}  # eager storages outside nodes saved that are the op's output storage once it runs
-        for key, group in self._moved(m, out_storages, layouts).items():
-            if self._saved_outside(key, names):
+        moved, copied = self._moved(m, out_storages, layouts)
+        for key, group in moved.items():
+            for node in self.saved_by.get(key, set()) - names:
                 kept_before[key] = self.nbytes[key]
-                held.setdefault(("out", group), dict(out_storages)[group])
+                held.setdefault(*copied.get((node, key), (("out", group), dict(out_storages)[group])))
         return sum(held.values()) - sum(kept_before.values())
 
     def _entry(self, m: Match):
@@ -107,11 +111,15 @@ class CostModel:
             self.cache[sig] = self._measure(m)
         return self.cache[sig]
 
-    def _moved(self, m: Match, out_storages: list, layouts: list) -> dict:
+    def _moved(self, m: Match, out_storages: list, layouts: list) -> tuple[dict, dict]:
         """Eager storage -> the op output storage (group) that holds that tensor once the op runs: each output's,
         and those of the shape ops after it that copied in eager but view the op's output (the attention op's
-        output is laid out (B, T, heads, d): ``o.transpose(1, 2).reshape(B, T, -1)`` copied eager's, not the op's)."""
-        moved, names = {}, {n.name for n in m.nodes}
+        output is laid out (B, T, heads, d): ``o.transpose(1, 2).reshape(B, T, -1)`` copied eager's, not the op's).
+        And the other way, (outside node, eager storage) -> (the copy it saves instead, bytes) for a node saving
+        what a shape op viewed in eager and copies in the op's layout: Longformer's ``reshape(B * heads, T, d)`` of a
+        query the packed QKV output holds beside the key and value (its einsum then keeps that copy, not the packed
+        output)."""
+        moved, copied, names = {}, {}, {n.name for n in m.nodes}
         for o, (group, _), layout in zip(m.outputs, out_storages, layouts):
             key = self.trace.storage_of(o.name)
             if key is None:
@@ -123,13 +131,37 @@ class CostModel:
             while todo:
                 n, t = todo.pop()
                 for u in self.trace.graph.users.get(n.name, []):
-                    v = _replay_view(u, n, t)
-                    if u.name in names or v is None or v.untyped_storage().data_ptr() != base.data_ptr():
-                        continue  # not a shape op, or a copy with the op's output too
+                    # an op writing into the tensor in place (Longformer's ``query /= sqrt(d)``) leaves it where it is
+                    v = t if u.inplace and u.inputs[:1] == [n.name] else _replay_view(u, n, t)
+                    if u.name in names or v is None:
+                        continue  # not a shape op
+                    if v.untyped_storage().data_ptr() != base.data_ptr():  # a copy with the op's output
+                        if self.trace.storage_of(u.name) == key:  # but a view in eager
+                            copied.update(self._copy_savers(u, key))
+                        continue
                     if self.trace.storage_of(u.name) not in (None, key):
                         moved.setdefault(self.trace.storage_of(u.name), group)  # a copy in eager only
                     todo.append((u, v))
-        return moved
+        return moved, copied
+
+    def _copy_savers(self, u, key) -> dict:
+        """(node, ``key``) -> (("copy", u), bytes of ``u``) for the nodes saving ``key`` through what ``u`` (a view of
+        ``key`` in eager, a copy of the op's output) and the views after it make, and through nothing else."""
+        seen, todo = {u.name}, [u.name]
+        while todo:  # the eager views of key made from u
+            for w in self.trace.graph.users.get(todo.pop(), []):
+                if w.name not in seen and self.trace.storage_of(w.name) == key:
+                    seen.add(w.name)
+                    todo.append(w.name)
+        t = self.trace.tensors.get(u.name)
+        nbytes = t.numel() * t.element_size() if t is not None else 0
+        out = {}
+        for node in self.saved_by.get(key, set()):
+            n = self.trace.graph.by_name.get(node)
+            reads = [i for i in (n.inputs if n is not None else []) if self.trace.storage_of(i) == key]
+            if reads and all(i in seen for i in reads):
+                out[(node, key)] = (("copy", u.name), nbytes)
+        return out
 
     def _signature(self, name: str):
         t = self.trace.tensors.get(name)
@@ -177,8 +209,9 @@ class CostModel:
         for name in m.inputs:
             t = self.trace.tensors.get(name)
             ins.append((self.trace.storage_of(name), t.untyped_storage().nbytes() if t is not None else 0))
+        moved, copied = self._moved(m, out_storages, layouts)
         self.sites[(m.key, tuple(n.name for n in m.nodes))] = SiteCost(
-            frozenset(n.name for n in m.nodes), ins, self._moved(m, out_storages, layouts), saved, dict(out_storages))
+            frozenset(n.name for n in m.nodes), ins, moved, saved, dict(out_storages), copied)
         return costs
 
     def fused_total(self, sites, dropped=frozenset()) -> int:
@@ -189,13 +222,15 @@ class CostModel:
         recs = [self.sites[s] for s in sites]
         inside = frozenset().union(*(r.nodes for r in recs))
         moved = {}  # eager output storage -> (the op's output storage, its bytes)
+        copied = {}  # (outside node, eager storage) -> (the copy it saves instead, its bytes)
         for k, r in enumerate(recs):
             for key, group in r.moved.items():
                 moved[key] = (("op", k, "out", group), r.out_storages[group])
+            copied.update({site: (("op", k, *copy), nbytes) for site, (copy, nbytes) in r.copied.items()})
         held: dict = {}
         for node, key, nbytes in self.trace.saved:
             if node not in inside and node not in dropped:
-                held.setdefault(*moved.get(key, (key, nbytes)))
+                held.setdefault(*copied.get((node, key)) or moved.get(key, (key, nbytes)))
         for k, r in enumerate(recs):
             for role, nbytes in r.saved:
                 if role[0] == "in":
