@@ -224,7 +224,8 @@ class _Recorder(TorchFunctionMode):
         # or checkpointed layer
         self.checkpointed: dict[str, int | str] = {}
         self.without_grad: set[str] = set()  # nodes made with gradients off
-        self.grad_fns: dict[str, list] = {}  # node name -> the autograd nodes of its outputs, as it made them
+        # node name -> (its outputs, their autograd nodes as it made them): ``dropped_by_forward``
+        self.grad_fns: dict[str, tuple[list, list]] = {}
 
     # -- tensors ----------------------------------------------------------------------------------------
     def _refs(self, value):
@@ -264,7 +265,7 @@ class _Recorder(TorchFunctionMode):
             self.producer[id(t)] = node.name
             self.keep.append(t)
         if outs and torch.is_grad_enabled():
-            self.grad_fns[node.name] = [t.grad_fn for t in outs if t.grad_fn is not None]
+            self.grad_fns[node.name] = (outs, [t.grad_fn for t in outs if t.grad_fn is not None])
         self.nodes.append(node)
         if len(outs) > 1:
             self._items(node, outs)
@@ -471,7 +472,10 @@ def dropped_by_forward(rec: _Recorder, model: nn.Module, output, inputs) -> froz
             continue
         held.add(fn)
         todo.extend(f for f, _ in fn.next_functions)
-    return frozenset(name for name, fns in rec.grad_fns.items() if fns and not any(f in held for f in fns))
+    # dropped: neither the autograd nodes its outputs had when made nor those they have now (an op writing into an
+    # output in place, an in-place activation after an InstanceNorm's view, makes a new one) are held
+    return frozenset(name for name, (outs, made) in rec.grad_fns.items()
+                     if made and not any(f in held for f in [*made, *(t.grad_fn for t in outs)]))
 
 
 def _not_called(model: nn.Module, called: set[int], read: set[int]) -> list[str]:
