@@ -155,7 +155,8 @@ class Analysis:
         for m in viable:
             if m.key in self.rewritable:
                 try:
-                    self.costs[_site(m)] = self.cost.site(self._as_rewritten(m))
+                    self.costs[_site(m)] = self.cost.site(self._as_rewritten(m),
+                                                          own_code=self.rewritable[m.key].startswith("module:"))
                 except Exception as exc:  # noqa: BLE001 - the op cannot take this chain: decline it, not the model
                     del self.rewritable[m.key]
                     self.why_not[m.key] = (f"the fused op failed on the chain's recorded inputs ({type(exc).__name__}: "

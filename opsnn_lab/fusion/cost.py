@@ -85,7 +85,7 @@ class CostModel:
             own.update(self.by_node.get(n, {}))
         return sum(b for k, b in own.items() if not self._saved_outside(k, names))
 
-    def fused_bytes(self, m: Match) -> int:
+    def fused_bytes(self, m: Match, own_code: bool = False) -> int:
         """Bytes the op saves that nothing outside the chain saves too (its inputs and outputs included), plus the
         growth of what outside nodes keep alive through views of its outputs (see the module docstring)."""
         saved, out_storages, layouts = self._entry(m)
@@ -97,7 +97,7 @@ class CostModel:
             if role[0] != "in" or not self._saved_outside(key, names):
                 held.setdefault(key, nbytes)
         kept_before: dict = {}  # eager storages outside nodes saved that are the op's output storage once it runs
-        moved, copied = self._moved(m, out_storages, layouts)
+        moved, copied = self._moved(m, out_storages, layouts, own_code)
         for key, group in moved.items():
             for node in self.saved_by.get(key, set()) - names:
                 kept_before[key] = self.nbytes[key]
@@ -111,14 +111,16 @@ class CostModel:
             self.cache[sig] = self._measure(m)
         return self.cache[sig]
 
-    def _moved(self, m: Match, out_storages: list, layouts: list) -> tuple[dict, dict]:
+    def _moved(self, m: Match, out_storages: list, layouts: list, own_code: bool = False) -> tuple[dict, dict]:
         """Eager storage -> the op output storage (group) that holds that tensor once the op runs: each output's,
         and those of the shape ops after it that copied in eager but view the op's output (the attention op's
         output is laid out (B, T, heads, d): ``o.transpose(1, 2).reshape(B, T, -1)`` copied eager's, not the op's).
         And the other way, (outside node, eager storage) -> (the copy it saves instead, bytes) for a node saving
         what a shape op viewed in eager and copies in the op's layout: Longformer's ``reshape(B * heads, T, d)`` of a
         query the packed QKV output holds beside the key and value (its einsum then keeps that copy, not the packed
-        output)."""
+        output). ``own_code``: the model's own code runs around the op (a module-level route), so an op writing into
+        its output in place (Longformer's ``query /= sqrt(d)``) leaves it where it is; fx code computes an augmented
+        assignment out of place (Nystromformer's ``context += conv(v)``), so the walk stops there."""
         moved, copied, names = {}, {}, {n.name for n in m.nodes}
         for o, (group, _), layout in zip(m.outputs, out_storages, layouts):
             key = self.trace.storage_of(o.name)
@@ -131,8 +133,7 @@ class CostModel:
             while todo:
                 n, t = todo.pop()
                 for u in self.trace.graph.users.get(n.name, []):
-                    # an op writing into the tensor in place (Longformer's ``query /= sqrt(d)``) leaves it where it is
-                    v = t if u.inplace and u.inputs[:1] == [n.name] else _replay_view(u, n, t)
+                    v = t if own_code and u.inplace and u.inputs[:1] == [n.name] else _replay_view(u, n, t)
                     if u.name in names or v is None:
                         continue  # not a shape op
                     if v.untyped_storage().data_ptr() != base.data_ptr():  # a copy with the op's output
@@ -198,18 +199,18 @@ class CostModel:
                     o.dtype) for o in outs]
         return saved, [(g, o.untyped_storage().nbytes()) for o, g in zip(outs, groups)], layouts
 
-    def saved_bytes(self, m: Match) -> int:
-        return self.eager_bytes(m) - self.fused_bytes(m)
+    def saved_bytes(self, m: Match, own_code: bool = False) -> int:
+        return self.eager_bytes(m) - self.fused_bytes(m, own_code)
 
-    def site(self, m: Match) -> tuple[int, int, int]:
+    def site(self, m: Match, own_code: bool = False) -> tuple[int, int, int]:
         """``(saved, traffic, eager)`` bytes of one call site, kept for ``fused_total`` (while the tensors exist)."""
-        costs = self.saved_bytes(m), self.traffic_bytes(m), self.eager_bytes(m)
+        costs = self.saved_bytes(m, own_code), self.traffic_bytes(m), self.eager_bytes(m)
         saved, out_storages, layouts = self._entry(m)
         ins = []
         for name in m.inputs:
             t = self.trace.tensors.get(name)
             ins.append((self.trace.storage_of(name), t.untyped_storage().nbytes() if t is not None else 0))
-        moved, copied = self._moved(m, out_storages, layouts)
+        moved, copied = self._moved(m, out_storages, layouts, own_code)
         self.sites[(m.key, tuple(n.name for n in m.nodes))] = SiteCost(
             frozenset(n.name for n in m.nodes), ins, moved, saved, dict(out_storages), copied)
         return costs

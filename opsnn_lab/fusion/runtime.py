@@ -473,9 +473,33 @@ def dropped_by_forward(rec: _Recorder, model: nn.Module, output, inputs) -> froz
         held.add(fn)
         todo.extend(f for f, _ in fn.next_functions)
     # dropped: neither the autograd nodes its outputs had when made nor those they have now (an op writing into an
-    # output in place, an in-place activation after an InstanceNorm's view, makes a new one) are held
+    # output in place, an in-place activation after an InstanceNorm's view, makes a new one) are held, nor the
+    # nodes under their views (Funnel's einsum returns a view of a bmm's output, which an in-place write through
+    # another view re-bases: the bmm, which holds the saves, is held through the base)
     return frozenset(name for name, (outs, made) in rec.grad_fns.items()
-                     if made and not any(f in held for f in [*made, *(t.grad_fn for t in outs)]))
+                     if made and not _under_views([*made, *(t.grad_fn for t in outs)]) & held)
+
+
+# autograd nodes of ops whose output views their input: they save nothing, the node under them holds the saves
+_VIEW_NODES = frozenset({"ViewBackward0", "AsStridedBackward0", "AsStridedBackward1", "TransposeBackward0",
+                         "TransposeBackward1", "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0",
+                         "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SliceBackward0",
+                         "SelectBackward0", "ReshapeAliasBackward0", "TBackward0", "AliasBackward0",
+                         "UnfoldBackward0", "DiagonalBackward0", "SplitBackward0", "SplitWithSizesBackward0",
+                         "UnbindBackward0", "ViewAsRealBackward0", "ViewAsComplexBackward0", "NarrowBackward0"})
+
+
+def _under_views(fns) -> set:
+    """``fns`` and, under each that only views its input, the nodes under it, down to ones that do more."""
+    out, todo = set(), [f for f in fns if f is not None]
+    while todo:
+        fn = todo.pop()
+        if fn in out:
+            continue
+        out.add(fn)
+        if type(fn).__name__ in _VIEW_NODES:
+            todo.extend(f for f, _ in fn.next_functions if f is not None)
+    return out
 
 
 def _not_called(model: nn.Module, called: set[int], read: set[int]) -> list[str]:
