@@ -265,7 +265,7 @@ class _Recorder(TorchFunctionMode):
             self.producer[id(t)] = node.name
             self.keep.append(t)
         if outs and torch.is_grad_enabled():
-            self.grad_fns[node.name] = (outs, [t.grad_fn for t in outs if t.grad_fn is not None])
+            self.grad_fns[node.name] = (outs, [f for f in map(_grad_fn, outs) if f is not None])
         self.nodes.append(node)
         if len(outs) > 1:
             self._items(node, outs)
@@ -465,7 +465,7 @@ def dropped_by_forward(rec: _Recorder, model: nn.Module, output, inputs) -> froz
             if key not in ("_parameters", "_modules"):
                 roots.extend(_held_tensors(value))
     held: set = set()
-    todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    todo = [_grad_fn(t) for t in roots if isinstance(t, torch.Tensor)]
     while todo:
         fn = todo.pop()
         if fn is None or fn in held:
@@ -477,7 +477,16 @@ def dropped_by_forward(rec: _Recorder, model: nn.Module, output, inputs) -> froz
     # nodes under their views (Funnel's einsum returns a view of a bmm's output, which an in-place write through
     # another view re-bases: the bmm, which holds the saves, is held through the base)
     return frozenset(name for name, (outs, made) in rec.grad_fns.items()
-                     if made and not _under_views([*made, *(t.grad_fn for t in outs)]) & held)
+                     if made and not _under_views([*made, *map(_grad_fn, outs)]) & held)
+
+
+def _grad_fn(t: torch.Tensor):
+    """``t.grad_fn``; None where reading it raises: a view of several a function returned (``unbind``) whose base was
+    written in place since (CogView4's rotary embedding), which autograd refuses to re-base."""
+    try:
+        return t.grad_fn
+    except RuntimeError:
+        return None
 
 
 # autograd nodes of ops whose output views their input: they save nothing, the node under them holds the saves

@@ -71,3 +71,30 @@ def test_what_a_dropped_computation_saves_is_in_neither_the_plan_nor_the_step(ke
     assert _figures(model, model, x)[0] == eager - (0 if not keep_graph else held)
     model.keep_graph = keep_graph
     assert_trains_as_eager(model, fused, x)
+
+
+class _Unbound(nn.Module):
+    """Views ``unbind`` returned, read, then their base written in place (CogView4's rotary embedding): autograd
+    refuses to give those views an autograd node again, and reading one raised in the analysis."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp, self.pair = _mlp(), nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = self.pair(x)
+        first, second = h.unbind(-1)
+        out = self.mlp(x) * (first + second).unsqueeze(-1)
+        h.mul_(2.0)
+        return out + h.sum(-1, keepdim=True)
+
+
+def test_views_whose_base_was_written_in_place_are_analysed():
+    torch.manual_seed(0)
+    model = _Unbound().double().train()
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    assert [d.pattern for d in plan.fused] == ["linear_gelu_linear"]
+    eager, saved = _figures(model, fused, x)
+    assert plan.activation_bytes == eager and plan.saved_bytes == saved > 0
+    assert_trains_as_eager(model, fused, x)
