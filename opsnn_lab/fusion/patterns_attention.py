@@ -129,10 +129,35 @@ def find_attention(g: Graph) -> list[Match]:
     out = []
     for n in g.nodes:
         m = _attention_at(g, n) if n.op == "softmax" else _sdpa_at(g, n) if n.op == "scaled_dot_product_attention" \
-            else None
+            else _multihead_at(g, n) if n.kind == "module" and isinstance(n.obj, nn.MultiheadAttention) else None
         if m is not None:
             out.append(m)
     return out
+
+
+def _multihead_at(g: Graph, n: Node) -> Match | None:
+    """An ``nn.MultiheadAttention`` call that computes its attention weights (``need_weights=True``, the default)
+    for a caller that never reads them (``mha(q, k, v)[0]``: RT-DETR's decoder, many models): the module keeps its
+    (batch x heads, L, S) probabilities for backward, with their dropout mask and result. A built-in module opsnn_lab
+    does not rewrite: declined, with what it keeps and the argument that keeps none of it."""
+    if arg(n, 4, "need_weights", True) is not True:
+        return None
+    items = [u for u in g.users.get(n.name, []) if u.op == "getitem" and u.args[1:2] == (1,)]
+    if len(items) != 1 or g.users.get(items[0].name) or items[0].shape is None:
+        return None  # the weights are read (or were not returned): the caller wants them
+    mha, shape = n.obj, items[0].shape
+    elements = math.prod(shape) * (mha.num_heads if arg(n, 6, "average_attn_weights", True) is True else 1)
+    kept = (3 if mha.dropout > 0 else 1) * elements * items[0].dtype.itemsize  # each (batch x heads, L, S)
+    what = "probabilities, their dropout mask and the dropped probabilities" if mha.dropout > 0 else "probabilities"
+    m = Match("attention", [n], False, "", outputs=[n], named=[n.module])
+    then = ("it calls scaled_dot_product_attention, whose kernels keep no such tensor" if not mha.dropout else
+            "it calls scaled_dot_product_attention, whose GPU kernels keep no such tensor (on CPU its dropout runs "
+            "the math path, which keeps them as well)")
+    m.reason = (f"nn.MultiheadAttention computes the attention weights it returns (need_weights=True, its default) "
+                f"and nothing reads them here, yet it keeps its {mha.num_heads}-head {shape[-2]} x {shape[-1]} "
+                f"{what} for backward ({kept:,} bytes); opsnn_lab does not rewrite this built-in module. With "
+                f"need_weights=False {then}")
+    return m
 
 
 def _sdpa_arg(n: Node, name: str, default=None):
