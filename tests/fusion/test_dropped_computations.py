@@ -98,3 +98,29 @@ def test_views_whose_base_was_written_in_place_are_analysed():
     eager, saved = _figures(model, fused, x)
     assert plan.activation_bytes == eager and plan.saved_bytes == saved > 0
     assert_trains_as_eager(model, fused, x)
+
+
+class _Checked(nn.Module):
+    """An MLP whose output is checked with ``torch.isfinite`` (RT-DETR's encoder layers in training): that call takes
+    ``x.abs()`` inside and saves ``x`` for a backward nothing can reach, its result being boolean."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = _mlp()
+
+    def forward(self, x):
+        h = x + self.mlp(x)
+        if not torch.isfinite(h).all():
+            h = h.nan_to_num()
+        return h * 2.0  # nothing else keeps h
+
+
+def test_a_call_returning_no_gradient_keeps_nothing_it_saved():
+    torch.manual_seed(0)
+    model = _Checked().double().train()
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    fused, plan = ol.fusion.fuse(copy.deepcopy(model), (x,))
+    assert [d.pattern for d in plan.fused] == ["linear_gelu_linear"]
+    eager, saved = _figures(model, fused, x)
+    assert plan.activation_bytes == eager and plan.saved_bytes == saved > 0
+    assert_trains_as_eager(model, fused, x)
