@@ -55,7 +55,8 @@ def _nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
-def saved_tensors_report(fn: Callable[[], object], exclude: tuple[torch.Tensor, ...] = ()) -> SavedTensorsReport:
+def saved_tensors_report(fn: Callable[[], object], exclude: tuple[torch.Tensor, ...] = (),
+                         where: Callable[[], str] | None = None) -> SavedTensorsReport:
     """Run ``fn()`` and describe every unique storage autograd holds for backward once it returns.
 
     Parameters (``nn.Parameter``) and tensors in ``exclude`` (e.g. module buffers) are
@@ -66,6 +67,9 @@ def saved_tensors_report(fn: Callable[[], object], exclude: tuple[torch.Tensor, 
     refinement, a state-space model's discarded state), is not held for backward and is left out: counted, it made
     the figure move between runs, by a storage whose address a later save took or not. So ``fn`` returns what holds
     the graph (the output, the loss), as a training step holds it until its backward.
+
+    ``where``: called at each save, its answer kept as the row's ``"where"`` (the module running:
+    ``fusion.activation_bytes_by_module``); a storage saved more than once is the first held save's.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -85,8 +89,11 @@ def saved_tensors_report(fn: Callable[[], object], exclude: tuple[torch.Tensor, 
             return alias
         key = _storage_key(t)
         if key not in excluded:
-            saves.append((key, weakref.ref(alias), {"key": key, "shape": tuple(t.shape),
-                                                     "dtype": str(t.dtype).replace("torch.", ""), "bytes": _nbytes(t)}))
+            row = {"key": key, "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                   "bytes": _nbytes(t)}
+            if where is not None:
+                row["where"] = where()
+            saves.append((key, weakref.ref(alias), row))
         return alias
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

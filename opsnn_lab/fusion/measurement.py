@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -12,7 +11,7 @@ from opsnn_lab._checks import check_positive, check_type
 from opsnn_lab._hooks import passive
 from opsnn_lab.fusion.analysis import split_inputs
 from opsnn_lab.fusion.runtime import flatten_tensors
-from opsnn_lab.measuring import activation_bytes, interleaved_medians, pack_detached
+from opsnn_lab.measuring import activation_bytes, interleaved_medians, saved_tensors_report
 
 __all__ = ["measure", "Measurement", "activation_bytes_by_module"]
 
@@ -80,8 +79,7 @@ def activation_bytes_by_module(model: nn.Module, example_inputs, depth: int = 2)
     check_positive("depth", depth, integer=True)
     args, kwargs = split_inputs(example_inputs)
     paths = {id(m): name for name, m in model.named_modules()}
-    params = {_key(p) for p in model.parameters()}
-    stack, saves = [""], []  # (storage key, weak reference to what pack returned, module, bytes)
+    stack = [""]
 
     def pre(module, _args):
         stack.append(".".join(paths.get(id(module), stack[-1]).split(".")[:depth]))
@@ -89,31 +87,17 @@ def activation_bytes_by_module(model: nn.Module, example_inputs, depth: int = 2)
     def post(module, _args, _out):
         stack.pop()
 
-    def pack(t):
-        alias = pack_detached(t)  # not t: no cycle through the graph (measuring.pack_detached)
-        key = _key(t)
-        if not isinstance(t, nn.Parameter) and key not in params:
-            saves.append((key, weakref.ref(alias), stack[-1] or "<model>", t.untyped_storage().nbytes()))
-        return alias
-
     pre, post = passive(pre), passive(post)  # they measure the fused code as it runs: no region falls back
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre),
                                                     m.register_forward_hook(post, always_call=True))]
     try:
-        with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = model(*args, **kwargs)  # held while the saves are counted: what a step keeps for backward
+        with torch.random.fork_rng(devices=[]):
+            report = saved_tensors_report(lambda: model(*args, **kwargs), exclude=tuple(model.parameters()),
+                                          where=lambda: stack[-1] or "<model>")
     finally:
         for h in handles:
             h.remove()
-    seen, out = set(), {}
-    for key, alias, where, nbytes in saves:
-        if alias() is not None and key not in seen:
-            seen.add(key)
-            out[where] = out.get(where, 0) + nbytes
-    del output
+    out: dict[str, int] = {}
+    for row in report.tensors:
+        out[row["where"]] = out.get(row["where"], 0) + row["bytes"]
     return out
-
-
-def _key(t: torch.Tensor):
-    s = t.untyped_storage()
-    return (s.data_ptr(), t.device.type, t.device.index) if s.data_ptr() else ("id", id(s))
