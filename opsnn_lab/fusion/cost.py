@@ -85,10 +85,11 @@ class CostModel:
             own.update(self.by_node.get(n, {}))
         return sum(b for k, b in own.items() if not self._saved_outside(k, names))
 
-    def fused_bytes(self, m: Match, own_code: bool = False) -> int:
+    def fused_bytes(self, m: Match, moved: dict, copied: dict) -> int:
         """Bytes the op saves that nothing outside the chain saves too (its inputs and outputs included), plus the
-        growth of what outside nodes keep alive through views of its outputs (see the module docstring)."""
-        saved, out_storages, layouts = self._entry(m)
+        growth of what outside nodes keep alive through views of its outputs (see the module docstring); ``moved``,
+        ``copied``: ``_moved``'s for this site."""
+        saved, out_storages, _ = self._entry(m)
         names = {n.name for n in m.nodes}
         ins = {("in", i): self.trace.storage_of(name) for i, name in enumerate(m.inputs)}
         held: dict = {}  # key -> bytes: model storages for the op's inputs, the op's own ("out", g) / ("new", n)
@@ -97,7 +98,6 @@ class CostModel:
             if role[0] != "in" or not self._saved_outside(key, names):
                 held.setdefault(key, nbytes)
         kept_before: dict = {}  # eager storages outside nodes saved that are the op's output storage once it runs
-        moved, copied = self._moved(m, out_storages, layouts, own_code)
         for key, group in moved.items():
             for node in self.saved_by.get(key, set()) - names:
                 kept_before[key] = self.nbytes[key]
@@ -199,18 +199,16 @@ class CostModel:
                     o.dtype) for o in outs]
         return saved, [(g, o.untyped_storage().nbytes()) for o, g in zip(outs, groups)], layouts
 
-    def saved_bytes(self, m: Match, own_code: bool = False) -> int:
-        return self.eager_bytes(m) - self.fused_bytes(m, own_code)
-
     def site(self, m: Match, own_code: bool = False) -> tuple[int, int, int]:
         """``(saved, traffic, eager)`` bytes of one call site, kept for ``fused_total`` (while the tensors exist)."""
-        costs = self.saved_bytes(m, own_code), self.traffic_bytes(m), self.eager_bytes(m)
         saved, out_storages, layouts = self._entry(m)
+        moved, copied = self._moved(m, out_storages, layouts, own_code)
+        eager = self.eager_bytes(m)
+        costs = eager - self.fused_bytes(m, moved, copied), self.traffic_bytes(m), eager
         ins = []
         for name in m.inputs:
             t = self.trace.tensors.get(name)
             ins.append((self.trace.storage_of(name), t.untyped_storage().nbytes() if t is not None else 0))
-        moved, copied = self._moved(m, out_storages, layouts, own_code)
         self.sites[(m.key, tuple(n.name for n in m.nodes))] = SiteCost(
             frozenset(n.name for n in m.nodes), ins, moved, saved, dict(out_storages), copied)
         return costs

@@ -457,7 +457,8 @@ def dropped_by_forward(rec: _Recorder, model: nn.Module, output, inputs) -> froz
     and reads the result only through ``detach``). Held: what the graph of the output, of the inputs and of a tensor
     left in a module's attributes (a recurrent state) reaches. What the dropped nodes saved is freed before
     backward, as ``measuring.activation_bytes`` finds it; and a fused region's code does not compute them at all."""
-    if not {name for name, _, _ in rec.saved} & rec.grad_fns.keys():
+    savers = {name for name, _, _ in rec.saved}
+    if not savers & rec.grad_fns.keys():
         return frozenset()  # nothing saved with gradients on
     roots = [*_held_tensors(output), *flatten_tensors(output), *flatten_tensors(inputs)]
     for m in model.modules():
@@ -478,7 +479,6 @@ def dropped_by_forward(rec: _Recorder, model: nn.Module, output, inputs) -> froz
     # another view re-bases: the bmm, which holds the saves, is held through the base)
     # A node that saved for backward and returned nothing with an autograd node (``torch.isfinite(x)``, which takes
     # ``x.abs()`` inside: RT-DETR's encoder checks its output so) saved for nodes nothing can reach: dropped too
-    savers = {name for name, _, _ in rec.saved}
     return frozenset(name for name, (outs, made) in rec.grad_fns.items()
                      if (made or name in savers) and not _under_views([*made, *map(_grad_fn, outs)]) & held)
 
