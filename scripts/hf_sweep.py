@@ -280,7 +280,11 @@ def _amp_errors(step, model, fused, fp32):
 
 def amp_ratio(out_err: dict, grad_err: dict) -> float:
     """The fused bf16 step's error over eager's, the worse of outputs and gradients."""
-    return max(e["fused"] / max(e["eager"], 1e-30) for e in (out_err, grad_err))
+    return max(_over_eager(out_err), _over_eager(grad_err))
+
+
+def _over_eager(err: dict) -> float:
+    return err["fused"] / max(err["eager"], 1e-30)
 
 
 def other_inputs(inputs, n: int = 3) -> list:
@@ -451,12 +455,11 @@ def _line(r: dict) -> str:
     errs = ("out_err", "grad_err", "eval_err", "inference_err")
     line = f"fused {len(r['fused']):4d}  " + ", ".join(f"{k} {r[k]:.1e}" for k in errs)
     if "amp_out_err" in r:  # fused / eager error of the bf16 step against the fp32 one: outputs, gradients
-        line += "  bf16 x" + "/".join(f"{r[k]['fused'] / max(r[k]['eager'], 1e-30):.2f}"
-                                      for k in ("amp_out_err", "amp_grad_err"))
+        line += "  bf16 x" + "/".join(f"{_over_eager(r[k]):.2f}" for k in ("amp_out_err", "amp_grad_err"))
         if "amp_ratios" in r:
             line += f" (median of {len(r['amp_ratios'])} inputs x{r['amp_ratio']:.2f})"
         if r.get("amp_no_precision"):
-            line += " (eager's own bf16 error >= 0.5)"
+            line += f" (eager's own bf16 error >= {AMP_NO_PRECISION})"
     if "bytes" in r:
         line += "  plan = step" if r["bytes"] == r["plan_bytes"] else \
             f"  PLAN {r['plan_bytes']} != STEP {r['bytes']}"
